@@ -1,0 +1,217 @@
+"""The run configuration: one YAML file, validated by pydantic, with ``--set`` overrides.
+
+Top-level keys: ``algorithm`` (the name; ``--alg`` wins), ``model``, ``data``,
+``train``, ``engine``, ``rollout``, ``reward``, ``logging`` and ``alg`` (the
+algorithm's own hyper-parameters, validated by that algorithm's ``Config``).
+Every validation problem becomes an `OxrlError` that names the file and the
+dotted field, so the CLI can print it without a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import StrictModel
+
+
+class ModelConfig(StrictModel):
+    name: str = Field("", description="hub id or local directory; empty = the built-in tiny model")
+    ref: str = Field("", description="reference model; empty = a frozen copy of the policy")
+    teacher: str = Field("", description="teacher model (KD)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    attn_implementation: str = Field("sdpa", description="transformers attention implementation")
+    trust_remote_code: bool = False
+
+
+class DataConfig(StrictModel):
+    train: str = Field("arith", description="a JSONL/Parquet/JSON file, a saved `datasets` dir, a dataset plugin name or a hub id")
+    eval: str = Field("", description="held-out data (same forms); empty = the dataset plugin's eval split, if any")
+    max_length: int = Field(1024, gt=0, description="longer rows are truncated (completion side)")
+    group_by_length: bool = Field(True, description="batch rows of similar length together (less padding)")
+    packing: bool = Field(False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)")
+
+
+class TrainConfig(StrictModel):
+    max_steps: int = Field(100, gt=0, description="optimiser steps")
+    lr: float = Field(1e-5, gt=0)
+    batch_size: int = Field(8, gt=0, description="rows per micro-batch")
+    grad_accum_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
+    save_steps: int = Field(0, ge=0, description="checkpoint every N steps (0 = only final/)")
+    save_limit: int = Field(0, ge=0, description="keep only the newest N checkpoints (0 = keep all)")
+    seed: int = 42
+    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on a GPU that supports it")
+    log_steps: int = Field(1, gt=0, description="progress line every N steps (metrics.jsonl gets every step)")
+    eval_steps: int = Field(0, ge=0, description="evaluate every N steps (0 = before and after training only)")
+
+
+class EngineConfig(StrictModel):
+    name: Literal["torch"] = "torch"
+    zero_stage: Literal[0] = 0
+    world_size: Literal[1] = 1
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class RolloutConfig(StrictModel):
+    backend: str = "hf"
+    n: int = Field(4, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class RewardConfig(StrictModel):
+    name: str = ""
+
+
+class LoggingConfig(StrictModel):
+    tensorboard: bool = Field(False, description="write TensorBoard events to <run>/tensorboard")
+    mlflow: bool = Field(False, description="log to MLflow")
+    mlflow_tracking_uri: str = Field("", description="empty = a local file store in <run>/mlruns")
+    wandb: bool = False
+    wandb_project: str = "oxrl"
+    run_name: str = ""
+
+
+class RunConfig(StrictModel):
+    algorithm: str = ""
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    engine: EngineConfig = EngineConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    logging: LoggingConfig = LoggingConfig()
+    alg: dict[str, Any] = Field(default_factory=dict)
+
+
+#: Hyper-parameters that suit the built-in tiny model; applied under the user's
+#: settings when `model.name` is empty (a real model keeps the generic defaults).
+TINY_DEFAULTS = {"train": {"lr": 3e-3, "max_steps": 1000, "batch_size": 32, "warmup_steps": 20}}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise OxrlError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise OxrlError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise OxrlError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=c`` strings; the value is parsed as YAML (``1e-5``, ``true``, ``[1, 2]``)."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise OxrlError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-5")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise OxrlError(f"--set {item!r}: '{part}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return raw
+
+
+def _fields_of(model_cls, loc: tuple) -> list[str]:
+    """Field names valid at `loc` (for 'did you mean')."""
+    cls = model_cls
+    for part in loc[:-1]:
+        field = getattr(cls, "model_fields", {}).get(part)
+        if field is None or not hasattr(field.annotation, "model_fields"):
+            return []
+        cls = field.annotation
+    return list(getattr(cls, "model_fields", {}))
+
+
+def format_validation_error(exc: ValidationError, model_cls, source: str, prefix: str = "") -> OxrlError:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        dotted = prefix + ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(loc[-1], _fields_of(model_cls, loc), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            valid = ", ".join(_fields_of(model_cls, loc))
+            lines.append(f"  {dotted}: unknown field{hint}; valid fields: {valid}")
+        else:
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {dotted}: {err['msg']}{shown}")
+    return OxrlError(f"invalid config ({source}):\n" + "\n".join(lines))
+
+
+def load_run_config(
+    config_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    algorithm: str | None = None,
+    base: dict | None = None,
+) -> RunConfig:
+    """Read YAML (or `base`), apply overrides, fill tiny-model defaults, validate."""
+    raw = read_yaml(config_path) if config_path else copy.deepcopy(base or {})
+    raw = apply_overrides(raw, overrides or [])
+    if algorithm:
+        raw["algorithm"] = algorithm
+    source = str(config_path) if config_path else "--set / defaults"
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    if not model.get("name"):
+        raw = _merge(TINY_DEFAULTS, raw)
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise format_validation_error(exc, RunConfig, source) from None
+    if not config.algorithm:
+        raise OxrlError("no algorithm given: pass --alg NAME or set `algorithm:` in the config (see `oxrl plugins`)")
+    return config
+
+
+def validate_alg_section(config: RunConfig, config_cls, source: str = "config") -> Any:
+    """Validate the ``alg:`` section with the algorithm's own Config; store the resolved values back."""
+    try:
+        alg_config = config_cls.model_validate(config.alg)
+    except ValidationError as exc:
+        raise format_validation_error(exc, config_cls, source, prefix="alg.") from None
+    config.alg = alg_config.model_dump()
+    return alg_config
+
+
+def dump_yaml(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

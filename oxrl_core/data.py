@@ -1,0 +1,331 @@
+"""The data layer: sources -> validated rows -> token ids -> batches.
+
+Sources (``data.train`` / ``data.eval``): a local ``.jsonl``/``.json``/``.parquet``
+file, a directory written by ``datasets.save_to_disk``, a dataset plugin name, or
+a hub id (through ``datasets.load_dataset``). Every row is checked against the
+format the algorithm consumes (DESIGN §5); a bad row is an `OxrlError` naming
+the file, the row number (1-based; the line number for JSONL) and the field.
+
+Tokenisation convention: the prompt goes through the chat template with the
+generation prompt when the tokenizer has one (plain text otherwise); a
+completion is its tokens without special tokens, then EOS; ``labels`` are -100
+on prompt tokens. CPT (`text`) rows are packed into ``max_length`` blocks with
+labels on every token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oxrl_core.errors import OxrlError
+
+IGNORE = -100
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class Source:
+    """Rows plus where they came from (for error messages) and the plugin, if any."""
+
+    rows: list[dict]
+    origin: str
+    dataset: Any = None  # the Dataset plugin instance, when the source is one
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise OxrlError(f"{path}: row {lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+            if not isinstance(row, dict):
+                raise OxrlError(f"{path}: row {lineno}: expected a JSON object, got {type(row).__name__}")
+            row["_row"] = lineno
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> list[dict]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise OxrlError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
+        data = next(iter(data.values()))  # {"data": [...]} / {"train": [...]}
+    if not isinstance(data, list):
+        raise OxrlError(f"{path}: expected a JSON list of row objects")
+    rows = []
+    for i, row in enumerate(data, start=1):
+        if not isinstance(row, dict):
+            raise OxrlError(f"{path}: row {i}: expected a JSON object, got {type(row).__name__}")
+        rows.append({**row, "_row": i})
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise OxrlError(f"{path}: cannot read Parquet: {exc}") from None
+    return [{**row, "_row": i} for i, row in enumerate(table.to_pylist(), start=1)]
+
+
+def _from_hf(ds, origin: str, split: str) -> list[dict]:
+    from datasets import DatasetDict
+
+    if isinstance(ds, DatasetDict):
+        names = list(ds)
+        pick = split if split in ds else ("test" if split == "eval" and "test" in ds else None)
+        if pick is None:
+            raise OxrlError(f"{origin}: has splits {names}, none of them is '{split}'")
+        ds = ds[pick]
+    return [{**row, "_row": i} for i, row in enumerate(ds, start=1)]
+
+
+def load_source(spec: str, split: str, registry=None) -> Source:
+    """Resolve a `data.train`/`data.eval` string to rows."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        suffix = path.suffix.lower()
+        readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+        if suffix not in readers:
+            raise OxrlError(f"{path}: unsupported data file type '{suffix}' (use {', '.join(FILE_SUFFIXES)})")
+        return Source(readers[suffix](path), str(path))
+    if path.is_dir():
+        try:
+            from datasets import load_from_disk
+
+            ds = load_from_disk(str(path))
+        except Exception as exc:  # noqa: BLE001
+            raise OxrlError(f"{path}: not a dataset saved with `datasets.save_to_disk` ({exc})") from None
+        return Source(_from_hf(ds, str(path), split), str(path))
+    if registry is not None and spec in registry.entries["dataset"]:
+        cls = registry.load("dataset", spec)
+        dataset = cls()
+        try:
+            rows = dataset.rows(split)
+        except OxrlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a plugin failing is reported with its name
+            raise OxrlError(f"dataset '{spec}' failed to produce its '{split}' split: {type(exc).__name__}: {exc}") from None
+        return Source([{**r, "_row": i} for i, r in enumerate(rows, start=1)], f"dataset '{spec}'", dataset)
+    looks_like_file = path.suffix.lower() in FILE_SUFFIXES or spec.startswith((".", "/", "~")) or spec.count("/") > 1
+    if looks_like_file or "/" not in spec:
+        hint = ""
+        if registry is not None:
+            import difflib
+
+            close = difflib.get_close_matches(spec, registry.names("dataset"), n=1)
+            hint = f" Did you mean dataset '{close[0]}'?" if close else ""
+        raise OxrlError(f"data source not found: '{spec}' is neither a file nor a dataset plugin.{hint}")
+    try:  # a hub id such as "openai/gsm8k"
+        from datasets import load_dataset
+
+        ds = load_dataset(spec)
+    except Exception as exc:  # noqa: BLE001 - offline, missing, gated: all one message
+        raise OxrlError(f"data source '{spec}': not a local file and could not be loaded from the hub: {exc}") from None
+    return Source(_from_hf(ds, spec, split), spec)
+
+
+# ----------------------------------------------------------------------------- validation
+
+REQUIRED = {
+    "prompt": ("prompt",),
+    "prompt_response": ("prompt", "response"),
+    "text": ("text",),
+    "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),
+}
+
+
+def _check_messages(value, where: str, field: str) -> None:
+    if not isinstance(value, list) or not value:
+        raise OxrlError(f"{where}: field '{field}' must be a non-empty list of {{role, content}} messages")
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
+            raise OxrlError(f"{where}: field '{field}[{j}]' must be an object with string 'role' and 'content'")
+
+
+def normalise_row(row: dict, fmt: str, origin: str) -> dict:
+    """Check `row` against `fmt`; return it with `prompt` (str or messages) and the format's fields."""
+    where = f"{origin}: row {row.get('_row', '?')}"
+    if fmt == "prompt_response" and "messages" in row and "prompt" not in row:
+        msgs = row["messages"]
+        _check_messages(msgs, where, "messages")
+        if msgs[-1]["role"] != "assistant":
+            raise OxrlError(f"{where}: field 'messages': the last message must have role 'assistant'")
+        if len(msgs) < 2:
+            raise OxrlError(f"{where}: field 'messages': needs at least one message before the assistant's")
+        row = {**row, "prompt": msgs[:-1], "response": msgs[-1]["content"]}
+    for field in REQUIRED[fmt]:
+        if field not in row or row[field] is None:
+            raise OxrlError(f"{where}: missing field '{field}' (format '{fmt}' needs {', '.join(REQUIRED[fmt])})")
+    if "prompt" in REQUIRED[fmt]:
+        if isinstance(row["prompt"], list):
+            _check_messages(row["prompt"], where, "prompt")
+        elif not isinstance(row["prompt"], str):
+            raise OxrlError(f"{where}: field 'prompt' must be a string or a list of messages, got {type(row['prompt']).__name__}")
+    for field in REQUIRED[fmt]:
+        if field in ("prompt", "label"):
+            continue
+        if not isinstance(row[field], str):
+            raise OxrlError(f"{where}: field '{field}' must be a string, got {type(row[field]).__name__}")
+    if fmt == "unpaired" and not isinstance(row["label"], bool):
+        raise OxrlError(f"{where}: field 'label' must be true or false, got {row['label']!r}")
+    return row
+
+
+# ----------------------------------------------------------------------------- tokenisation
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict]) -> list[int]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if getattr(tokenizer, "chat_template", None):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if not isinstance(out, list) else out
+        return list(ids)
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def encode_completion(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+@dataclass
+class Tokenised:
+    examples: list[dict]  # {"input_ids": [...], "labels": [...]}
+    dropped: int = 0
+
+
+def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int) -> Tokenised:
+    examples, dropped = [], 0
+    for row in rows:
+        prompt_ids = encode_prompt(tokenizer, row["prompt"])
+        completion_ids = encode_completion(tokenizer, row["response"])
+        input_ids = (prompt_ids + completion_ids)[:max_length]
+        if len(input_ids) <= len(prompt_ids):
+            dropped += 1  # nothing of the completion fits
+            continue
+        labels = [IGNORE] * len(prompt_ids) + completion_ids
+        examples.append({"input_ids": input_ids, "labels": labels[: len(input_ids)]})
+    return Tokenised(examples, dropped)
+
+
+def tokenise_text_packed(rows: list[dict], tokenizer, max_length: int) -> Tokenised:
+    """Concatenate `text + EOS` of every row and cut into `max_length` blocks (the last one may be shorter)."""
+    stream: list[int] = []
+    for row in rows:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        stream.extend(ids + [tokenizer.eos_token_id])
+    blocks = [stream[i : i + max_length] for i in range(0, len(stream), max_length)]
+    blocks = [b for b in blocks if len(b) > 1]
+    return Tokenised([{"input_ids": b, "labels": list(b)} for b in blocks])
+
+
+def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int) -> Tokenised:
+    if not source.rows:
+        raise OxrlError(f"{source.origin}: no rows")
+    rows = [normalise_row(r, fmt, source.origin) for r in source.rows]
+    if fmt == "prompt_response":
+        out = tokenise_prompt_response(rows, tokenizer, max_length)
+    elif fmt == "text":
+        out = tokenise_text_packed(rows, tokenizer, max_length)
+    else:
+        raise OxrlError(f"the supervised loop cannot train on '{fmt}' rows")
+    if not out.examples:
+        raise OxrlError(f"{source.origin}: every row was longer than data.max_length={max_length} in its prompt")
+    return out
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+class BatchPlan:
+    """Deterministic micro-batches: the k-th micro-batch depends only on (seed, k).
+
+    That is what makes resume exact: the data position is one integer. With
+    `group_by_length`, rows are shuffled, cut into windows of 64 micro-batches,
+    sorted by length inside a window, split into micro-batches, and the
+    micro-batch order is shuffled again.
+    """
+
+    WINDOW = 64
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, group_by_length: bool = True):
+        self.lengths = lengths
+        self.batch_size = batch_size
+        self.seed = seed
+        self.group_by_length = group_by_length
+        self._cache: dict[int, list[list[int]]] = {}
+
+    def epoch(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._cache:
+            rng = random.Random(self.seed * 1_000_003 + epoch)
+            order = list(range(len(self.lengths)))
+            rng.shuffle(order)
+            batches: list[list[int]] = []
+            if self.group_by_length:
+                window = self.batch_size * self.WINDOW
+                for start in range(0, len(order), window):
+                    chunk = sorted(order[start : start + window], key=lambda i: -self.lengths[i])
+                    batches += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+                rng.shuffle(batches)
+            else:
+                batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+            self._cache = {epoch: batches}
+        return self._cache[epoch]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-len(self.lengths) // self.batch_size)
+
+    def micro_batch(self, k: int) -> list[int]:
+        epoch, index = divmod(k, self.batches_per_epoch)
+        return self.epoch(epoch)[index]
+
+
+def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
+    """Pad to the longest row (right padding), or pack all rows into one row.
+
+    Packed: ``input_ids`` (1, ΣL) with ``position_ids`` restarting at 0 for each
+    row and no attention mask; transformers then builds a block-diagonal causal
+    mask, so rows cannot see each other. The first token of each row gets no
+    label, so no row is trained to predict the next row.
+    """
+    import torch
+
+    if packing:
+        ids, labels, pos = [], [], []
+        for ex in examples:
+            ids += ex["input_ids"]
+            labels += [IGNORE] + ex["labels"][1:]
+            pos += list(range(len(ex["input_ids"])))
+        return {
+            "input_ids": torch.tensor([ids]),
+            "labels": torch.tensor([labels]),
+            "position_ids": torch.tensor([pos]),
+        }
+    width = max(len(ex["input_ids"]) for ex in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        input_ids[i, :n] = torch.tensor(ex["input_ids"])
+        labels[i, :n] = torch.tensor(ex["labels"])
+        attention_mask[i, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}

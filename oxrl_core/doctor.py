@@ -1,0 +1,52 @@
+"""`oxrl doctor`: what this environment can do. It only looks; it installs nothing."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import platform
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def checks() -> list[tuple[str, bool, str]]:
+    """(component, ok, detail) rows."""
+    rows: list[tuple[str, bool, str]] = [("python", True, platform.python_version())]
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        detail = f"{torch.__version__}; CUDA {'available: ' + torch.cuda.get_device_name(0) if cuda else 'not available (CPU only)'}"
+        if cuda:
+            detail += f"; bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}"
+        rows.append(("torch", True, detail))
+    except Exception as exc:  # noqa: BLE001
+        rows.append(("torch", False, f"cannot import: {exc}"))
+    for label, module, dist, why in [
+        ("transformers", "transformers", "transformers", "models and tokenizers"),
+        ("datasets", "datasets", "datasets", "hub and saved datasets"),
+        ("deepspeed", "deepspeed", "deepspeed", "engine.name: deepspeed"),
+        ("ray", "ray", "ray", "multi-process / multi-node runs"),
+        ("vllm", "vllm", None, "rollout.backend: vllm"),
+        ("peft", "peft", "peft", "LoRA"),
+        ("tensorboard", "tensorboard", "tensorboard", "logging.tensorboard"),
+        ("mlflow", "mlflow", None, "logging.mlflow"),
+        ("wandb", "wandb", "wandb", "logging.wandb"),
+    ]:
+        version = _version(dist) if dist else (_version(module) or _version(f"{module}-cpu") or _version(f"{module}-skinny"))
+        if version is None:
+            rows.append((label, False, f"not installed (needed for {why})"))
+            continue
+        if module in ("deepspeed", "vllm"):  # heavy imports that fail in interesting ways: try them
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # noqa: BLE001
+                rows.append((label, False, f"{version} installed but import fails: {type(exc).__name__}: {exc}"))
+                continue
+        rows.append((label, True, version))
+    return rows

@@ -1,0 +1,1 @@
+"""Training engines: own the model's device, precision, optimiser and scheduler."""

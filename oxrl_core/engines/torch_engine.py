@@ -1,0 +1,94 @@
+"""The `torch` engine: one process, CPU or one GPU.
+
+AdamW (no weight decay on biases and norm weights), a transformers LR schedule
+with warm-up, gradient clipping, bf16 autocast where the device supports it,
+and gradient checkpointing when the model config asks for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        from oxrl_core.errors import OxrlError
+
+        raise OxrlError("engine.device: 'cuda' was asked for but torch sees no CUDA device (see `oxrl doctor`)")
+    return torch.device(name)
+
+
+def pick_autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast: always when asked, on `auto` only on a GPU that supports bf16."""
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+class TorchEngine:
+    def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False):
+        from transformers import get_scheduler
+
+        self.device = pick_device(engine_cfg.device)
+        self.model = model.to(self.device)
+        self.autocast_dtype = pick_autocast_dtype(train_cfg.precision, self.device)
+        self.max_grad_norm = train_cfg.max_grad_norm
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        model.train()
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": train_cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=train_cfg.lr,
+        )
+        self.scheduler = get_scheduler(
+            train_cfg.lr_scheduler,
+            self.optimizer,
+            num_warmup_steps=train_cfg.warmup_steps,
+            num_training_steps=train_cfg.max_steps,
+        )
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        """Clip, step optimiser and scheduler, zero grads; return the pre-clip gradient norm."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

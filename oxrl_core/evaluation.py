@@ -1,0 +1,69 @@
+"""Held-out evaluation: the NLL of reference completions and, when the data can verify answers, greedy accuracy."""
+
+from __future__ import annotations
+
+import torch
+
+from oxrl_core.data import IGNORE, collate, encode_prompt
+
+
+@torch.no_grad()
+def eval_loss(model, examples: list[dict], pad_id: int, batch_size: int, device) -> float:
+    """Token-mean negative log-likelihood of the labelled tokens."""
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        labels = batch["labels"][:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
+        )
+        total += float(nll)
+        count += int((labels != IGNORE).sum())
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, device) -> list[str]:
+    """Greedy decoding with left padding; returns the decoded completions (special tokens removed)."""
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        ids = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+        gen = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        out += tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
+    return out
+
+
+def can_verify(dataset) -> bool:
+    """True when the dataset plugin implements `verify` (answers can be checked)."""
+    from oxrl_core.interfaces import Dataset
+
+    return dataset is not None and type(dataset).verify is not Dataset.verify
+
+
+def evaluate(model, tokenizer, device, eval_examples, eval_rows, dataset, batch_size: int, max_new_tokens: int) -> dict:
+    was_training = model.training
+    model.eval()
+    try:
+        metrics = {}
+        if eval_examples:
+            metrics["eval/loss"] = eval_loss(model, eval_examples, tokenizer.pad_token_id, batch_size, device)
+        if eval_rows and can_verify(dataset):
+            completions = greedy_completions(
+                model, tokenizer, [r["prompt"] for r in eval_rows], max_new_tokens, max(batch_size, 32), device
+            )
+            correct = [bool(dataset.verify(c, r)) for c, r in zip(completions, eval_rows)]
+            metrics["eval/accuracy"] = sum(correct) / len(correct)
+        return metrics
+    finally:
+        model.train(was_training)

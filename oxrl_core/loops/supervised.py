@@ -1,0 +1,208 @@
+"""The SL loop (supervised algorithms; preference algorithms will share its skeleton).
+
+    data -> collator -> policy (and teacher) forward -> algorithm loss
+         -> backward (micro-batches weighted by their share of loss tokens)
+         -> clip + optimiser step -> metrics / checkpoint
+
+Gradient accumulation is exact: each micro-batch's loss is a mean over its own
+loss tokens, and it is weighted by its share of the optimiser batch's loss
+tokens, so accumulating k micro-batches gives the gradient of one big batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
+from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_examples
+from oxrl_core.engines.torch_engine import TorchEngine
+from oxrl_core.errors import OxrlError
+from oxrl_core.evaluation import can_verify, evaluate
+from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
+from oxrl_core.progress import Reporter
+from oxrl_core.tracking import Tracker
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def micro_batch_weight(batch: dict, weighting: str) -> float:
+    if weighting == "sequences":
+        return float(batch["input_ids"].shape[0])
+    return float((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def _eval_data(cfg, registry, train_source, fmt, tokenizer):
+    """Eval examples (for eval/loss) and rows (for accuracy): data.eval, else the plugin's eval split."""
+    if cfg.data.eval:
+        source = load_source(cfg.data.eval, "eval", registry)
+    elif train_source.dataset is not None:
+        source = load_source(cfg.data.train, "eval", registry)
+    else:
+        return [], [], None
+    examples = prepare_examples(source, fmt, tokenizer, cfg.data.max_length).examples
+    rows = source.rows if "prompt" in source.rows[0] else []
+    return examples, rows, source.dataset
+
+
+def run_supervised(trainer, ckpt: Path | None):
+    from oxrl_core.trainer import RunResult
+
+    cfg = trainer.config
+    algorithm = trainer.algorithm
+    spec = trainer.algorithm_cls
+    run_dir = trainer.run_dir
+    reporter = Reporter(trainer.quiet, cfg.train.log_steps)
+    seed_everything(cfg.train.seed)
+
+    # ---- models
+    tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    model = load_causal_lm(
+        str(ckpt) if ckpt else cfg.model.name,
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    teacher = None
+    if spec.needs_teacher:
+        if not cfg.model.teacher:
+            raise OxrlError(f"algorithm '{cfg.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)")
+        teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=cfg.model.attn_implementation)
+        if teacher.get_output_embeddings().weight.shape[0] != model.get_output_embeddings().weight.shape[0]:
+            raise OxrlError(
+                f"model.teacher: vocabulary size {teacher.get_output_embeddings().weight.shape[0]} differs from the "
+                f"student's {model.get_output_embeddings().weight.shape[0]}; KD needs a shared tokenizer"
+            )
+        teacher.requires_grad_(False).eval()
+
+    # ---- data
+    fmt = spec.data_format
+    train_source = load_source(cfg.data.train, "train", trainer.registry)
+    train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length)
+    eval_examples, eval_rows, eval_dataset = _eval_data(cfg, trainer.registry, train_source, fmt, tokenizer)
+    plan = BatchPlan([len(e["input_ids"]) for e in train.examples], cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
+    if train.dropped:
+        reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
+
+    # ---- engine and state
+    engine = TorchEngine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing)
+    if teacher is not None:
+        teacher.to(engine.device)
+    start_step, position, eval_before = 0, 0, {}
+    if ckpt is not None:
+        state = load_training_state(ckpt, engine)
+        start_step, position, eval_before = state["step"], state["data_position"], state.get("eval_before", {})
+        reporter.info(f"resuming from {ckpt} (step {start_step})")
+    tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
+
+    accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
+    reporter.info(
+        f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama'} "
+        f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} "
+        f"({len(train.examples)} examples) · run dir {run_dir}"
+    )
+
+    def run_eval() -> dict:
+        return evaluate(
+            model, tokenizer, engine.device, eval_examples, eval_rows if can_verify(eval_dataset) else [],
+            eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens,
+        )
+
+    if start_step == 0 and (eval_examples or eval_rows):
+        eval_before = run_eval()
+        if "eval/accuracy" in eval_before:
+            reporter.info(f"held-out accuracy before training: {eval_before['eval/accuracy']:.3f}")
+
+    # ---- the loop
+    records: list[dict] = []
+    train_start = time.perf_counter()
+    reporter.start(max_steps, start_step)
+    try:
+        for step in range(start_step + 1, max_steps + 1):
+            t0 = time.perf_counter()
+            micro = [
+                collate([train.examples[i] for i in plan.micro_batch(k)], tokenizer.pad_token_id, cfg.data.packing)
+                for k in range(position, position + accum)
+            ]
+            position += accum
+            weights = [micro_batch_weight(mb, spec.loss_weighting) for mb in micro]
+            total_weight = sum(weights) or 1.0
+            lr = engine.lr
+            sums: dict[str, float] = defaultdict(float)
+            tokens = 0
+            for mb, weight in zip(micro, weights):
+                mb = engine.to_device(mb)
+                inputs = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids") if k in mb}
+                with engine.autocast():
+                    batch = {**mb, "logits": model(**inputs, use_cache=False).logits}
+                    if teacher is not None:
+                        with torch.no_grad():
+                            batch["teacher_logits"] = teacher(**inputs, use_cache=False).logits
+                    loss, metrics = algorithm.loss(batch)
+                if not torch.isfinite(loss):
+                    last = latest_checkpoint(run_dir)
+                    raise OxrlError(
+                        f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
+                        f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
+                    )
+                engine.backward(loss * (weight / total_weight))
+                share = weight / total_weight
+                sums["loss"] += float(loss) * share
+                for key, value in metrics.items():
+                    sums[key] += float(value) * share
+                tokens += int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
+            grad_norm = engine.step()
+            seconds = time.perf_counter() - t0
+            record = {
+                "loss": sums.pop("loss"),
+                **sums,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "epoch": position / plan.batches_per_epoch,
+                "perf/tokens": tokens,
+                "perf/tokens_per_s": tokens / seconds,
+                "perf/step_s": seconds,
+            }
+            if cfg.train.eval_steps and step % cfg.train.eval_steps == 0 and step != max_steps:
+                record.update(run_eval())
+            if step == max_steps:
+                record.update(run_eval())
+            tracker.log(step, record)
+            records.append({"step": step, **record})
+            reporter.step(step, max_steps, record)
+            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step != max_steps:
+                save_checkpoint(
+                    run_dir, step, model, tokenizer, engine,
+                    {"data_position": position, "eval_before": eval_before}, keep=cfg.train.save_limit,
+                )
+    finally:
+        reporter.stop()
+        tracker.close()
+
+    final_dir = run_dir / "final"
+    save_model(final_dir, model, tokenizer)
+    eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
+    if not records and (eval_examples or eval_rows):
+        eval_after = run_eval()
+    summary = {
+        "algorithm": cfg.algorithm,
+        "steps": max_steps,
+        "train_seconds": time.perf_counter() - train_start,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if "eval/accuracy" in eval_after:
+        before = eval_before.get("eval/accuracy", math.nan)
+        reporter.result(f"held-out accuracy: {before:.3f} before → {eval_after['eval/accuracy']:.3f} after")
+    last_loss = records[-1]["loss"] if records else math.nan
+    reporter.result(f"done: {max_steps} steps, final loss {last_loss:.4f}, model saved to {final_dir}")
+    return RunResult(run_dir, final_dir, max_steps, records, eval_before, eval_after)

@@ -1,0 +1,59 @@
+"""Loading models and tokenizers (hub id or local dir; empty name = the built-in tiny model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from oxrl_core.errors import OxrlError
+
+
+def resolve_model_path(name: str) -> str:
+    if not name:
+        from oxrl_core.tiny import default_model_dir
+
+        return str(default_model_dir())
+    return name
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    _quiet_transformers()
+    path = resolve_model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - missing dir, offline hub, bad files: one message
+        raise OxrlError(f"{field}: cannot load a tokenizer from '{path}': {type(exc).__name__}: {exc}") from None
+    if tokenizer.eos_token_id is None:
+        raise OxrlError(f"{field}: the tokenizer at '{path}' has no EOS token; completions end with EOS")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(name: str, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    path = resolve_model_path(name)
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise OxrlError(f"{field}: model directory not found: {path}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
+    return model
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,69 @@
+"""The built-in verifiable task: small-integer arithmetic.
+
+Rows look like the real datasets oxRL trains on: prompt-response for SFT
+(`{"prompt", "response", "answer"}`) and prompt-only for RL (the `answer`
+field goes to the reward). Train and eval problems are disjoint (a, b, op)
+triples, generated from a fixed seed, so the split is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+MAX_OPERAND = 19
+EVAL_SIZE = 100
+TRAIN_SIZE = 100000
+
+
+def _all_problems() -> list[tuple[int, str, int]]:
+    problems = [(a, "+", b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
+    problems += [(a, "-", b) for a in range(MAX_OPERAND + 1) for b in range(a + 1)]  # answers >= 0
+    random.Random(1234).shuffle(problems)
+    return problems
+
+
+def _row(a: int, op: str, b: int) -> dict:
+    answer = a + b if op == "+" else a - b
+    return {"prompt": f"What is {a}{op}{b}?", "response": str(answer), "answer": str(answer)}
+
+
+def rows(split: str) -> list[dict]:
+    """`train` or `eval` rows of the arithmetic task (deterministic)."""
+    problems = _all_problems()
+    if split == "eval":
+        chosen = problems[:EVAL_SIZE]
+    elif split == "train":
+        chosen = problems[EVAL_SIZE : EVAL_SIZE + TRAIN_SIZE]
+    else:
+        raise ValueError(f"unknown split {split!r} (expected 'train' or 'eval')")
+    return [_row(*p) for p in chosen]
+
+
+_INT = re.compile(r"-?\d+")
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """The completion is correct when the first integer it contains equals the answer."""
+    match = _INT.search(completion)
+    return match is not None and match.group() == str(answer).strip()
+
+
+def _text_row(row: dict) -> dict:
+    return {**row, "text": f"{row['prompt']} {row['response']}"}
+
+
+from oxrl_core.interfaces import Dataset  # noqa: E402  (kept below the task so the maths reads first)
+
+
+class ArithDataset(Dataset):
+    """`arith`: the built-in task as a dataset plugin (prompt, response, answer, text)."""
+
+    name = "arith"
+    formats = ("prompt", "prompt_response", "text")
+
+    def rows(self, split: str) -> list[dict]:
+        return [_text_row(r) for r in rows(split)]
+
+    def verify(self, completion: str, row: dict) -> bool | None:
+        return is_correct(completion, row["answer"])

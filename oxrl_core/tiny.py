@@ -1,0 +1,106 @@
+"""The built-in offline model: a tiny Llama with a character-level tokenizer.
+
+Nothing here touches a hub. The model is randomly initialised from a seed, so
+`oxrl run` does real work on a fresh machine; head_dim is 64 because vLLM's CPU
+attention kernels refuse smaller heads. The tokenizer is a real
+`PreTrainedTokenizerFast` (one token per character, special tokens for chat
+roles, a Jinja chat template), so everything saved here loads with plain
+`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import string
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHARACTERS = list(string.printable.replace("\x0b", "").replace("\x0c", "").replace("\r", ""))
+
+
+def build_tokenizer():
+    """Character-level fast tokenizer: every printable ASCII character is a token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab.setdefault(ch, len(vocab))
+    # BPE without merges is exactly a character-level model; it round-trips through save/load.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="<|end|>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def build_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 4, max_positions: int = 512, seed: int = 0):
+    """A randomly initialised Llama; head_dim is fixed at 64."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % 64:
+        raise ValueError(f"hidden_size must be a multiple of 64 (head_dim 64), got {hidden_size}")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=hidden_size // 64,
+        head_dim=64,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    return model
+
+
+def save_tiny_model(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4, seed: int = 0) -> Path:
+    """Build the tiny model + tokenizer and save them as an ordinary HF directory."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, path) if not path.exists() else None
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OXRL_CACHE", Path.home() / ".cache" / "oxrl"))
+
+
+def default_model_dir(hidden_size: int = 128, num_layers: int = 4, seed: int = 0) -> Path:
+    """Path of the built-in tiny model, created on first use (seeded, so identical everywhere)."""
+    key = json.dumps({"v": 1, "h": hidden_size, "l": num_layers, "s": seed, "chars": CHARACTERS})
+    path = cache_dir() / f"tiny-llama-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    if not (path / "config.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_tiny_model(path, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    return path

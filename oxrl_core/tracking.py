@@ -1,0 +1,122 @@
+"""Where metrics go: `metrics.jsonl` always; TensorBoard, MLflow and W&B when configured."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from oxrl_core.errors import OxrlError
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+class JsonlSink:
+    """One JSON object per optimiser step. On resume, lines past the checkpoint are dropped."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None:
+            path.write_text("")
+        self.handle = path.open("a")
+
+    def log(self, step: int, metrics: dict) -> None:
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
+        self.handle.write(json.dumps({"step": step, **clean}) + "\n")
+        self.handle.flush()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path, config: dict):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise OxrlError(f"logging.tensorboard needs the tensorboard package (pip install 'oxrl[tracking]'): {exc}") from None
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
+
+    def log(self, step: int, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _metric_key(key: str) -> str:
+    return key.replace("@", "_at_")
+
+
+class MLflowSink:
+    def __init__(self, run_dir: Path, config: dict, tracking_uri: str, run_name: str):
+        try:
+            import mlflow
+        except ImportError as exc:
+            raise OxrlError(f"logging.mlflow needs mlflow (pip install 'oxrl[tracking]'): {exc}") from None
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri(tracking_uri or (run_dir / "mlruns").resolve().as_uri())
+        mlflow.set_experiment("oxrl")
+        self.run = mlflow.start_run(run_name=run_name or run_dir.name)
+        params = {k: str(v)[:500] for k, v in _flatten(config).items()}
+        mlflow.log_params(params)
+
+    def log(self, step: int, metrics: dict) -> None:
+        numeric = {_metric_key(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.mlflow.log_metrics(numeric, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, config: dict, project: str, run_name: str):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise OxrlError(f"logging.wandb needs wandb (pip install wandb): {exc}") from None
+        self.wandb = wandb
+        self.run = wandb.init(project=project, name=run_name or run_dir.name, dir=str(run_dir), config=config)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Tracker:
+    """Fans one metrics dict out to every configured sink."""
+
+    def __init__(self, run_dir: Path, logging_cfg, config: dict, resume_step: int | None = None):
+        self.sinks = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
+        if logging_cfg.tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir, config))
+        if logging_cfg.mlflow:
+            self.sinks.append(MLflowSink(run_dir, config, logging_cfg.mlflow_tracking_uri, logging_cfg.run_name))
+        if logging_cfg.wandb:
+            self.sinks.append(WandbSink(run_dir, config, logging_cfg.wandb_project, logging_cfg.run_name))
+
+    def log(self, step: int, metrics: dict) -> None:
+        for sink in self.sinks:
+            sink.log(step, metrics)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()

@@ -1,0 +1,123 @@
+"""`Trainer`: the Python API, and everything `oxrl run` does (the CLI is a thin layer over it).
+
+    from oxrl_core import Trainer
+    Trainer(alg="sft", model="path/or/hub-id", data="train.jsonl", train={"max_steps": 50}).train()
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oxrl_core import plugins
+from oxrl_core.config import RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
+from oxrl_core.errors import OxrlError, PluginError
+from oxrl_core.interfaces import Algorithm
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    final_dir: Path
+    steps: int
+    metrics: list[dict] = field(default_factory=list)
+    eval_before: dict = field(default_factory=dict)
+    eval_after: dict = field(default_factory=dict)
+
+
+def _section_overrides(sections: dict[str, Any]) -> list[str]:
+    """``train={"lr": 1e-3}`` -> ``["train.lr=0.001"]``, so the API goes through the same path as --set."""
+    import json
+
+    out = []
+    for section, value in sections.items():
+        if isinstance(value, dict):
+            out += [f"{section}.{k}={json.dumps(v)}" for k, v in value.items()]
+        else:
+            out.append(f"{section}={json.dumps(value)}")
+    return out
+
+
+def load_algorithm(name: str, registry=None) -> type[Algorithm]:
+    registry = registry or plugins.registry()
+    cls = registry.load("algorithm", name)
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        reg = registry.get("algorithm", name)
+        raise PluginError(f"algorithm '{name}' from {reg.package}: {reg.target!r} is not an oxrl_core.Algorithm subclass")
+    return cls
+
+
+class Trainer:
+    """Resolve the config, the plugins and the run directory; `train()` runs the algorithm's loop."""
+
+    def __init__(
+        self,
+        alg: str | None = None,
+        model: str | None = None,
+        data: str | None = None,
+        *,
+        config: str | Path | None = None,
+        overrides: list[str] | None = None,
+        output_dir: str | Path | None = None,
+        resume: bool = False,
+        quiet: bool = False,
+        **sections: Any,
+    ):
+        self.resume = resume
+        self.quiet = quiet
+        sets = list(overrides or [])
+        if model is not None:
+            sets.insert(0, f"model.name={model}")
+        if data is not None:
+            sets.insert(0, f"data.train={data}")
+        sets = _section_overrides(sections) + sets
+        self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
+        source = config if config else (self.run_dir / "config.yaml" if base else None)
+        self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
+        self.registry = plugins.registry()
+        self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
+        alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "config"))
+        self.algorithm = self.algorithm_cls(alg_config)
+        if self.run_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.run_dir = Path("runs") / f"{self.config.algorithm}-{stamp}"
+
+    @staticmethod
+    def _run_dir(alg, config, output_dir, resume) -> tuple[Path | None, dict | None]:
+        """The run directory, and on --resume the saved config to start from (when no --config is given)."""
+        if output_dir is not None:
+            run_dir = Path(output_dir)
+        elif resume:
+            if not alg:
+                raise OxrlError("--resume without --output-dir needs --alg to find the newest runs/<alg>-* directory")
+            runs = sorted(Path("runs").glob(f"{alg}-*"), key=lambda p: p.stat().st_mtime)
+            runs = [r for r in runs if (r / "config.yaml").is_file()]
+            if not runs:
+                raise OxrlError(f"--resume: no earlier run of '{alg}' under runs/ (pass --output-dir)")
+            run_dir = runs[-1]
+        else:
+            return None, None
+        if resume and not config and (run_dir / "config.yaml").is_file():
+            return run_dir, read_yaml(run_dir / "config.yaml")
+        return run_dir, None
+
+    def train(self) -> RunResult:
+        from oxrl_core.checkpoint import clean_partial, latest_checkpoint
+
+        run_dir = self.run_dir
+        ckpt = None
+        if self.resume:
+            clean_partial(run_dir)
+            ckpt = latest_checkpoint(run_dir)
+        elif run_dir.exists() and any(run_dir.iterdir()):
+            raise OxrlError(f"output directory {run_dir} already holds a run; pass --resume to continue it or choose another --output-dir")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_yaml(self.config))
+        family = self.algorithm_cls.family
+        if family == "supervised":
+            from oxrl_core.loops.supervised import run_supervised
+
+            return run_supervised(self, ckpt)
+        raise OxrlError(f"algorithm '{self.config.algorithm}' is a '{family}' algorithm; this oxrl core has no '{family}' loop yet")

@@ -1,0 +1,1 @@
+"""oxRL supervised algorithms: SFT, CPT, KD (one file each)."""
