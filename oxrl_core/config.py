@@ -34,7 +34,7 @@ class DataConfig(StrictModel):
     train: str = Field("arith", description="a JSONL/Parquet/JSON file, a saved `datasets` dir, a dataset plugin name or a hub id")
     eval: str = Field("", description="held-out data (same forms); empty = the dataset plugin's eval split, if any")
     max_length: int = Field(1024, gt=0, description="longer rows are truncated (completion side)")
-    group_by_length: bool = Field(True, description="batch rows of similar length together (less padding)")
+    group_by_length: bool = Field(False, description="batch rows of similar length together (less padding; changes the sample order)")
     packing: bool = Field(False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)")
 
 

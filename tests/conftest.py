@@ -1,0 +1,67 @@
+"""Shared fixtures: a hermetic oxRL cache, tiny model directories, small data files, a CLI runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def oxrl_cache(tmp_path_factory):
+    """Every test (and every `oxrl` subprocess) uses a private cache for the built-in tiny model."""
+    cache = tmp_path_factory.mktemp("oxrl-cache")
+    os.environ["OXRL_CACHE"] = str(cache)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama (hidden 64, 2 layers, head_dim 64) with the character tokenizer."""
+    from oxrl_core.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny", hidden_size=64, num_layers=2, seed=0)
+
+
+@pytest.fixture(scope="session")
+def teacher_model_dir(tmp_path_factory) -> Path:
+    """A second, differently initialised tiny model with the same vocabulary (a KD teacher)."""
+    from oxrl_core.tiny import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "teacher", hidden_size=128, num_layers=2, seed=7)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def sft_jsonl(tmp_path) -> Path:
+    rows = [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(6) for b in range(6)]
+    return write_jsonl(tmp_path / "sft.jsonl", rows)
+
+
+@pytest.fixture
+def text_jsonl(tmp_path) -> Path:
+    rows = [{"text": f"The sum of {a} and {b} is {a + b}."} for a in range(8) for b in range(4)]
+    return write_jsonl(tmp_path / "text.jsonl", rows)
+
+
+def oxrl(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real `oxrl` console script; returns the completed process (text output)."""
+    full_env = {**os.environ, **(env or {})}
+    exe = Path(sys.executable).with_name("oxrl")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]
+    return subprocess.run(cmd + list(args), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
