@@ -15,6 +15,12 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def _check_local_dir(path: str, field: str) -> None:
+    """A name that is clearly a path (not a hub id) must exist; say so instead of a hub error."""
+    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+        raise OxrlError(f"{field}: model directory not found: {path}")
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -27,6 +33,7 @@ def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool
 
     _quiet_transformers()
     path = resolve_model_path(name)
+    _check_local_dir(path, field)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - missing dir, offline hub, bad files: one message
@@ -44,8 +51,7 @@ def load_causal_lm(name: str, field: str = "model.name", attn_implementation: st
 
     _quiet_transformers()
     path = resolve_model_path(name)
-    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
-        raise OxrlError(f"{field}: model directory not found: {path}")
+    _check_local_dir(path, field)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code

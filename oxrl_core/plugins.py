@@ -140,6 +140,8 @@ def discover(extra_plugins: dict[str, Any] | None = None) -> Registry:
     for plugin, package, version, loader in candidates:
         try:
             obj = loader()
+            if pm.is_registered(obj):
+                continue  # one module behind several entry points: its hooks were collected the first time
             pm.register(obj, name=f"{package}:{plugin}")
             try:
                 pm.check_pending()

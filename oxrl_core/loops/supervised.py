@@ -155,7 +155,7 @@ def run_supervised(trainer, ckpt: Path | None):
                     )
                 engine.backward(loss * (weight / total_weight))
                 share = weight / total_weight
-                sums["loss"] += float(loss) * share
+                sums["loss"] += float(loss.detach()) * share
                 for key, value in metrics.items():
                     sums[key] += float(value) * share
                 tokens += int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()

@@ -36,7 +36,8 @@ class KD(Algorithm):
         ce = nll.sum() / n_tokens
 
         logp_student = torch.log_softmax(batch["logits"][:, :-1].float() / T, dim=-1)  # (B, T-1, V)
-        logp_teacher = torch.log_softmax(batch["teacher_logits"][:, :-1].float() / T, dim=-1)  # (B, T-1, V)
+        # the teacher is a fixed target: no gradient reaches it, even if its logits carry a graph
+        logp_teacher = torch.log_softmax(batch["teacher_logits"][:, :-1].detach().float() / T, dim=-1)  # (B, T-1, V)
         # KL(p_T ‖ p_S) per position = Σ_v p_T (log p_T − log p_S)
         kl_per_token = (logp_teacher.exp() * (logp_teacher - logp_student)).sum(-1)  # (B, T-1)
         kl = (kl_per_token * mask).sum() / n_tokens
