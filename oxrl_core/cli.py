@@ -62,7 +62,7 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
         table.add_row(row["kind"], row["name"], row["package"], row["version"])
     out.print(table)
     for e in registry.errors:
-        err.print(f"[red]failed to load[/red] plugin '{escape(e.plugin)}' ({escape(e.package)} {e.version}): {escape(e.error)}", highlight=False)
+        err.print(f"[red]failed to load[/red] plugin '{escape(e.plugin)}' ({escape(e.package)} {e.version}): {escape(e.error)}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -82,7 +82,7 @@ def doctor():
                   ", ".join(f"{n} {k}s" for k, n in counts.items()))
     out.print(table)
     for e in registry.errors:
-        out.print(f"[red]plugin '{escape(e.plugin)}'[/red] ({escape(e.package)} {e.version}) failed to load: {escape(e.error)}", highlight=False)
+        out.print(f"[red]plugin '{escape(e.plugin)}'[/red] ({escape(e.package)} {e.version}) failed to load: {escape(e.error)}", highlight=False, soft_wrap=True)
 
 
 @app.command("new-plugin")

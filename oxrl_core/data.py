@@ -303,7 +303,8 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
 
     Packed: ``input_ids`` (1, ΣL) with ``position_ids`` restarting at 0 for each
     row and no attention mask; transformers then builds a block-diagonal causal
-    mask, so rows cannot see each other. The first token of each row gets no
+    mask, so rows cannot see each other — but only when the forward pass has no
+    KV cache: call the model with ``use_cache=False``. The first token of each row gets no
     label, so no row is trained to predict the next row.
     """
     import torch

@@ -66,6 +66,8 @@ class LoadError:
     version: str
     error: str
     traceback: str = ""
+    #: the plugin loaded, but part of what it registered was ignored (a name clash)
+    loaded: bool = False
 
 
 @dataclass
@@ -83,7 +85,7 @@ class Registry:
         if found is not None:
             return found
         for err in self.errors:
-            if err.plugin == name:
+            if err.plugin == name and not err.loaded:
                 raise PluginError(
                     f"{kind} '{name}' is provided by {err.package} {err.version}, which failed to load: {err.error}"
                 )
@@ -182,6 +184,7 @@ def _collect(pm, registry: Registry, obj, plugin: str, package: str, version: st
                     package,
                     version,
                     f"{reg.kind} '{reg.name}' is already registered by {existing.package}; ignored",
+                    loaded=True,
                 )
             )
             continue

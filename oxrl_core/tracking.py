@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from oxrl_core.errors import OxrlError
@@ -61,7 +62,8 @@ class TensorBoardSink:
 
 
 def _metric_key(key: str) -> str:
-    return key.replace("@", "_at_")
+    """MLflow's file store keeps a metric per file, so 'loss' and 'loss/nll' would clash: use '_'."""
+    return key.replace("/", "_").replace("@", "_at_")
 
 
 class MLflowSink:
@@ -71,7 +73,11 @@ class MLflowSink:
         except ImportError as exc:
             raise OxrlError(f"logging.mlflow needs mlflow (pip install 'oxrl[tracking]'): {exc}") from None
         self.mlflow = mlflow
-        mlflow.set_tracking_uri(tracking_uri or (run_dir / "mlruns").resolve().as_uri())
+        if not tracking_uri:
+            # a local file store next to the run: no server, nothing to set up. MLflow 3 wants an explicit opt-in.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            tracking_uri = (run_dir / "mlruns").resolve().as_uri()
+        mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_experiment("oxrl")
         self.run = mlflow.start_run(run_name=run_name or run_dir.name)
         params = {k: str(v)[:500] for k, v in _flatten(config).items()}

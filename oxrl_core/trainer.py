@@ -78,8 +78,10 @@ class Trainer:
         self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
         self.registry = plugins.registry()
         self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
-        alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "config"))
+        alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "--set / defaults"))
         self.algorithm = self.algorithm_cls(alg_config)
+        if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
+            raise OxrlError(f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)")
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.run_dir = Path("runs") / f"{self.config.algorithm}-{stamp}"
@@ -111,7 +113,7 @@ class Trainer:
         if self.resume:
             clean_partial(run_dir)
             ckpt = latest_checkpoint(run_dir)
-        elif run_dir.exists() and any(run_dir.iterdir()):
+        elif any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "final")):
             raise OxrlError(f"output directory {run_dir} already holds a run; pass --resume to continue it or choose another --output-dir")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(self.config))

@@ -64,26 +64,8 @@ def run_supervised(trainer, ckpt: Path | None):
     reporter = Reporter(trainer.quiet, cfg.train.log_steps)
     seed_everything(cfg.train.seed)
 
-    # ---- models
-    tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
-    model = load_causal_lm(
-        str(ckpt) if ckpt else cfg.model.name,
-        attn_implementation=cfg.model.attn_implementation,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
-    teacher = None
-    if spec.needs_teacher:
-        if not cfg.model.teacher:
-            raise OxrlError(f"algorithm '{cfg.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)")
-        teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=cfg.model.attn_implementation)
-        if teacher.get_output_embeddings().weight.shape[0] != model.get_output_embeddings().weight.shape[0]:
-            raise OxrlError(
-                f"model.teacher: vocabulary size {teacher.get_output_embeddings().weight.shape[0]} differs from the "
-                f"student's {model.get_output_embeddings().weight.shape[0]}; KD needs a shared tokenizer"
-            )
-        teacher.requires_grad_(False).eval()
-
     # ---- data
+    tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     fmt = spec.data_format
     train_source = load_source(cfg.data.train, "train", trainer.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length)
@@ -91,6 +73,22 @@ def run_supervised(trainer, ckpt: Path | None):
     plan = BatchPlan([len(e["input_ids"]) for e in train.examples], cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
     if train.dropped:
         reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
+
+    # ---- models (the tokenizer is loaded with the data, so bad data fails before any model loads)
+    model = load_causal_lm(
+        str(ckpt) if ckpt else cfg.model.name,
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    teacher = None
+    if spec.needs_teacher:
+        teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=cfg.model.attn_implementation)
+        if teacher.get_output_embeddings().weight.shape[0] != model.get_output_embeddings().weight.shape[0]:
+            raise OxrlError(
+                f"model.teacher: vocabulary size {teacher.get_output_embeddings().weight.shape[0]} differs from the "
+                f"student's {model.get_output_embeddings().weight.shape[0]}; KD needs a shared tokenizer"
+            )
+        teacher.requires_grad_(False).eval()
 
     # ---- engine and state
     engine = TorchEngine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing)
