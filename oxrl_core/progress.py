@@ -12,7 +12,7 @@ class Reporter:
     def __init__(self, quiet: bool = False, log_steps: int = 1):
         self.quiet = quiet
         self.log_steps = log_steps
-        self.console = Console(stderr=True)
+        self.console = Console(stderr=True, soft_wrap=True)
         self.progress: Progress | None = None
         self.task = None
 

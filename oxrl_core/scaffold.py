@@ -9,7 +9,7 @@ from pathlib import Path
 from oxrl_core.errors import OxrlError
 
 PYPROJECT = '''[build-system]
-requires = ["setuptools>=68"]
+requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
 
 [project]

@@ -6,10 +6,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
 
 from oxrl_core import plugins
 from oxrl_core.config import RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
@@ -111,6 +114,12 @@ class Trainer:
         run_dir = self.run_dir
         ckpt = None
         if self.resume:
+            summary = run_dir / "summary.json"
+            if summary.is_file() and (run_dir / "final").is_dir():
+                done = json.loads(summary.read_text())
+                if done.get("steps", 0) >= self.config.train.max_steps:
+                    Console(stderr=True, soft_wrap=True).print(f"{run_dir} is already complete ({done['steps']} steps); nothing to resume")
+                    return RunResult(run_dir, run_dir / "final", done["steps"], [], done.get("eval_before", {}), done.get("eval_after", {}))
             clean_partial(run_dir)
             ckpt = latest_checkpoint(run_dir)
         elif any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "final")):

@@ -163,6 +163,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     full_losses = [m["loss"] for m in read_metrics(full)]
     resumed_losses = [m["loss"] for m in read_metrics(killed)]
     assert resumed_losses == pytest.approx(full_losses, abs=1e-5)
+    again = _ok(oxrl("run", "--resume", "-o", str(killed), cwd=tmp_path))  # a finished run is left alone
+    assert "already complete" in again.stderr
+    _assert_same_weights(full / "final", killed / "final", atol=1e-5)
 
 
 def test_python_api_runs_what_the_cli_runs(tmp_path, tiny_model_dir, sft_jsonl):

@@ -111,7 +111,7 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
         assert (root / rel).is_file(), rel
     assert str(root) in flat(proc.stdout)
 
-    pytest.importorskip("setuptools")  # the scaffold's build backend, used without build isolation
+    import setuptools  # noqa: F401  (the scaffold's build backend, used without build isolation; in the test extra)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     py = str(venv / "bin" / "python")
