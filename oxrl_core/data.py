@@ -305,20 +305,29 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
     row and no attention mask; transformers then builds a block-diagonal causal
     mask, so rows cannot see each other — but only when the forward pass has no
     KV cache: call the model with ``use_cache=False``. The first token of each row gets no
-    label, so no row is trained to predict the next row.
+    label, so no row is trained to predict the next row. The row boundaries also come as
+    transformers' varlen keys (``cu_seq_lens_q/k`` (R+1,) int32, ``max_length_q/k``), so
+    flash-attention and `models.PACKED_SDPA` attend row by row instead of through that mask.
     """
     import torch
 
     if packing:
-        ids, labels, pos = [], [], []
+        ids, labels, pos, bounds = [], [], [], [0]
         for ex in examples:
             ids += ex["input_ids"]
             labels += [IGNORE] + ex["labels"][1:]
             pos += list(range(len(ex["input_ids"])))
+            bounds.append(bounds[-1] + len(ex["input_ids"]))
+        cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
+        longest = max(len(ex["input_ids"]) for ex in examples)
         return {
             "input_ids": torch.tensor([ids]),
             "labels": torch.tensor([labels]),
             "position_ids": torch.tensor([pos]),
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": longest,
+            "max_length_k": longest,
         }
     width = max(len(ex["input_ids"]) for ex in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)

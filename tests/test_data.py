@@ -480,3 +480,34 @@ def test_packed_forward_matches_padded_sft_loss(tiny_model_dir, tokenizer):
     assert abs(float(loss_padded) - float(loss_packed)) < 1e-5
     # the check has teeth: without per-row positions/masking, rows see each other and the loss moves
     assert abs(float(loss_padded) - float(loss_leaky)) > 1e-4
+
+
+def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, tokenizer, monkeypatch):
+    """data.packing trains with PACKED_SDPA: causal SDPA per packed row instead of the dense block-diagonal
+    mask; the loss and the gradients are those of plain sdpa on the same packed batch."""
+    from oxrl_algs_supervised.sft import SFT
+    from oxrl_core.models import load_causal_lm, packed_attn_implementation
+
+    rows = ROWS + [{"prompt": "Hello there, how are you?", "response": "Fine, thanks."}]
+    examples = tokenise_prompt_response(rows, tokenizer, 256).examples
+    packed = collate(examples, tokenizer.pad_token_id, packing=True)
+    lengths = [len(e["input_ids"]) for e in examples]
+    assert packed["cu_seq_lens_q"].tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert packed["max_length_q"] == max(lengths)
+    inputs = {k: v for k, v in packed.items() if k != "labels"}
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape[2]) or sdpa(*a, **k))
+    results = []
+    for attn in ("sdpa", packed_attn_implementation("sdpa")):
+        model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
+        calls.clear()
+        loss, _ = SFT().loss({**packed, "logits": model(**inputs, use_cache=False).logits})
+        loss.backward()
+        results.append((float(loss.detach()), model.model.layers[0].self_attn.q_proj.weight.grad, list(calls)))
+    (loss_dense, grad_dense, calls_dense), (loss_rows, grad_rows, calls_rows) = results
+    n_layers = len(model.model.layers)
+    assert calls_dense == [sum(lengths)] * n_layers  # one (ΣL)² attention per layer
+    assert calls_rows == lengths * n_layers  # one causal attention per row per layer
+    assert loss_rows == pytest.approx(loss_dense, abs=1e-5)
+    assert torch.allclose(grad_rows, grad_dense, atol=1e-5)

@@ -25,9 +25,13 @@ from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_exam
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
-from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
+from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.tracking import Tracker
+
+
+#: collate keys that go to the model (the varlen keys come with packed micro-batches)
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def seed_everything(seed: int) -> None:
@@ -75,14 +79,16 @@ def run_supervised(trainer, ckpt: Path | None):
         reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
 
     # ---- models (the tokenizer is loaded with the data, so bad data fails before any model loads)
+    # packed micro-batches: attention row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
+    attn = packed_attn_implementation(cfg.model.attn_implementation) if cfg.data.packing else cfg.model.attn_implementation
     model = load_causal_lm(
         str(ckpt) if ckpt else cfg.model.name,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=attn,
         trust_remote_code=cfg.model.trust_remote_code,
     )
     teacher = None
     if spec.needs_teacher:
-        teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=cfg.model.attn_implementation)
+        teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=attn)
         if teacher.get_output_embeddings().weight.shape[0] != model.get_output_embeddings().weight.shape[0]:
             raise OxrlError(
                 f"model.teacher: vocabulary size {teacher.get_output_embeddings().weight.shape[0]} differs from the "
@@ -138,7 +144,7 @@ def run_supervised(trainer, ckpt: Path | None):
             tokens = 0
             for mb, weight in zip(micro, weights):
                 mb = engine.to_device(mb)
-                inputs = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids") if k in mb}
+                inputs = {k: mb[k] for k in MODEL_INPUTS if k in mb}
                 with engine.autocast():
                     batch = {**mb, "logits": model(**inputs, use_cache=False).logits}
                     if teacher is not None:
