@@ -97,7 +97,7 @@ class RunConfig(StrictModel):
 
 #: Hyper-parameters that suit the built-in tiny model; applied under the user's
 #: settings when `model.name` is empty (a real model keeps the generic defaults).
-TINY_DEFAULTS = {"train": {"lr": 3e-3, "max_steps": 1000, "batch_size": 32, "warmup_steps": 20}}
+TINY_DEFAULTS = {"train": {"lr": 1e-3, "max_steps": 600, "batch_size": 32, "warmup_steps": 20}}
 
 
 def _merge(base: dict, over: dict) -> dict:

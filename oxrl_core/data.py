@@ -307,7 +307,7 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
     KV cache: call the model with ``use_cache=False``. The first token of each row gets no
     label, so no row is trained to predict the next row. The row boundaries also come as
     transformers' varlen keys (``cu_seq_lens_q/k`` (R+1,) int32, ``max_length_q/k``), so
-    flash-attention and `models.PACKED_SDPA` attend row by row instead of through that mask.
+    flash-attention and `packed_attention.PACKED_SDPA` attend row by row instead of through that mask.
     """
     import torch
 

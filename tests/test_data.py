@@ -486,7 +486,8 @@ def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, toke
     """data.packing trains with PACKED_SDPA: causal SDPA per packed row instead of the dense block-diagonal
     mask; the loss and the gradients are those of plain sdpa on the same packed batch."""
     from oxrl_algs_supervised.sft import SFT
-    from oxrl_core.models import load_causal_lm, packed_attn_implementation
+    from oxrl_core.models import load_causal_lm
+    from oxrl_core.packed_attention import packed_attn_implementation
 
     rows = ROWS + [{"prompt": "Hello there, how are you?", "response": "Fine, thanks."}]
     examples = tokenise_prompt_response(rows, tokenizer, 256).examples

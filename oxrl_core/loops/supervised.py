@@ -25,7 +25,8 @@ from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_exam
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
-from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer, packed_attn_implementation
+from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
+from oxrl_core.packed_attention import packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.tracking import Tracker
 
@@ -175,9 +176,7 @@ def run_supervised(trainer, ckpt: Path | None):
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
             }
-            if cfg.train.eval_steps and step % cfg.train.eval_steps == 0 and step != max_steps:
-                record.update(run_eval())
-            if step == max_steps:
+            if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
                 record.update(run_eval())
             tracker.log(step, record)
             records.append({"step": step, **record})

@@ -1,0 +1,71 @@
+"""Attention for packed micro-batches (`data.packing: true`).
+
+A packed micro-batch is one row holding several sequences (`data.collate(..., packing=True)`),
+with position_ids restarting per sequence and the row boundaries in ``cu_seq_lens_q/k``.
+Registered with transformers' `AttentionInterface`, so the model code is untouched.
+"""
+
+from __future__ import annotations
+
+
+#: `sdpa` for packed micro-batches: each packed row attends on its own (see `packed_sdpa_attention`).
+PACKED_SDPA = "oxrl_packed_sdpa"
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """`sdpa` that runs causal attention row by row inside a packed micro-batch.
+
+    A packed micro-batch is one row of ΣL tokens (`data.collate(..., packing=True)`). Plain `sdpa` sees it
+    through the dense (ΣL)×(ΣL) block-diagonal mask transformers builds from the restarting position_ids,
+    so attention costs (ΣL)² and cannot use SDPA's causal kernel. Given the row boundaries
+    (`cu_seq_lens_q`, which the collator passes), each row gets causal SDPA on its own: the same maths
+    (the mask was block-diagonal causal) at Σ L_i² cost. Everything else — padded batches, generation with
+    a KV cache, sliding-window, non-causal or biased attention — is transformers' `sdpa`, unchanged.
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    plain = (
+        cu_seq_lens is None
+        or query.shape[0] != 1
+        or query.shape[2] != key.shape[2]  # a KV cache
+        or kwargs.get("is_causal") is False
+        or not getattr(module, "is_causal", True)
+        or getattr(module, "sliding_window", None) is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+    )
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    bounds = cu_seq_lens.tolist()
+    gqa = key.shape[1] != query.shape[1]
+    # query (1, H, ΣL, D), key/value (1, H_kv, ΣL, D) -> one causal SDPA per row -> (1, H, ΣL, D)
+    out = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
+            )
+            for s, e in zip(bounds[:-1], bounds[1:])
+        ],
+        dim=2,
+    )
+    return out.transpose(1, 2).contiguous(), None  # (1, ΣL, H, D), as `sdpa_attention_forward` returns
+
+
+def packed_attn_implementation(attn_implementation: str) -> str:
+    """The attention implementation to train packed micro-batches with.
+
+    `sdpa` becomes `PACKED_SDPA` (registered with transformers on first use; it is not written to a saved
+    config, so saved models load as before); any other implementation is kept (flash-attention reads the
+    row boundaries from the same `cu_seq_lens_*` keys).
+    """
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)  # padded batches (eval) still need sdpa's mask
+    return PACKED_SDPA
