@@ -51,9 +51,9 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
 
     registry = discover()
     rows = registry.rows()
-    errors = [e.__dict__ | {"traceback": None} for e in registry.errors]
     if as_json:
-        out.print_json(json.dumps({"plugins": rows, "errors": [{k: v for k, v in e.items() if k != "traceback"} for e in errors]}))
+        errors = [{"plugin": e.plugin, "package": e.package, "version": e.version, "error": e.error} for e in registry.errors]
+        out.print_json(json.dumps({"plugins": rows, "errors": errors}))
         return
     table = Table(title="oxRL plugins")
     for column in ("kind", "name", "package", "version"):
