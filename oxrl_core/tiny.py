@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import string
 from pathlib import Path
 
@@ -88,12 +89,15 @@ def save_tiny_model(path: str | os.PathLike, hidden_size: int = 128, num_layers:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path) if not path.exists() else None
+    if path.exists():  # another process built it first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
     return path
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("OXRL_CACHE", Path.home() / ".cache" / "oxrl"))
+    return Path(os.environ.get("OXRL_CACHE") or Path.home() / ".cache" / "oxrl")
 
 
 def default_model_dir(hidden_size: int = 128, num_layers: int = 4, seed: int = 0) -> Path:
