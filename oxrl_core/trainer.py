@@ -70,12 +70,10 @@ class Trainer:
     ):
         self.resume = resume
         self.quiet = quiet
-        sets = list(overrides or [])
-        if model is not None:
-            sets.insert(0, f"model.name={model}")
+        named = {"model": {"name": str(model)}} if model is not None else {}
         if data is not None:
-            sets.insert(0, f"data.train={data}")
-        sets = _section_overrides(sections) + sets
+            named["data"] = {"train": str(data)}
+        sets = _section_overrides(named) + _section_overrides(sections) + list(overrides or [])
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
         self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
