@@ -39,7 +39,7 @@ def labels_of(*rows: list[int]) -> torch.Tensor:
 
 
 def assert_close(actual, expected: float, tol: float = 1e-6) -> None:
-    assert float(actual) == pytest.approx(expected, abs=tol), (float(actual), expected)
+    assert float(actual) == pytest.approx(float(expected), abs=tol), (float(actual), float(expected))
 
 
 def assert_detached(metrics: dict) -> None:
