@@ -50,8 +50,6 @@ class Algorithm(ABC):
     #: how micro-batches are weighted when gradients are accumulated: by the number
     #: of loss tokens (token-mean over the whole optimiser batch) or by sequences.
     loss_weighting: ClassVar[Literal["tokens", "sequences"]] = "tokens"
-    #: pack several rows into one sequence (text data only)
-    packs_sequences: ClassVar[bool] = False
 
     class Config(StrictModel):
         """The algorithm's own hyper-parameters (the ``alg:`` section)."""

@@ -236,7 +236,7 @@ def test_cpt_uniform_perplexity_is_vocabulary_size():
 
 
 def test_cpt_has_no_hyper_parameters():
-    assert CPT.packs_sequences is True and CPT.data_format == "text"
+    assert CPT.data_format == "text"  # the data layer packs `text` rows into data.max_length blocks
     with pytest.raises(ValidationError):
         CPT.Config(alpha=1.0)
 

@@ -16,7 +16,6 @@ class CPT(Algorithm):
     name = "cpt"
     family = "supervised"
     data_format = "text"
-    packs_sequences = True
 
     class Config(StrictModel):
         """CPT has no hyper-parameters beyond `train.*` and `data.max_length` (the block size)."""
