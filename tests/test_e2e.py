@@ -235,3 +235,15 @@ def test_default_offline_run_raises_heldout_accuracy(tmp_path):
     before, after = summary["eval_before"]["eval/accuracy"], summary["eval_after"]["eval/accuracy"]
     assert "held-out accuracy" in proc.stderr
     assert after >= before + 0.15, (before, after)
+
+
+def test_resume_without_output_dir_continues_the_newest_run(tmp_path, tiny_model_dir, sft_jsonl):
+    """`oxrl run --alg sft --resume` finds runs/sft-* on its own and extends it (here from 4 to 6 steps)."""
+    sets = ["--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}", "--set", "train.save_steps=2"]
+    _ok(oxrl("run", "--alg", "sft", *sets, "--set", "train.max_steps=5", cwd=tmp_path))
+    [run] = list((tmp_path / "runs").glob("sft-*"))
+    assert (run / "checkpoints" / "step-4").is_dir()
+    proc = _ok(oxrl("run", "--alg", "sft", "--resume", "--set", "train.max_steps=6", cwd=tmp_path))
+    assert f"resuming from {run.relative_to(tmp_path) / 'checkpoints' / 'step-4'}" in proc.stderr
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert "max_steps: 6" in (run / "config.yaml").read_text()
