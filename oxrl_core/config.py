@@ -51,7 +51,7 @@ class TrainConfig(StrictModel):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on a GPU that supports it")
-    log_steps: int = Field(1, gt=0, description="progress line every N steps (metrics.jsonl gets every step)")
+    log_steps: int = Field(10, gt=0, description="progress line every N steps when not on a terminal (metrics.jsonl gets every step)")
     eval_steps: int = Field(0, ge=0, description="evaluate every N steps (0 = before and after training only)")
 
 

@@ -44,7 +44,7 @@ class Reporter:
         tps = f"{metrics.get('perf/tokens_per_s', 0):,.0f}"
         if self.progress is not None:
             self.progress.update(self.task, completed=step, loss=loss, tps=tps)
-        elif not self.quiet and (step % self.log_steps == 0 or step == total):
+        elif not self.quiet and (step == 1 or step % self.log_steps == 0 or step == total):
             print(f"step {step}/{total} loss {loss} lr {metrics['lr']:.3g} {tps} tok/s", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
