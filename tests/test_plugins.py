@@ -349,7 +349,9 @@ def test_one_module_behind_two_entry_points_is_not_an_error(tmp_path):
 def test_allow_list_by_entry_point_name(broken_site):
     # The broken plugin is on the path but not allowed: it is not even imported, so no error.
     listing = plugins_json(env_with(broken_site, OXRL_PLUGINS="sft,arith"))
-    assert {(r["kind"], r["name"]) for r in listing["plugins"]} == {("algorithm", "sft"), ("dataset", "arith")}
+    # `arith` names two entry points: the core's dataset and oxrl-rewards' reward.
+    expected = {("algorithm", "sft"), ("dataset", "arith"), ("reward", "arith")}
+    assert {(r["kind"], r["name"]) for r in listing["plugins"]} == expected
     assert listing["errors"] == []
 
     proc = oxrl("plugins", env=env_with(OXRL_PLUGINS=" sft , arith "))

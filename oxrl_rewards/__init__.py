@@ -1,0 +1,1 @@
+"""oxRL rewards, one file each; imported lazily (discovery only reads `registration`)."""

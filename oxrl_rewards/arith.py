@@ -1,0 +1,22 @@
+"""`arith`: the reward of the core's built-in arithmetic task.
+
+Scores 1.0 when ``oxrl_core.task.is_correct(completion, example["answer"])`` — the first
+integer in the completion equals the gold ``answer`` — else 0.0. Needs ``answer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from oxrl_core.interfaces import Reward
+from oxrl_core.task import is_correct
+
+from oxrl_rewards._common import field
+
+
+class ArithReward(Reward):
+    name = "arith"
+    timeout_s = 5.0
+
+    def score(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[float]:
+        return [float(is_correct(c, field(ex, "answer", self.name))) for c, ex in zip(completions, examples, strict=True)]
