@@ -37,3 +37,36 @@ def register_datasets(register):
 @hookspec
 def register_rollout_backends(register):
     """Register `RolloutBackend` subclasses: ``register(name, "module:Class")``."""
+
+
+class Registers:
+    """An entry-point target that registers one import path of one kind, e.g. in a registration module::
+
+        sft = Registers("algorithm", "sft", "oxrl_algs_supervised.sft:SFT")
+
+    with ``[project.entry-points.oxrl] sft = "oxrl_algs_supervised.registration:sft"``: one entry
+    point per algorithm/reward/..., and nothing heavy is imported until a run asks for the name.
+    """
+
+    def __init__(self, kind: str, name: str, target: str):
+        self.kind, self.name, self.target = kind, name, target
+
+    def _register(self, kind: str, register) -> None:
+        if kind == self.kind:
+            register(self.name, self.target)
+
+    @hookimpl
+    def register_algorithms(self, register):
+        self._register("algorithm", register)
+
+    @hookimpl
+    def register_rewards(self, register):
+        self._register("reward", register)
+
+    @hookimpl
+    def register_datasets(self, register):
+        self._register("dataset", register)
+
+    @hookimpl
+    def register_rollout_backends(self, register):
+        self._register("rollout_backend", register)

@@ -4,22 +4,12 @@ The files are `math_answer.py` and `tag_format.py`, not `math.py`/`format.py`: a
 like a standard-library one shadows it whenever this directory is the working directory.
 """
 
-from oxrl_core import hookimpl
+from oxrl_core.hookspecs import Registers
 
-
-class _Reward:
-    def __init__(self, name: str, target: str):
-        self.name, self.target = name, target
-
-    @hookimpl
-    def register_rewards(self, register):
-        register(self.name, self.target)
-
-
-math = _Reward("math", "oxrl_rewards.math_answer:MathReward")
-gsm8k = _Reward("gsm8k", "oxrl_rewards.gsm8k:GSM8KReward")
-format = _Reward("format", "oxrl_rewards.tag_format:FormatReward")  # noqa: A001 - the entry point's name
-reasoning = _Reward("reasoning", "oxrl_rewards.reasoning:ReasoningReward")
-exact_match = _Reward("exact_match", "oxrl_rewards.exact_match:ExactMatchReward")
-numeric = _Reward("numeric", "oxrl_rewards.numeric:NumericReward")
-arith = _Reward("arith", "oxrl_rewards.arith:ArithReward")
+math = Registers("reward", "math", "oxrl_rewards.math_answer:MathReward")
+gsm8k = Registers("reward", "gsm8k", "oxrl_rewards.gsm8k:GSM8KReward")
+format = Registers("reward", "format", "oxrl_rewards.tag_format:FormatReward")  # noqa: A001 - the entry point's name
+reasoning = Registers("reward", "reasoning", "oxrl_rewards.reasoning:ReasoningReward")
+exact_match = Registers("reward", "exact_match", "oxrl_rewards.exact_match:ExactMatchReward")
+numeric = Registers("reward", "numeric", "oxrl_rewards.numeric:NumericReward")
+arith = Registers("reward", "arith", "oxrl_rewards.arith:ArithReward")
