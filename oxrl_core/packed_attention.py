@@ -12,6 +12,17 @@ from __future__ import annotations
 PACKED_SDPA = "oxrl_packed_sdpa"
 
 
+_LAST_BOUNDS: tuple = (None, None)  # (cu_seq_lens tensor, its list): every layer of one forward shares it
+
+
+def _row_bounds(cu_seq_lens) -> list[int]:
+    """`cu_seq_lens.tolist()`, once per forward pass instead of once per layer (one device sync on a GPU)."""
+    global _LAST_BOUNDS
+    if _LAST_BOUNDS[0] is not cu_seq_lens:
+        _LAST_BOUNDS = (cu_seq_lens, cu_seq_lens.tolist())
+    return _LAST_BOUNDS[1]
+
+
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """`sdpa` that runs causal attention row by row inside a packed micro-batch.
 
@@ -38,7 +49,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     )
     if plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    bounds = cu_seq_lens.tolist()
+    bounds = _row_bounds(cu_seq_lens)
     gqa = key.shape[1] != query.shape[1]
     # query (1, H, ΣL, D), key/value (1, H_kv, ΣL, D) -> one causal SDPA per row -> (1, H, ΣL, D)
     out = torch.cat(
