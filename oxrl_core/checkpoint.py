@@ -55,28 +55,27 @@ def _publish(tmp: Path, dest: Path) -> None:
     _fsync_dir(dest.parent)
 
 
-def save_model(dest: Path, model, tokenizer) -> None:
-    """HF-format model + tokenizer at `dest`, atomically."""
+def save_model(dest: Path, model, tokenizer, extra=None) -> None:
+    """HF-format model + tokenizer at `dest`, atomically; `extra(tmp_dir)` may add files before the rename."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if extra is not None:
+        extra(tmp)
     _publish(tmp, dest)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, engine, state: dict, keep: int = 0) -> Path:
-    ckpt_root = run_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    dest = ckpt_root / f"step-{step}"
-    tmp = ckpt_root / f".tmp-step-{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(engine.state_dict(), tmp / "engine.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
-    _publish(tmp, dest)
+    dest = run_dir / "checkpoints" / f"step-{step}"
+
+    def training_state(tmp: Path) -> None:
+        torch.save(engine.state_dict(), tmp / "engine.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+
+    save_model(dest, model, tokenizer, extra=training_state)
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

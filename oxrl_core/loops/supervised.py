@@ -24,7 +24,7 @@ from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_ch
 from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
-from oxrl_core.evaluation import can_verify, evaluate
+from oxrl_core.evaluation import evaluate
 from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
 from oxrl_core.packed_attention import packed_attn_implementation
 from oxrl_core.progress import Reporter
@@ -117,7 +117,7 @@ def run_supervised(trainer, ckpt: Path | None):
 
     def run_eval() -> dict:
         return evaluate(
-            model, tokenizer, engine.device, eval_examples, eval_rows if can_verify(eval_dataset) else [],
+            model, tokenizer, engine.device, eval_examples, eval_rows,
             eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens,
         )
 
