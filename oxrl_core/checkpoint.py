@@ -67,10 +67,13 @@ def save_model(dest: Path, model, tokenizer, extra=None) -> None:
     _publish(tmp, dest)
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, engine, state: dict, keep: int = 0) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, engine, state: dict, keep: int = 0, extra=None) -> Path:
+    """``extra(tmp_dir)`` may add files (e.g. a critic) to the checkpoint before it is published."""
     dest = run_dir / "checkpoints" / f"step-{step}"
 
     def training_state(tmp: Path) -> None:
+        if extra is not None:
+            extra(tmp)
         torch.save(engine.state_dict(), tmp / "engine.pt")
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))

@@ -38,6 +38,17 @@ class Algorithm(ABC):
       ``input_ids`` (B, T), ``labels`` (B, T) with -100 where no loss is taken,
       ``logits`` (B, T, V) from the policy and, when ``needs_teacher``,
       ``teacher_logits`` (B, T, V).
+
+    Algorithms with ``needs_rollouts`` run on the RL loop. B = prompts × n samples, the n
+    samples of one prompt contiguous (``batch["group_size"]`` = n); every per-token tensor
+    is (B, T) over next-token positions, and ``mask`` (B, T) is 1 on completion tokens:
+      ``advantages(batch)`` gets ``rewards`` (B,), ``mask``, ``logp_old`` (the trainer's
+      logprobs of the sampled tokens when they were sampled), ``logp_ref`` when
+      `uses_ref()`, ``values`` (the critic's, when ``needs_critic``), and returns tensors
+      to add to the batch — at least ``adv`` (B, T) — and metrics;
+      ``loss(batch)`` then gets a minibatch of all of that plus ``logp`` (B, T) and
+      ``entropy`` (B, T) of the current policy (with gradients) and, with a critic,
+      ``values_new`` (B, T).
     """
 
     name: ClassVar[str]
@@ -50,12 +61,22 @@ class Algorithm(ABC):
     #: how micro-batches are weighted when gradients are accumulated: by the number
     #: of loss tokens (token-mean over the whole optimiser batch) or by sequences.
     loss_weighting: ClassVar[Literal["tokens", "sequences"]] = "tokens"
+    #: RL: the reward used when ``reward.name`` is empty ("" = the dataset plugin's own check)
+    default_reward: ClassVar[str] = ""
 
     class Config(StrictModel):
         """The algorithm's own hyper-parameters (the ``alg:`` section)."""
 
     def __init__(self, config: "Algorithm.Config | None" = None):
         self.config = config if config is not None else self.Config()
+
+    def uses_ref(self) -> bool:
+        """Whether the loop must provide ``logp_ref`` (an algorithm may decide from its config)."""
+        return self.needs_ref
+
+    def advantages(self, batch: dict[str, "torch.Tensor"]) -> tuple[dict[str, "torch.Tensor"], dict[str, float]]:
+        """RL only: per-token tensors to add to the rollout batch (at least ``adv`` (B, T)), and metrics."""
+        raise NotImplementedError(f"{type(self).__name__} needs rollouts but does not define advantages()")
 
     @abstractmethod
     def loss(self, batch: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", dict[str, "torch.Tensor | float"]]:
@@ -131,6 +152,12 @@ class RolloutBackend(ABC):
     @abstractmethod
     def update_weights(self, state: Any, policy_version: int) -> None:
         """Load new policy weights; later generations report ``policy_version``."""
+
+    @classmethod
+    def build(cls, model, tokenizer, model_path: str, config) -> "RolloutBackend":
+        """Construct the backend for a run: the trainer's ``model`` and ``tokenizer``, the path the
+        policy was loaded from, and the ``rollout:`` config section."""
+        return cls(model, tokenizer)
 
     def close(self) -> None:
         """Release resources."""

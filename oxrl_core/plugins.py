@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from pathlib import Path
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -48,7 +49,7 @@ class Registration:
             return self.target
         module_name, _, attr = self.target.partition(":")
         try:
-            obj = importlib.import_module(module_name)
+            obj = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
             for part in filter(None, attr.split(".")):
                 obj = getattr(obj, part)
         except Exception as exc:  # noqa: BLE001 - any failure in plugin code is reported, not raised raw
@@ -57,6 +58,27 @@ class Registration:
                 f"{self.target!r}: {type(exc).__name__}: {exc}"
             ) from exc
         return obj
+
+
+def _import_file(path: str):
+    """Import a Python file as a module (its directory is not added to sys.path)."""
+    import importlib.util
+    import sys
+
+    module_name = f"oxrl_user_{Path(path).stem}_{abs(hash(str(Path(path).resolve()))) % 10**8}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(module_name, None)
+        raise
+    return module
 
 
 @dataclass
@@ -80,10 +102,20 @@ class Registry:
         return sorted(self.entries[kind])
 
     def get(self, kind: str, name: str) -> Registration:
-        """The registration for `name`, or a PluginError that explains why there is none."""
+        """The registration for `name`, or a PluginError that explains why there is none.
+
+        A name of the form ``path/to/file.py:Class`` or ``package.module:Class`` needs no entry
+        point: it is imported directly (for quick experiments, like verl's custom reward path).
+        """
         found = self.entries[kind].get(name)
         if found is not None:
             return found
+        if ":" in name:
+            module_name, _, attr = name.partition(":")
+            if module_name.endswith(".py") and not Path(module_name).is_file():
+                raise PluginError(f"{kind.replace('_', ' ')} '{name}': file not found: {module_name}")
+            if module_name and attr:
+                return Registration(kind, name, name, plugin=name, package="(import path)", version="")
         for err in self.errors:
             if err.plugin == name and not err.loaded:
                 raise PluginError(

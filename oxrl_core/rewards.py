@@ -135,3 +135,57 @@ def _summary(scores: list[float], errors: int, timeouts: int) -> tuple[list[floa
     mean = sum(scores) / n if n else 0.0
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / n) if n else 0.0
     return scores, {"reward/mean": mean, "reward/std": std, "reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+
+
+# ----------------------------------------------------------------------------- building the run's reward
+
+
+class DatasetCheck:
+    """The reward used when none is configured: 1.0 when the dataset plugin's ``verify`` accepts the completion."""
+
+    timeout_s = 30.0
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.name = f"{dataset.name}.verify"
+
+    def score(self, prompts: list, completions: list[str], examples: list[dict]) -> list[float]:
+        return [float(bool(self.dataset.verify(c, ex))) for c, ex in zip(completions, examples, strict=True)]
+
+
+def build_reward(config, registry, default_name: str = "", dataset=None, source: str = "config"):
+    """The reward of a run: ``reward.name``, else the algorithm's default, else the dataset's own check.
+
+    ``reward.*`` keys other than ``name``/``timeout_s`` are validated by the reward's ``Config``.
+    """
+    from oxrl_core.config import validate_reward_section
+    from oxrl_core.errors import OxrlError, PluginError
+    from oxrl_core.evaluation import can_verify
+    from oxrl_core.interfaces import Reward
+
+    name = config.reward.name or default_name
+    if not name:
+        if can_verify(dataset):
+            if config.reward.model_extra:
+                raise OxrlError(f"reward.{next(iter(config.reward.model_extra))}: options need a reward.name")
+            reward = DatasetCheck(dataset)
+            if config.reward.timeout_s:
+                reward.timeout_s = config.reward.timeout_s
+            return reward
+        raise OxrlError(
+            "no reward: set reward.name (see `oxrl plugins` for installed rewards), or train on a dataset "
+            "plugin that can check answers (e.g. data.train=arith)"
+        )
+    cls = registry.load("reward", name)
+    if not (isinstance(cls, type) and issubclass(cls, Reward)):
+        raise PluginError(f"reward '{name}': {cls!r} is not an oxrl_core.Reward subclass")
+    options = validate_reward_section(config, cls.Config, source)
+    try:
+        reward = cls(options)
+    except OxrlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a reward that cannot start is a config/plugin problem
+        raise OxrlError(f"reward '{name}' could not start: {type(exc).__name__}: {exc}") from None
+    if config.reward.timeout_s:
+        reward.timeout_s = config.reward.timeout_s
+    return reward

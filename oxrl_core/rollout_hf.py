@@ -132,10 +132,16 @@ class HFRolloutBackend(RolloutBackend):
             raise OxrlError(
                 f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
             )
-        if isinstance(state, torch.nn.Module):
-            state = state.state_dict()
-        self.model.load_state_dict(state, strict=True)
+        if state is not self.model:  # the RL loop's hf backend generates with the trained model itself
+            if isinstance(state, torch.nn.Module):
+                state = state.state_dict()
+            self.model.load_state_dict(state, strict=True)
         self.policy_version = policy_version
+
+    @classmethod
+    def build(cls, model, tokenizer, model_path: str, config) -> "HFRolloutBackend":
+        """In a run the backend shares the policy module: a weight sync is a version bump, not a copy."""
+        return cls(model, tokenizer)
 
     def close(self) -> None:
         self.model = None

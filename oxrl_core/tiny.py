@@ -108,3 +108,54 @@ def default_model_dir(hidden_size: int = 128, num_layers: int = 4, seed: int = 0
         path.parent.mkdir(parents=True, exist_ok=True)
         save_tiny_model(path, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     return path
+
+
+#: SFT steps of the warm start that RL algorithms begin from on the built-in task
+WARM_START_STEPS = 450
+
+
+def warm_start_dir(steps: int = WARM_START_STEPS, seed: int = 0, log=None) -> Path:
+    """The built-in tiny model after a short SFT on the built-in task's train split (cached).
+
+    RL needs a policy that sometimes answers correctly; a random one never does. This is a
+    plain masked-NLL loop (the same maths as the `sft` algorithm, written out here so the core
+    does not depend on an algorithm package), deterministic on CPU, run once per cache.
+    """
+    base = default_model_dir()
+    path = base.with_name(f"{base.name}-warm{steps}-s{seed}")
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oxrl_core import task
+    from oxrl_core.data import IGNORE, collate, tokenise_prompt_response
+    from oxrl_core.models import _quiet_transformers
+
+    _quiet_transformers()
+    if log is not None:
+        log(f"first RL run on the built-in model: a {steps}-step SFT warm start (cached in {path})")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    examples = tokenise_prompt_response(task.rows("train"), tokenizer, 64).examples
+    rng = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    for _ in range(steps):
+        picks = torch.randint(len(examples), (32,), generator=rng).tolist()
+        batch = collate([examples[i] for i in picks], tokenizer.pad_token_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
+    return path

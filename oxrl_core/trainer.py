@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from oxrl_core import plugins
-from oxrl_core.config import RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
+from oxrl_core.config import TINY_RL_DEFAULTS, RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
 from oxrl_core.errors import OxrlError, PluginError
 from oxrl_core.interfaces import Algorithm
 
@@ -43,6 +43,11 @@ def _section_overrides(sections: dict[str, Any]) -> list[str]:
     return out
 
 
+def _dir_name(alg: str) -> str:
+    """``my_alg.py:MyAlg`` -> ``my_alg_MyAlg`` (a run directory name)."""
+    return alg.replace(".py:", "_").replace("/", "_").replace(":", "_")
+
+
 def load_algorithm(name: str, registry=None) -> type[Algorithm]:
     registry = registry or plugins.registry()
     cls = registry.load("algorithm", name)
@@ -57,7 +62,7 @@ class Trainer:
 
     def __init__(
         self,
-        alg: str | None = None,
+        alg: str | type[Algorithm] | None = None,
         model: str | None = None,
         data: str | None = None,
         *,
@@ -74,18 +79,25 @@ class Trainer:
         if data is not None:
             named["data"] = {"train": str(data)}
         sets = _section_overrides(named) + _section_overrides(sections) + list(overrides or [])
+        self.registry = plugins.registry()
+        if isinstance(alg, type) and issubclass(alg, Algorithm):  # the Python API may pass a class
+            self.registry.entries["algorithm"][alg.name] = plugins.Registration(
+                "algorithm", alg.name, alg, plugin=alg.name, package=alg.__module__, version=""
+            )
+            alg = alg.name
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
         self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
-        self.registry = plugins.registry()
         self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
+        if self.algorithm_cls.needs_rollouts:  # tiny-model defaults of the RL loop
+            self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_RL_DEFAULTS)
         alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "--set / defaults"))
         self.algorithm = self.algorithm_cls(alg_config)
         if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
             raise OxrlError(f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)")
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.run_dir = Path("runs") / f"{self.config.algorithm}-{stamp}"
+            self.run_dir = Path("runs") / f"{_dir_name(self.config.algorithm)}-{stamp}"
 
     @staticmethod
     def _run_dir(alg, config, output_dir, resume) -> tuple[Path | None, dict | None]:
@@ -95,7 +107,7 @@ class Trainer:
         elif resume:
             if not alg:
                 raise OxrlError("--resume without --output-dir needs --alg to find the newest runs/<alg>-* directory")
-            runs = sorted(Path("runs").glob(f"{alg}-*"), key=lambda p: p.stat().st_mtime)
+            runs = sorted(Path("runs").glob(f"{_dir_name(alg)}-*"), key=lambda p: p.stat().st_mtime)
             runs = [r for r in runs if (r / "config.yaml").is_file()]
             if not runs:
                 raise OxrlError(f"--resume: no earlier run of '{alg}' under runs/ (pass --output-dir)")
@@ -125,6 +137,10 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(self.config))
         family = self.algorithm_cls.family
+        if self.algorithm_cls.needs_rollouts:
+            from oxrl_core.loops.rl import run_rl
+
+            return run_rl(self, ckpt)
         if family == "supervised":
             from oxrl_core.loops.supervised import run_supervised
 

@@ -1,4 +1,5 @@
-"""One entry point per reward. Each registers an import path, so discovery never imports math-verify.
+"""One entry point per reward. Each registers an import path, so discovery never imports math-verify
+(nor torch/transformers, which `reward_model` and `llm_judge` load on first use).
 
 The files are `math_answer.py` and `tag_format.py`, not `math.py`/`format.py`: a module named
 like a standard-library one shadows it whenever this directory is the working directory.
@@ -13,3 +14,5 @@ reasoning = Registers("reward", "reasoning", "oxrl_rewards.reasoning:ReasoningRe
 exact_match = Registers("reward", "exact_match", "oxrl_rewards.exact_match:ExactMatchReward")
 numeric = Registers("reward", "numeric", "oxrl_rewards.numeric:NumericReward")
 arith = Registers("reward", "arith", "oxrl_rewards.arith:ArithReward")
+reward_model = Registers("reward", "reward_model", "oxrl_rewards.reward_model:RewardModelReward")
+llm_judge = Registers("reward", "llm_judge", "oxrl_rewards.llm_judge:LLMJudgeReward")

@@ -32,7 +32,9 @@ def pick_autocast_dtype(precision: str, device: torch.device) -> torch.dtype | N
 
 
 class TorchEngine:
-    def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False):
+    def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False, extra_modules=(), total_steps: int | None = None):
+        """``extra_modules`` (e.g. a critic) are trained by the same optimiser, after the model's parameters;
+        ``total_steps`` is the number of optimiser steps of the run (default ``train.max_steps``)."""
         from transformers import get_scheduler
 
         self.device = pick_device(engine_cfg.device)
@@ -43,8 +45,16 @@ class TorchEngine:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         model.train()
-        decay, no_decay = [], []
-        for name, param in model.named_parameters():
+        for module in extra_modules:
+            module.to(self.device).train()
+        named = list(model.named_parameters())
+        for i, module in enumerate(extra_modules):
+            named += [(f"extra{i}.{n}", p) for n, p in module.named_parameters()]
+        decay, no_decay, seen = [], [], set()
+        for name, param in named:
+            if id(param) in seen:  # a shared backbone appears once
+                continue
+            seen.add(id(param))
             if param.requires_grad:
                 (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
         self.optimizer = torch.optim.AdamW(
@@ -58,7 +68,7 @@ class TorchEngine:
             train_cfg.lr_scheduler,
             self.optimizer,
             num_warmup_steps=train_cfg.warmup_steps,
-            num_training_steps=train_cfg.max_steps,
+            num_training_steps=total_steps or train_cfg.max_steps,
         )
 
     def autocast(self):

@@ -1,0 +1,121 @@
+"""PPO for language models (Schulman et al. 2017; the RLHF recipe of Ouyang et al. 2022).
+
+A critic V (a value head on the policy's backbone, or on its own copy of it) estimates the
+return of each prefix. The sequence reward R arrives at the last completion token; a per-token
+KL penalty to the reference policy is folded into the reward:
+
+    r_t = −β · (log π_old(o_t) − log π_ref(o_t)) + [t = |o|] · R
+    δ_t = r_t + γ V(s_{t+1}) − V(s_t)                         (V after the last token = 0)
+    A_t = Σ_{k≥0} (γλ)^k δ_{t+k}                              GAE (Schulman et al. 2016)
+    R_t = A_t + V(s_t)                                        value target
+
+    ρ_t  = π_θ(o_t) / π_old(o_t)
+    L_π  = −mean_t min(ρ_t Â_t, clip(ρ_t, 1−ε, 1+ε) Â_t)      Â: A whitened over the batch
+    L_V  = ½ · mean_t max((V_θ − R_t)², (V_old + clip(V_θ − V_old, −ε_V, ε_V) − R_t)²)
+    L    = L_π + c_V · L_V − c_H · mean_t H(π_θ(· | s_t))
+
+Means run over every completion token of the batch. GAE is computed for all positions at once
+as a product with a (T, T) matrix of discount powers (no Python loop over time); that costs
+T² memory, small next to the (B, T, V) logits. Deviation: a completion cut at the length
+limit is treated as terminal (no bootstrap from V), as in TRL and OpenRLHF.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from oxrl_core.interfaces import Algorithm, StrictModel
+
+from oxrl_algs_rl.common import masked_mean
+
+
+def discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """y_t = Σ_{k≥t} discount^(k−t) x_k along the last dim: x (B, T) -> y (B, T)."""
+    T = x.shape[-1]
+    pos = torch.arange(T, device=x.device, dtype=x.dtype)
+    gap = pos[:, None] - pos[None, :]  # gap[k, t] = k − t  (T, T)
+    weights = torch.where(gap >= 0, torch.full_like(gap, discount) ** gap.clamp(min=0), torch.zeros_like(gap))  # (T, T)
+    return x @ weights  # (B, T)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over masked token positions.
+
+    rewards, values, mask (B, T) -> advantages A (B, T), returns R = A + V (B, T); zero off the mask.
+    """
+    values = values * mask  # (B, T)
+    next_values = torch.zeros_like(values)
+    next_values[:, :-1] = values[:, 1:]  # V(s_{t+1}); 0 after the last completion token
+    # δ_t = r_t + γ V(s_{t+1}) − V(s_t)
+    delta = (rewards + gamma * next_values - values) * mask  # (B, T)
+    # A_t = Σ_k (γλ)^k δ_{t+k}
+    adv = discounted_cumsum(delta, gamma * lam) * mask  # (B, T)
+    return adv, (adv + values) * mask
+
+
+class PPO(Algorithm):
+    name = "ppo"
+    family = "rl"
+    data_format = "prompt"
+    needs_rollouts = True
+    needs_critic = True
+
+    class Config(StrictModel):
+        gamma: float = Field(1.0, ge=0, le=1, description="γ: discount")
+        lam: float = Field(0.95, ge=0, le=1, description="λ: GAE trace decay")
+        clip_eps: float = Field(0.2, ge=0, le=1, description="ε: ratio clip range")
+        value_clip: float = Field(0.2, ge=0, description="ε_V: value clip range around the old values")
+        vf_coef: float = Field(0.5, ge=0, description="c_V: weight of the value loss")
+        ent_coef: float = Field(0.0, ge=0, description="c_H: weight of the entropy bonus")
+        kl_coeff: float = Field(0.05, ge=0, description="β: per-token KL penalty to the reference, folded into the reward")
+        whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, std 1 over the batch's tokens")
+        critic: Literal["shared", "separate"] = Field("shared", description="value head on the policy's backbone, or on its own copy")
+
+    def uses_ref(self) -> bool:
+        return self.config.kl_coeff > 0
+
+    def advantages(self, batch):
+        c = self.config
+        mask = batch["mask"]  # (B, T)
+        # the sequence reward R sits on the last completion token
+        last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()  # (B, T)
+        rewards = last.float() * batch["rewards"][:, None]  # (B, T)
+        metrics = {}
+        if c.kl_coeff > 0:
+            # r_t −= β (log π_old − log π_ref)
+            kl = (batch["logp_old"] - batch["logp_ref"]) * mask  # (B, T)
+            rewards = rewards - c.kl_coeff * kl
+            metrics["kl/penalty"] = float(masked_mean(kl, mask))
+        adv, returns = gae(rewards, batch["values"], mask, c.gamma, c.lam)  # (B, T), (B, T)
+        if c.whiten_advantages:
+            mean = masked_mean(adv, mask)
+            std = masked_mean((adv - mean) ** 2, mask).sqrt()
+            adv = (adv - mean) / (std + 1e-8) * mask
+        metrics["values/mean"] = float(masked_mean(batch["values"], mask))
+        metrics["returns/mean"] = float(masked_mean(returns, mask))
+        return {"adv": adv, "returns": returns}, metrics
+
+    def loss(self, batch):
+        c = self.config
+        mask, adv = batch["mask"], batch["adv"]  # (B, T)
+        # clipped policy loss
+        ratio = torch.exp(batch["logp"] - batch["logp_old"])  # ρ (B, T)
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_eps, 1 + c.clip_eps) * adv)  # (B, T)
+        loss_policy = masked_mean(-surrogate, mask)
+        # clipped value loss
+        values, values_old, returns = batch["values_new"], batch["values"], batch["returns"]  # (B, T)
+        values_clipped = values_old + (values - values_old).clamp(-c.value_clip, c.value_clip)
+        loss_value = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2), mask)
+        # entropy bonus
+        entropy = masked_mean(batch["entropy"], mask)
+        loss = loss_policy + c.vf_coef * loss_value - c.ent_coef * entropy
+        clipped = (ratio - 1).abs() > c.clip_eps
+        return loss, {
+            "loss/policy": loss_policy.detach(),
+            "loss/value": loss_value.detach(),
+            "clip/frac": masked_mean(clipped.float(), mask).detach(),
+            "ratio/mean": masked_mean(ratio, mask).detach(),
+        }

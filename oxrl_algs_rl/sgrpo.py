@@ -1,0 +1,76 @@
+"""SGRPO: GRPO (Shao et al. 2024, DeepSeekMath) with the stability choices later work converged on.
+
+For a prompt x, a group of n samples o_1..o_n with scalar rewards r_1..r_n:
+
+    A_i     = (r_i − mean(r)) / (std(r) + eps)                               group z-score advantage
+    ρ_{i,t} = π_θ(o_{i,t} | x, o_{i,<t}) / π_old(o_{i,t} | x, o_{i,<t})       importance ratio
+    L       = −(1/Σ_i|o_i|) Σ_i Σ_t [ min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1−ε_low, 1+ε_high) A_i) − β·KL_{i,t} ]
+    KL_{i,t} = exp(Δ) − Δ − 1,  Δ = log π_ref(o_{i,t}) − log π_θ(o_{i,t})     (k3 estimator)
+
+Deliberate deviations from GRPO as published, each for stability:
+- Asymmetric clipping (ε_high > ε_low, "clip-higher" from DAPO, Yu et al. 2025): lets unlikely
+  tokens with positive advantage grow, which keeps entropy from collapsing.
+- Token-level aggregation: one mean over every completion token of the batch (DAPO), not
+  GRPO's mean per sequence then over sequences, which under-weights tokens of long answers.
+- The reference KL is optional and off by default (β = 0, as DAPO and Dr. GRPO for
+  verifiable rewards); with β > 0 the loop provides reference logprobs and the k3 term is in
+  the loss, as in GRPO.
+- ``scale_rewards: false`` drops the division by the group std (Dr. GRPO, Liu et al. 2025).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from oxrl_core.interfaces import Algorithm, StrictModel
+
+from oxrl_algs_rl.common import group_advantages, k3_kl, masked_mean
+
+
+class SGRPO(Algorithm):
+    name = "sgrpo"
+    family = "rl"
+    data_format = "prompt"
+    needs_rollouts = True
+    #: samples compared within a group (rollout.n must be at least this)
+    min_group_size = 2
+
+    class Config(StrictModel):
+        clip_low: float = Field(0.2, ge=0, le=1, description="ε_low: the ratio is clipped below at 1 − ε_low")
+        clip_high: float = Field(0.28, ge=0, description="ε_high: the ratio is clipped above at 1 + ε_high")
+        kl_coeff: float = Field(0.0, ge=0, description="β: weight of the k3 KL to the reference model (0 = no reference)")
+        scale_rewards: bool = Field(True, description="divide by the group std (false = Dr. GRPO's centred rewards)")
+        eps: float = Field(1e-4, gt=0, description="added to the group std")
+
+    def uses_ref(self) -> bool:
+        return self.config.kl_coeff > 0
+
+    def advantages(self, batch):
+        # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
+        adv_seq = group_advantages(batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        adv = adv_seq[:, None] * batch["mask"]  # (B, T)
+        return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean())}
+
+    def loss(self, batch):
+        c = self.config
+        mask, adv = batch["mask"], batch["adv"]  # (B, T), (B, T)
+        # ρ = π_θ / π_old
+        ratio = torch.exp(batch["logp"] - batch["logp_old"])  # (B, T)
+        # min(ρ A, clip(ρ, 1−ε_low, 1+ε_high) A)
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_low, 1 + c.clip_high) * adv)  # (B, T)
+        per_token = -surrogate  # (B, T)
+        metrics = {}
+        if c.kl_coeff > 0:
+            kl = k3_kl(batch["logp"], batch["logp_ref"])  # (B, T)
+            per_token = per_token + c.kl_coeff * kl
+            metrics["loss/kl"] = masked_mean(kl, mask).detach()
+        # token-level aggregation: (1/Σ|o_i|) Σ_i Σ_t
+        loss = masked_mean(per_token, mask)
+        clipped = ((ratio < 1 - c.clip_low) & (adv < 0)) | ((ratio > 1 + c.clip_high) & (adv > 0))
+        metrics.update({
+            "loss/policy": masked_mean(-surrogate, mask).detach(),
+            "clip/frac": masked_mean(clipped.float(), mask).detach(),
+            "ratio/mean": masked_mean(ratio, mask).detach(),
+        })
+        return loss, metrics
