@@ -26,7 +26,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     centred = r - mean  # (P, n)
     if scale:
         std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # (P, 1)
-        centred = centred / (std + eps)
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))  # equal rewards -> 0
     return centred.reshape(-1)  # (B,)
 
 

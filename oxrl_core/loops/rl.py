@@ -129,10 +129,10 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hi
     return logp, entropy, hidden
 
 
-def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path, mask: torch.Tensor | None = None) -> None:
-    values = tensor if mask is None else tensor[mask.bool()] if tensor.shape == mask.shape else tensor
-    if not torch.isfinite(values).all():
-        bad = int((~torch.isfinite(values)).sum())
+def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
+    """Every entry, masked or not: NaN · 0 is still NaN once it reaches the loss."""
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
         last = latest_checkpoint(run_dir)
         raise OxrlError(
             f"step {step}: {bad} non-finite value(s) (NaN/inf) in '{name}'; the run stops before updating the model. "
@@ -388,7 +388,7 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
             if critic is not None:
                 batch["values"] = torch.cat([o["values_new"] for o in outs])
     mask = batch["mask"]
-    check_finite("logp_old", batch["logp_old"], step, run_dir, mask)
+    check_finite("logp_old", batch["logp_old"], step, run_dir)
     sums["rollout/logprob_diff"] = masked_mean((batch["logp_old"] - batch["logp_rollout"]).abs(), mask)
     sums["rollout/logprob_diff_max"] = float(((batch["logp_old"] - batch["logp_rollout"]).abs() * mask).max())
     if ref is not None:
@@ -399,7 +399,7 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     # advantages (the algorithm's maths)
     added, adv_metrics = algorithm.advantages(batch)
     for name, tensor in added.items():
-        check_finite(name, tensor, step, run_dir, mask)
+        check_finite(name, tensor, step, run_dir)
     batch.update(added)
     sums.update({k: float(v) for k, v in adv_metrics.items()})
 
