@@ -29,7 +29,7 @@ so that groups have non-zero advantages and the update is a real one.
 Exactly 32 new tokens: a random-init model emits its EOS token with probability ~1/V per
 token (about a third of completions would stop early). By default the saved model gets one
 constant feature (embedding column 0 += 1) and the EOS row of the LM head reads it with
-weight -3, so the EOS logit is about -15 and every completion runs to the 32-token limit
+weight -10, so the EOS logit is below -40 and every completion runs to the 32-token limit
 on both sides (same shapes and FLOPs, nothing else about the model changes). `--natural-eos`
 keeps the untouched random model; then the padded work is still the same (both pad to the
 longest completion of the batch), and the mean completion length of each side is reported.
@@ -109,7 +109,7 @@ def setup(workdir: Path, args) -> tuple[Path, Path, list[dict]]:
         with torch.no_grad():
             model.model.embed_tokens.weight[:, 0] += 1.0  # a constant feature, positive in every final hidden state
             model.lm_head.weight[tokenizer.eos_token_id].zero_()
-            model.lm_head.weight[tokenizer.eos_token_id, 0] = -3.0  # EOS logit ≈ -3 × (≥ 4.8)
+            model.lm_head.weight[tokenizer.eos_token_id, 0] = -10.0  # EOS logit ≈ -10 × (≥ 4.8)
         model.save_pretrained(model_dir)
     rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in task_rows("train")[: args.prompts]]
     data_file = workdir / "prompts.jsonl"

@@ -61,6 +61,8 @@ class Algorithm(ABC):
     #: how micro-batches are weighted when gradients are accumulated: by the number
     #: of loss tokens (token-mean over the whole optimiser batch) or by sequences.
     loss_weighting: ClassVar[Literal["tokens", "sequences"]] = "tokens"
+    #: RL: samples per prompt the maths needs (group-relative methods compare at least 2)
+    min_group_size: ClassVar[int] = 1
     #: RL: the reward used when ``reward.name`` is empty ("" = the dataset plugin's own check)
     default_reward: ClassVar[str] = ""
 

@@ -204,7 +204,7 @@ def run_rl(trainer, ckpt: Path | None):
     eval_rows, eval_ids = ([], []) if eval_source is None else prepare_prompts(eval_source, tokenizer, cfg.data.max_length)[:2]
     eval_dataset = eval_source.dataset if eval_source is not None else None
     reward = build_reward(cfg, trainer.registry, spec.default_reward, train_source.dataset)
-    if ro.n < getattr(spec, "min_group_size", 1):
+    if ro.n < spec.min_group_size:
         raise OxrlError(f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}")
 
     # ---- models
