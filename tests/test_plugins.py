@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import oxrl, read_metrics
 
-BUILTIN_ALGS = {"sft", "cpt", "kd"}
+BUILTIN_ALGS = {"sft", "cpt", "kd", "rft"}
 
 # Pass these explicitly so a developer's shell settings cannot change what the tests see
 # ("" means unset for both OXRL variables).
