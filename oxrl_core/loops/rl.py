@@ -367,14 +367,15 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     # One update on one forward pass: the "old" policy is the current one, so logp_old is the
     # training forward's own logp, detached (the ratio is exactly 1) — no extra forward pass.
     single_pass = ro.epochs == 1 and ro.minibatches == 1 and (micro == 0 or micro >= B)
-    sums: dict[str, float] = defaultdict(float)
+    def forward_parts():  # the rollout batch in micro-batches, for the no-grad passes
+        return [rows_of(part) for part in _chunks(list(range(B)), micro)] if 0 < micro < B else [batch]
+
     fresh = None
     with engine.autocast():
         if ref is not None:
             with torch.no_grad():
                 batch["logp_ref"] = torch.cat([
-                    token_logprobs(ref, batch["input_ids"][i], batch["attention_mask"][i], temperature)[0]
-                    for i in _slices(B, micro)
+                    token_logprobs(ref, mb["input_ids"], mb["attention_mask"], temperature)[0] for mb in forward_parts()
                 ])
         if single_pass:
             fresh = _forward(model, critic, batch, temperature)
@@ -383,14 +384,14 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
                 batch["values"] = fresh["values_new"].detach()
         else:
             with torch.no_grad():
-                outs = [_forward(model, critic, rows_of(list(range(B))[i]), temperature) for i in _slices(B, micro)]
+                outs = [_forward(model, critic, mb, temperature) for mb in forward_parts()]
             batch["logp_old"] = torch.cat([o["logp"] for o in outs])
             if critic is not None:
                 batch["values"] = torch.cat([o["values_new"] for o in outs])
     mask = batch["mask"]
     check_finite("logp_old", batch["logp_old"], step, run_dir)
-    sums["rollout/logprob_diff"] = masked_mean((batch["logp_old"] - batch["logp_rollout"]).abs(), mask)
-    sums["rollout/logprob_diff_max"] = float(((batch["logp_old"] - batch["logp_rollout"]).abs() * mask).max())
+    gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
+    sums = {"rollout/logprob_diff": masked_mean(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
     if ref is not None:
         # k3 estimator of KL(π || π_ref) at the sampling policy: exp(Δ) − Δ − 1, Δ = logp_ref − logp
         delta = batch["logp_ref"] - batch["logp_old"]
@@ -433,7 +434,3 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     record["perf/updates"] = float(updates)
     return record
 
-
-def _slices(B: int, micro: int) -> list[slice]:
-    size = micro if micro > 0 else B
-    return [slice(i, min(i + size, B)) for i in range(0, B, size)]
