@@ -53,6 +53,9 @@ class TrainConfig(StrictModel):
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on a GPU that supports it")
     log_steps: int = Field(10, gt=0, description="progress line every N steps when not on a terminal (metrics.jsonl gets every step)")
     eval_steps: int = Field(0, ge=0, description="evaluate every N steps (0 = before and after training only)")
+    precompute_ref_logps: bool = Field(
+        False, description="preference: reference log-probabilities of every pair once before training, then free the reference model"
+    )
 
 
 class EngineConfig(StrictModel):
@@ -112,6 +115,10 @@ TINY_RL_DEFAULTS = {
     "train": {"lr": 3e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0},
     "rollout": {"n": 8, "max_new_tokens": 8},
 }
+
+
+#: ... and for preference algorithms (batch_size = pairs per step), which start from the warm start.
+TINY_PREF_DEFAULTS = {"train": {"lr": 1e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0}, "rollout": {"max_new_tokens": 8}}
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -149,6 +149,8 @@ REQUIRED = {
     "preference": ("prompt", "chosen", "rejected"),
     "unpaired": ("prompt", "completion", "label"),
 }
+#: completions that must not be empty (compared or judged, an empty one says nothing)
+COMPLETIONS = {"preference": ("chosen", "rejected"), "unpaired": ("completion",)}
 
 
 def _check_messages(value, where: str, field: str) -> None:
@@ -185,6 +187,9 @@ def normalise_row(row: dict, fmt: str, origin: str) -> dict:
             raise OxrlError(f"{where}: field '{field}' must be a string, got {type(row[field]).__name__}")
     if fmt == "unpaired" and not isinstance(row["label"], bool):
         raise OxrlError(f"{where}: field 'label' must be true or false, got {row['label']!r}")
+    for field in COMPLETIONS.get(fmt, ()):
+        if not row[field].strip():
+            raise OxrlError(f"{where}: field '{field}' is empty (a completion needs at least one token besides EOS)")
     return row
 
 
@@ -236,16 +241,44 @@ def tokenise_text_packed(rows: list[dict], tokenizer, max_length: int) -> Tokeni
     return Tokenised([{"input_ids": b, "labels": list(b)} for b in blocks])
 
 
-def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int) -> Tokenised:
+def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int) -> Tokenised:
+    """Preference-loop examples: ``prompt_ids`` plus completion ids that each end with EOS.
+
+    ``preference`` -> ``chosen_ids``, ``rejected_ids``; ``unpaired`` -> ``completion_ids``,
+    ``label``; ``prompt_response`` (self-play) -> ``chosen_ids`` (the rejected one is generated).
+    A completion is cut so that prompt + completion fits ``max_length``; a row whose prompt
+    leaves no room for a completion token is dropped.
+    """
+    fields = {"preference": ("chosen", "rejected"), "unpaired": ("completion",), "prompt_response": ("response",)}[fmt]
+    examples, dropped = [], 0
+    for row in rows:
+        prompt_ids = encode_prompt(tokenizer, row["prompt"])
+        room = max_length - len(prompt_ids)
+        if room < 1:
+            dropped += 1
+            continue
+        ex = {"prompt_ids": prompt_ids, "_row": row.get("_row")}
+        for field in fields:
+            key = "chosen_ids" if field == "response" else f"{field}_ids"
+            ex[key] = encode_completion(tokenizer, row[field])[:room]
+        if fmt == "unpaired":
+            ex["label"] = row["label"]
+        examples.append(ex)
+    return Tokenised(examples, dropped)
+
+
+def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int, self_play: bool = False) -> Tokenised:
     if not source.rows:
         raise OxrlError(f"{source.origin}: no rows")
     rows = [normalise_row(r, fmt, source.origin) for r in source.rows]
-    if fmt == "prompt_response":
+    if fmt in ("preference", "unpaired") or self_play:
+        out = tokenise_preference(rows, fmt, tokenizer, max_length)
+    elif fmt == "prompt_response":
         out = tokenise_prompt_response(rows, tokenizer, max_length)
     elif fmt == "text":
         out = tokenise_text_packed(rows, tokenizer, max_length)
     else:
-        raise OxrlError(f"the supervised loop cannot train on '{fmt}' rows")
+        raise OxrlError(f"the supervised and preference loops cannot train on '{fmt}' rows")
     if not out.examples:
         raise OxrlError(f"{source.origin}: every row was longer than data.max_length={max_length} in its prompt")
     return out

@@ -63,3 +63,24 @@ def load_causal_lm(name: str, field: str = "model.name", attn_implementation: st
 
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def load_score_model(name: str, pad_token_id: int, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False):
+    """A sequence-classification model with one output (a reward model), e.g. from a causal-LM
+    checkpoint (the scalar head ``score`` then starts fresh, seeded by the run's seed)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    _quiet_transformers()
+    path = resolve_model_path(name)
+    _check_local_dir(path, field)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise OxrlError(f"{field}: cannot load a sequence-classification model from '{path}': {type(exc).__name__}: {exc}") from None
+    if not isinstance(getattr(model, "score", None), torch.nn.Module):
+        raise OxrlError(f"{field}: '{path}' has no per-token `score` head (a decoder reward model is expected)")
+    model.config.pad_token_id = pad_token_id
+    return model

@@ -1,9 +1,11 @@
 """The built-in verifiable task: small-integer arithmetic.
 
 Rows look like the real datasets oxRL trains on: prompt-response for SFT
-(`{"prompt", "response", "answer"}`) and prompt-only for RL (the `answer`
-field goes to the reward). Train and eval problems are disjoint (a, b, op)
-triples, generated from a fixed seed, so the split is the same everywhere.
+(`{"prompt", "response", "answer"}`), prompt-only for RL (the `answer` field
+goes to the reward), preference pairs (`chosen` = the right answer, `rejected` =
+a near miss) and unpaired KTO rows (`completion` right or wrong, `label`). Train
+and eval problems are disjoint (a, b, op) triples, generated from a fixed seed,
+so the split is the same everywhere.
 """
 
 from __future__ import annotations
@@ -23,9 +25,19 @@ def _all_problems() -> list[tuple[int, str, int]]:
     return problems
 
 
+NEAR_MISSES = (-10, -2, -1, 1, 2, 10)
+
+
 def _row(a: int, op: str, b: int) -> dict:
     answer = a + b if op == "+" else a - b
-    return {"prompt": f"What is {a}{op}{b}?", "response": str(answer), "answer": str(answer)}
+    rng = random.Random(f"{a}{op}{b}")  # the wrong answer and the KTO label are fixed per problem
+    wrong = answer + rng.choice(NEAR_MISSES)
+    label = rng.random() < 0.5
+    return {
+        "prompt": f"What is {a}{op}{b}?", "response": str(answer), "answer": str(answer),
+        "chosen": str(answer), "rejected": str(wrong),
+        "completion": str(answer) if label else str(wrong), "label": label,
+    }
 
 
 def rows(split: str) -> list[dict]:
@@ -57,10 +69,10 @@ from oxrl_core.interfaces import Dataset  # noqa: E402  (kept below the task so 
 
 
 class ArithDataset(Dataset):
-    """`arith`: the built-in task as a dataset plugin (prompt, response, answer, text)."""
+    """`arith`: the built-in task as a dataset plugin (prompt, response, answer, text, chosen/rejected, completion/label)."""
 
     name = "arith"
-    formats = ("prompt", "prompt_response", "text")
+    formats = ("prompt", "prompt_response", "text", "preference", "unpaired")
 
     def rows(self, split: str) -> list[dict]:
         return [_text_row(r) for r in rows(split)]

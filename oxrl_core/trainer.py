@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from oxrl_core import plugins
-from oxrl_core.config import TINY_RL_DEFAULTS, RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
+from oxrl_core.config import TINY_PREF_DEFAULTS, TINY_RL_DEFAULTS, RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
 from oxrl_core.errors import OxrlError, PluginError
 from oxrl_core.interfaces import Algorithm
 
@@ -91,6 +91,8 @@ class Trainer:
         self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
         if self.algorithm_cls.needs_rollouts:  # tiny-model defaults of the RL loop
             self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_RL_DEFAULTS)
+        elif self.algorithm_cls.family == "preference":  # ... and of the preference loop
+            self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_PREF_DEFAULTS)
         alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "--set / defaults"))
         self.algorithm = self.algorithm_cls(alg_config)
         if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
@@ -145,4 +147,8 @@ class Trainer:
             from oxrl_core.loops.supervised import run_supervised
 
             return run_supervised(self, ckpt)
+        if family == "preference":
+            from oxrl_core.loops.preference import run_preference
+
+            return run_preference(self, ckpt)
         raise OxrlError(f"algorithm '{self.config.algorithm}' is a '{family}' algorithm; this oxrl core has no '{family}' loop yet")

@@ -359,6 +359,10 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     B = batch["input_ids"].shape[0]
     temperature = ro.temperature
     micro = ro.micro_batch_size
+    # a loss that compares the samples of one prompt gets whole groups, in order
+    unit = batch["group_size"] if algorithm.loss_on_groups else 1
+    if micro and unit > 1:
+        micro = -(-micro // unit) * unit
 
     def rows_of(idx: list[int]) -> dict:
         index = torch.tensor(idx, device=batch["input_ids"].device)
@@ -408,8 +412,12 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     gen = torch.Generator().manual_seed(seed * 7919 + step)
     updates, grad_norms, loss_sums = 0, [], defaultdict(float)
     for _epoch in range(ro.epochs):
-        order = torch.randperm(B, generator=gen).tolist() if not single_pass else list(range(B))
-        size = -(-B // ro.minibatches)
+        if single_pass:
+            order = list(range(B))
+        else:
+            units = torch.randperm(B // unit, generator=gen).tolist()
+            order = [u * unit + j for u in units for j in range(unit)]
+        size = -(-(B // unit) // ro.minibatches) * unit
         for minibatch in _chunks(order, size):
             parts = _chunks(minibatch, micro)
             weights = [float(batch["mask"][p].sum()) if algorithm.loss_weighting == "tokens" else float(len(p)) for p in parts]

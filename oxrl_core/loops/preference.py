@@ -1,0 +1,386 @@
+"""The preference loop (offline preference algorithms: DPO, IPO, ORPO, KTO, SimPO, RM, SPIN, ...).
+
+    rows -> (prompt, completion) sequences -> one forward pass of the policy over chosen and
+         rejected together (and one of the reference, without gradients) -> per-sequence
+         log-probabilities summed over completion tokens -> algorithm loss -> backward
+         (micro-batches weighted by their share of rows) -> clip + optimiser step
+
+It shares the SL loop's skeleton (data position, checkpoints, metrics) and feeds the
+algorithm per-sequence tensors (see `oxrl_core.interfaces.Algorithm`). Logits are computed
+only at positions that predict a completion token (``logits_to_keep``), so the prompt costs
+no vocabulary projection. With ``data.packing`` the 2B sequences of a micro-batch go through
+the model as one padding-free row.
+
+Self-play algorithms (``self_play``, SPIN) take ``prompt_response`` rows: the chosen response is
+the dataset's, the rejected one is generated for the prompt by the reference model, which is
+the policy as it was at the start of the current iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
+from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_examples
+from oxrl_core.engines.torch_engine import TorchEngine
+from oxrl_core.errors import OxrlError
+from oxrl_core.evaluation import can_verify, evaluate
+from oxrl_core.interfaces import SamplingParams
+from oxrl_core.loops.supervised import MODEL_INPUTS, seed_everything
+from oxrl_core.models import count_parameters, load_causal_lm, load_score_model, load_tokenizer
+from oxrl_core.packed_attention import packed_attn_implementation
+from oxrl_core.progress import Reporter
+from oxrl_core.tracking import Tracker
+
+REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current iteration
+
+# ----------------------------------------------------------------------------- sequences -> tensors
+
+
+def collate_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int, packing: bool) -> dict:
+    """(prompt ids, completion ids) pairs -> a model batch plus ``seq_id`` and ``last``.
+
+    ``seq_id`` (R, T-1): the sequence whose completion token position t+1 holds (-1 on prompt
+    and padding), so per-sequence sums are one ``index_add``. ``last`` (N, 2): (row, position)
+    of each sequence's last token, where a scalar head is read.
+    """
+    examples = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in seqs]
+    batch = collate(examples, pad_id, packing)
+    targets = batch["labels"][:, 1:]  # (R, T-1)
+    if packing:
+        bounds = batch["cu_seq_lens_q"].long()  # (N+1,)
+        positions = torch.arange(targets.shape[1] + 1)
+        owner = torch.searchsorted(bounds, positions, right=True) - 1  # (T,) the sequence of each position
+        seq_id = owner[1:].unsqueeze(0)  # (1, T-1): target t+1 belongs to sequence owner[t+1]
+        last = torch.stack([torch.zeros_like(bounds[1:]), bounds[1:] - 1], dim=1)  # (N, 2)
+    else:
+        R = targets.shape[0]
+        seq_id = torch.arange(R).unsqueeze(1).expand_as(targets)  # (R, T-1)
+        last = torch.stack([torch.arange(R), batch["attention_mask"].sum(1) - 1], dim=1)  # (N, 2)
+    batch["seq_id"] = torch.where(targets != IGNORE, seq_id, torch.full_like(seq_id, -1))
+    batch["last"] = last
+    batch["n_seqs"] = len(seqs)
+    return batch
+
+
+def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ_t log π(y_t | x, y_<t) over each sequence's completion, and its length: (N,), (N,)."""
+    seq_id = batch["seq_id"]  # (R, T-1)
+    mask = seq_id >= 0
+    keep = mask.any(0).nonzero().squeeze(-1)  # (K,) positions that predict a completion token
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (R, K, V)
+    targets = batch["labels"][:, 1:][:, keep]  # (R, K)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (R, K)
+    m = mask[:, keep]
+    owner = seq_id[:, keep][m]  # (M,)
+    n = batch["n_seqs"]
+    sums = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, logp[m])  # (N,)
+    counts = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, torch.ones_like(logp[m]))  # (N,)
+    return sums, counts
+
+
+def sequence_scores(model, batch: dict) -> torch.Tensor:
+    """A scalar head read at each sequence's last token (its EOS): (N,)."""
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # (R, T, H)
+    last = batch["last"]  # (N, 2)
+    return model.score(hidden[last[:, 0], last[:, 1]]).squeeze(-1).float()  # (N,)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def _pair_seqs(examples: list[dict], rejected: list[list[int]] | None = None) -> list[tuple[list[int], list[int]]]:
+    """[chosen of each row] + [rejected of each row]: chosen and rejected in one forward pass."""
+    rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
+    return [(ex["prompt_ids"], ex["chosen_ids"]) for ex in examples] + [
+        (ex["prompt_ids"], r) for ex, r in zip(examples, rejected)
+    ]
+
+
+def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected=None) -> dict:
+    """The algorithm's input for one micro-batch (the policy's tensors carry gradients)."""
+    B = len(examples)
+    wants_ref = ref is not None
+    if spec.data_format == "unpaired":
+        matched = [(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
+        batch = {"label": torch.tensor([float(ex["label"]) for ex in examples], device=engine.device)}
+        seqs = engine.to_device(collate_sequences(matched, pad_id, packing))
+        batch["logp"], batch["n_tokens"] = sequence_logps(model, seqs)
+        if wants_ref:
+            # KL baseline: prompt i with the completion of row i−1 (cyclically), as in TRL's KTO
+            mismatched = [(examples[i]["prompt_ids"], examples[i - 1]["completion_ids"]) for i in range(B)]
+            both = engine.to_device(collate_sequences(matched + mismatched, pad_id, packing))
+            kl_seqs = engine.to_device(collate_sequences(mismatched, pad_id, packing))
+            with torch.no_grad():
+                batch["kl_logp"] = sequence_logps(model, kl_seqs)[0]
+                ref_logp = sequence_logps(ref, both)[0]
+            batch["ref_logp"], batch["ref_kl_logp"] = ref_logp[:B], ref_logp[B:]
+        return batch
+    seqs = engine.to_device(collate_sequences(_pair_seqs(examples, rejected), pad_id, packing))
+    if spec.head == "score":
+        rewards = sequence_scores(model, seqs)  # (2B,)
+        return {"rewards_chosen": rewards[:B], "rewards_rejected": rewards[B:]}
+    logp, n_tokens = sequence_logps(model, seqs)  # (2B,), (2B,)
+    batch = {"logp_chosen": logp[:B], "logp_rejected": logp[B:], "n_chosen": n_tokens[:B], "n_rejected": n_tokens[B:]}
+    if "ref_logp_chosen" in examples[0] and rejected is None:  # precomputed for the dataset
+        batch["ref_logp_chosen"] = torch.tensor([ex["ref_logp_chosen"] for ex in examples], device=engine.device)
+        batch["ref_logp_rejected"] = torch.tensor([ex["ref_logp_rejected"] for ex in examples], device=engine.device)
+    elif wants_ref:
+        with torch.no_grad():
+            ref_logp = sequence_logps(ref, seqs)[0]
+        batch["ref_logp_chosen"], batch["ref_logp_rejected"] = ref_logp[:B], ref_logp[B:]
+    return batch
+
+
+def policy_tokens(examples: list[dict], rejected: list[list[int]] | None = None) -> int:
+    """Tokens the policy's training forward pass reads for these rows (chosen and rejected, or the completion)."""
+    if "completion_ids" in examples[0]:
+        return sum(len(ex["prompt_ids"]) + len(ex["completion_ids"]) for ex in examples)
+    rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
+    return sum(2 * len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(r) for ex, r in zip(examples, rejected))
+
+
+def generate_rejected(backend, examples: list[dict], ro, seed: int) -> list[list[int]]:
+    """Self-play: one completion per prompt from the reference model (the previous iteration's policy)."""
+    sampling = SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, seed=seed)
+    groups = backend.generate([ex["prompt_ids"] for ex in examples], sampling)
+    return [g[0].token_ids for g in groups]
+
+
+@torch.no_grad()
+def precompute_ref(ref, examples: list[dict], engine, pad_id: int, packing: bool, batch_size: int) -> None:
+    """Reference log-probabilities of every training pair, once, stored on the examples."""
+    for start in range(0, len(examples), batch_size):
+        part = examples[start : start + batch_size]
+        with engine.autocast():
+            logp = sequence_logps(ref, engine.to_device(collate_sequences(_pair_seqs(part), pad_id, packing)))[0].tolist()
+        for i, ex in enumerate(part):
+            ex["ref_logp_chosen"], ex["ref_logp_rejected"] = logp[i], logp[len(part) + i]
+
+
+@torch.no_grad()
+def pair_metrics(algorithm, spec, model, ref, examples, engine, pad_id, packing, batch_size) -> dict:
+    """The algorithm's loss and metrics on held-out rows, averaged over rows (``eval/`` names)."""
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = defaultdict(float)
+    try:
+        for start in range(0, len(examples), batch_size):
+            part = examples[start : start + batch_size]
+            if spec.data_format == "unpaired" and len(part) < 2:
+                continue
+            with engine.autocast():
+                loss, metrics = algorithm.loss(build_batch(algorithm, spec, model, ref, part, engine, pad_id, packing))
+            share = len(part) / len(examples)
+            sums["eval/loss"] += float(loss) * share
+            for key, value in metrics.items():
+                sums[f"eval/{key}"] += float(value) * share
+    finally:
+        model.train(was_training)
+    return dict(sums)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def _eval_source(cfg, registry, train_source):
+    if cfg.data.eval:
+        return load_source(cfg.data.eval, "eval", registry)
+    if train_source.dataset is not None:
+        return load_source(cfg.data.train, "eval", registry)
+    return None
+
+
+def run_preference(trainer, ckpt: Path | None):
+    from oxrl_core.trainer import RunResult
+
+    cfg = trainer.config
+    algorithm, spec, run_dir = trainer.algorithm, trainer.algorithm_cls, trainer.run_dir
+    reporter = Reporter(trainer.quiet, cfg.train.log_steps)
+    seed_everything(cfg.train.seed)
+    fmt, self_play, packing = spec.data_format, spec.self_play, cfg.data.packing
+
+    # ---- data (before any model loads, so bad data fails fast)
+    if cfg.model.name:
+        policy_path = cfg.model.name
+    else:  # the built-in tiny model, warmed up on the built-in task
+        from oxrl_core.tiny import warm_start_dir
+
+        policy_path = str(warm_start_dir(log=reporter.info))
+    tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    pad_id = tokenizer.pad_token_id
+    train_source = load_source(cfg.data.train, "train", trainer.registry)
+    train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
+    if train.dropped:
+        reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
+    eval_source = _eval_source(cfg, trainer.registry, train_source)
+    eval_examples, eval_rows, eval_dataset = [], [], None
+    if eval_source is not None:
+        if not self_play:  # self-play pairs need generations; held-out accuracy still applies
+            eval_examples = prepare_examples(eval_source, fmt, tokenizer, cfg.data.max_length).examples
+        eval_dataset = eval_source.dataset
+        if spec.head == "lm" and can_verify(eval_dataset):
+            eval_rows = [r for r in eval_source.rows if "prompt" in r]
+    unpaired_kl = fmt == "unpaired" and algorithm.uses_ref()
+    if unpaired_kl and cfg.train.batch_size < 2:
+        raise OxrlError(
+            f"train.batch_size: '{cfg.algorithm}' estimates its KL baseline by pairing each prompt with another "
+            f"row's completion, so a micro-batch needs at least 2 rows (got {cfg.train.batch_size})"
+        )
+    if cfg.train.precompute_ref_logps and (fmt != "preference" or not algorithm.uses_ref()):
+        raise OxrlError(
+            f"train.precompute_ref_logps: '{cfg.algorithm}' has no fixed pairs to precompute reference "
+            "log-probabilities for (it needs a reference model and preference rows)"
+        )
+
+    # ---- models
+    attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
+    start = str(ckpt) if ckpt else policy_path
+    if spec.head == "score":
+        model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    else:
+        model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    ref = None
+    if algorithm.uses_ref():  # the initial policy (or model.ref), never the checkpoint being resumed
+        ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
+        ref.requires_grad_(False).eval()
+    engine = TorchEngine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing)
+    if ref is not None:
+        ref.to(engine.device)
+
+    start_step, position, eval_before = 0, 0, {}
+    if ckpt is not None:
+        state = load_training_state(ckpt, engine)
+        start_step, position, eval_before = state["step"], state["data_position"], state.get("eval_before", {})
+        if self_play:
+            ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
+        reporter.info(f"resuming from {ckpt} (step {start_step})")
+    if cfg.train.precompute_ref_logps:
+        precompute_ref(ref, train.examples, engine, pad_id, packing, cfg.train.batch_size)
+        if not eval_examples:
+            ref = None  # every reference logprob the run needs is stored: free the model
+    backend = None
+    if self_play:
+        from oxrl_core.rollout_hf import HFRolloutBackend
+
+        backend = HFRolloutBackend(ref, tokenizer)
+    iteration_steps = -(-cfg.train.max_steps // algorithm.iterations()) if self_play else cfg.train.max_steps
+    tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
+    lengths = [len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids") for ex in train.examples]
+    plan = BatchPlan(lengths, cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
+    accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
+    reporter.info(
+        f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
+        f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} "
+        f"({len(train.examples)} rows) · run dir {run_dir}"
+    )
+
+    def run_eval() -> dict:
+        metrics = {}
+        if eval_examples:
+            metrics.update(pair_metrics(algorithm, spec, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size))
+        if eval_rows:
+            metrics.update(evaluate(model, tokenizer, engine.device, [], eval_rows, eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens))
+        return metrics
+
+    def extra_files(tmp: Path) -> None:
+        if self_play:
+            torch.save(ref.state_dict(), tmp / REF_FILE)
+
+    if start_step == 0 and (eval_examples or eval_rows):
+        eval_before = run_eval()
+        if "eval/accuracy" in eval_before:
+            reporter.info(f"held-out accuracy before training: {eval_before['eval/accuracy']:.3f}")
+
+    # ---- the loop
+    records: list[dict] = []
+    train_start = time.perf_counter()
+    reporter.start(max_steps, start_step)
+    try:
+        for step in range(start_step + 1, max_steps + 1):
+            t0 = time.perf_counter()
+            if self_play and step > 1 and (step - 1) % iteration_steps == 0:
+                ref.load_state_dict(model.state_dict())  # a new iteration plays against the current policy
+            micro = [[train.examples[i] for i in plan.micro_batch(k)] for k in range(position, position + accum)]
+            position += accum
+            total_rows = sum(len(mb) for mb in micro)
+            lr = engine.lr
+            sums: dict[str, float] = defaultdict(float)
+            gen_seconds, tokens = 0.0, 0
+            for k, examples in enumerate(micro):
+                rejected = None
+                if self_play:
+                    t_gen = time.perf_counter()
+                    rejected = generate_rejected(backend, examples, cfg.rollout, cfg.train.seed * 1_000_003 + step * 131 + k)
+                    gen_seconds += time.perf_counter() - t_gen
+                with engine.autocast():
+                    batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)
+                    loss, metrics = algorithm.loss(batch)
+                if not torch.isfinite(loss):
+                    last = latest_checkpoint(run_dir)
+                    raise OxrlError(
+                        f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
+                        f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
+                    )
+                tokens += policy_tokens(examples, rejected)
+                share = len(examples) / total_rows
+                engine.backward(loss * share)
+                sums["loss"] += float(loss.detach()) * share
+                for key, value in metrics.items():
+                    sums[key] += float(value) * share
+            grad_norm = engine.step()
+            seconds = time.perf_counter() - t0
+            record = {
+                "loss": sums.pop("loss"),
+                **sums,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "epoch": position / plan.batches_per_epoch,
+                "perf/rows": total_rows,
+                "perf/tokens": tokens,
+                "perf/tokens_per_s": tokens / seconds,
+                "perf/step_s": seconds,
+            }
+            if self_play:
+                record["iteration"] = (step - 1) // iteration_steps + 1
+                record["time/generate_s"] = gen_seconds
+            if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
+                record.update(run_eval())
+            tracker.log(step, record)
+            records.append({"step": step, **record})
+            reporter.step(step, max_steps, record)
+            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step != max_steps:
+                save_checkpoint(
+                    run_dir, step, model, tokenizer, engine,
+                    {"data_position": position, "eval_before": eval_before}, keep=cfg.train.save_limit, extra=extra_files,
+                )
+    finally:
+        reporter.stop()
+        tracker.close()
+
+    final_dir = run_dir / "final"
+    save_model(final_dir, model, tokenizer)
+    eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
+    summary = {
+        "algorithm": cfg.algorithm,
+        "steps": max_steps,
+        "train_seconds": time.perf_counter() - train_start,
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    for key, label in (("eval/rewards/accuracies", "held-out pair accuracy"), ("eval/accuracy", "held-out accuracy")):
+        if key in eval_after:
+            reporter.result(f"{label}: {eval_before.get(key, math.nan):.3f} before → {eval_after[key]:.3f} after")
+    last_loss = records[-1]["loss"] if records else math.nan
+    reporter.result(f"done: {max_steps} steps, final loss {last_loss:.4f}, model saved to {final_dir}")
+    return RunResult(run_dir, final_dir, max_steps, records, eval_before, eval_after)
