@@ -63,8 +63,8 @@ class Trainer:
     def __init__(
         self,
         alg: str | type[Algorithm] | None = None,
-        model: str | None = None,
-        data: str | None = None,
+        model: str | dict | None = None,
+        data: str | dict | None = None,
         *,
         config: str | Path | None = None,
         overrides: list[str] | None = None,
@@ -75,9 +75,12 @@ class Trainer:
     ):
         self.resume = resume
         self.quiet = quiet
-        named = {"model": {"name": str(model)}} if model is not None else {}
-        if data is not None:
-            named["data"] = {"train": str(data)}
+        named: dict[str, Any] = {}
+        for section, value, key in (("model", model, "name"), ("data", data, "train")):
+            if isinstance(value, dict):  # model={"name": ..., "ref": ...}: the whole section
+                named[section] = value
+            elif value is not None:
+                named[section] = {key: str(value)}
         sets = _section_overrides(named) + _section_overrides(sections) + list(overrides or [])
         self.registry = plugins.registry()
         if isinstance(alg, type) and issubclass(alg, Algorithm):  # the Python API may pass a class
