@@ -36,6 +36,9 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    shared = kwargs.get(SHARED_PREFIX)
+    if shared is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
+        return _shared_prefix_attention(query, key, value, shared, dropout, scaling), None
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     plain = (
         cu_seq_lens is None
@@ -63,6 +66,43 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         dim=2,
     )
     return out.transpose(1, 2).contiguous(), None  # (1, ΣL, H, D), as `sdpa_attention_forward` returns
+
+
+#: model keyword (passed through to the attention) that describes a shared-prefix row, see below
+SHARED_PREFIX = "oxrl_shared_prefix"
+
+
+def _shared_prefix_attention(query, key, value, segments, dropout: float, scaling):
+    """Causal attention over a row of ``[prompt, chosen, rejected]`` segments that share their prompt.
+
+    ``segments``: one ``(start, p, c, r)`` per pair. The prompt and the chosen response are an
+    ordinary causal sequence; the rejected response's tokens attend to the prompt and causally to
+    themselves, never to the chosen tokens, and carry the positions they would have after the prompt.
+    So each response sees exactly what it would see as ``prompt + response`` on its own, and the
+    prompt is computed once instead of twice (its gradient collects both responses' contributions).
+    query (1, H, ΣL, D), key/value (1, H_kv, ΣL, D) -> (1, ΣL, H, D).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    gqa = key.shape[1] != query.shape[1]
+    parts = []
+    for start, p, c, r in segments:
+        end_c = start + p + c
+        parts.append(F.scaled_dot_product_attention(
+            query[:, :, start:end_c], key[:, :, start:end_c], value[:, :, start:end_c],
+            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
+        ))
+        if r:
+            keys = torch.cat([key[:, :, start : start + p], key[:, :, end_c : end_c + r]], dim=2)  # (1, H_kv, p+r, D)
+            values = torch.cat([value[:, :, start : start + p], value[:, :, end_c : end_c + r]], dim=2)
+            # (r, p+r): every prompt key, then causal over the rejected tokens
+            allowed = torch.ones(r, p + r, dtype=torch.bool, device=query.device).tril(diagonal=p)
+            parts.append(F.scaled_dot_product_attention(
+                query[:, :, end_c : end_c + r], keys, values,
+                attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
+            ))
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
 def packed_attn_implementation(attn_implementation: str) -> str:

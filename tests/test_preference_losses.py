@@ -213,6 +213,7 @@ def tiny_lm():
     return model, tok
 
 
+@torch.no_grad()
 def _direct_logps(model, prompt, completion):
     ids = torch.tensor([prompt + completion])
     logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)  # (L-1, V)
@@ -221,15 +222,21 @@ def _direct_logps(model, prompt, completion):
     return float(per_token.sum()), len(completion)
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_sequence_logps_match_a_direct_computation(tiny_lm, packing):
-    from oxrl_core.loops.preference import collate_sequences, sequence_logps
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+def test_sequence_logps_match_a_direct_computation(tiny_lm, layout):
+    from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
     from oxrl_core.packed_attention import packed_attn_implementation
 
     model, tok = tiny_lm
-    seqs = [([5, 9, 11], [20, 21, 3]), ([7, 8], [30, 3]), ([6, 6, 6, 6, 6], [40, 41, 42, 43, 3])]
-    batch = collate_sequences(seqs, tok.pad_token_id, packing)
-    if packing:
+    prompts = [[5, 9, 11], [7, 8], [6, 6, 6, 6, 6]]
+    chosen = [[20, 21, 3], [30, 3], [40, 41, 42, 43, 3]]
+    rejected = [[22, 3], [31, 32, 33, 3], [44, 3]]
+    seqs = list(zip(prompts, chosen)) + list(zip(prompts, rejected))
+    if layout == "shared":
+        batch = collate_shared_prompts(prompts, chosen, rejected)
+    else:
+        batch = collate_sequences(seqs, tok.pad_token_id, layout == "packed")
+    if layout != "padded":
         model.config._attn_implementation = packed_attn_implementation("sdpa")
     try:
         with torch.no_grad():
@@ -242,15 +249,45 @@ def test_sequence_logps_match_a_direct_computation(tiny_lm, packing):
         assert float(counts[i]) == n
 
 
-def test_collate_sequences_marks_completions_and_last_tokens():
-    from oxrl_core.loops.preference import collate_sequences
+def test_shared_prompt_gradients_equal_separate_sequences(tiny_lm):
+    """Computing the prompt once must not change the gradient (it collects both responses' parts)."""
+    from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
+    from oxrl_core.packed_attention import packed_attn_implementation
+
+    model, tok = tiny_lm
+    prompts, chosen, rejected = [[5, 9, 11], [7, 8]], [[20, 21, 3], [30, 3]], [[22, 3], [31, 32, 33, 3]]
+    grads = []
+    for shared in (False, True):
+        model.zero_grad()
+        if shared:
+            model.config._attn_implementation = packed_attn_implementation("sdpa")
+            batch = collate_shared_prompts(prompts, chosen, rejected)
+        else:
+            batch = collate_sequences(list(zip(prompts, chosen)) + list(zip(prompts, rejected)), tok.pad_token_id, False)
+        try:
+            sums, _ = sequence_logps(model, batch)
+            (sums[:2] - 0.5 * sums[2:]).sum().backward()
+        finally:
+            model.config._attn_implementation = "sdpa"
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+
+
+def test_collate_marks_completion_tokens_and_last_tokens():
+    from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts
 
     seqs = [([1, 2], [3, 4]), ([5], [6])]
     padded = collate_sequences(seqs, 0, packing=False)
-    # targets are positions 1.. : row 0 = [2, 3, 4] -> completion at targets 1, 2; row 1 = [6, pad, pad]
-    assert padded["seq_id"].tolist() == [[-1, 0, 0], [1, -1, -1]]
+    # row 0 = [1, 2, 3, 4]: positions 1, 2 predict 3, 4; row 1 = [5, 6, pad, pad]: position 0 predicts 6
+    assert padded["pred_index"].tolist() == [[0, 1], [0, 2], [1, 0]]
+    assert padded["target"].tolist() == [3, 4, 6] and padded["owner"].tolist() == [0, 0, 1]
     assert padded["last"].tolist() == [[0, 3], [1, 1]]
     packed = collate_sequences(seqs, 0, packing=True)
-    # one row [1, 2, 3, 4, 5, 6]: targets 2, 3, 4, 5, 6 -> 3, 4 belong to seq 0, 6 to seq 1
-    assert packed["seq_id"].tolist() == [[-1, 0, 0, -1, 1]]
-    assert packed["last"].tolist() == [[0, 3], [0, 5]]
+    # one row [1, 2, 3, 4, 5, 6]
+    assert packed["pred_index"].tolist() == [[0, 1], [0, 2], [0, 4]]
+    assert packed["owner"].tolist() == [0, 0, 1] and packed["last"].tolist() == [[0, 3], [0, 5]]
+    shared = collate_shared_prompts([[1, 2]], [[3, 4]], [[7]])
+    # one row [1, 2 | 3, 4 | 7] at positions [0, 1, 2, 3, 2]; the prompt's last token predicts 3 and 7
+    assert shared["input_ids"].tolist() == [[1, 2, 3, 4, 7]] and shared["position_ids"].tolist() == [[0, 1, 2, 3, 2]]
+    assert shared["pred_index"][:, 1].tolist() == [1, 2, 1] and shared["target"].tolist() == [3, 4, 7]
+    assert shared["owner"].tolist() == [0, 0, 1] and shared["last"].tolist() == [[0, 3], [0, 4]]

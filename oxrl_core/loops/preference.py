@@ -9,7 +9,8 @@ It shares the SL loop's skeleton (data position, checkpoints, metrics) and feeds
 algorithm per-sequence tensors (see `oxrl_core.interfaces.Algorithm`). Logits are computed
 only at positions that predict a completion token (``logits_to_keep``), so the prompt costs
 no vocabulary projection. With ``data.packing`` the 2B sequences of a micro-batch go through
-the model as one padding-free row.
+the model as one padding-free row; with the default attention (sdpa) the chosen and rejected
+responses of a pair also share one copy of their prompt, so each prompt is computed once.
 
 Self-play algorithms (``self_play``, SPIN) take ``prompt_response`` rows: the chosen response is
 the dataset's, the rejected one is generated for the prompt by the reference model, which is
@@ -34,7 +35,7 @@ from oxrl_core.evaluation import can_verify, evaluate
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.supervised import MODEL_INPUTS, seed_everything
 from oxrl_core.models import count_parameters, load_causal_lm, load_score_model, load_tokenizer
-from oxrl_core.packed_attention import packed_attn_implementation
+from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.tracking import Tracker
 
@@ -44,53 +45,85 @@ REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current i
 
 
 def collate_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int, packing: bool) -> dict:
-    """(prompt ids, completion ids) pairs -> a model batch plus ``seq_id`` and ``last``.
+    """(prompt ids, completion ids) pairs -> a model batch plus where each completion token is scored.
 
-    ``seq_id`` (R, T-1): the sequence whose completion token position t+1 holds (-1 on prompt
-    and padding), so per-sequence sums are one ``index_add``. ``last`` (N, 2): (row, position)
-    of each sequence's last token, where a scalar head is read.
+    ``pred_index`` (M, 2): (row, position) whose logits predict completion token m, ``target``
+    (M,) that token, ``owner`` (M,) its sequence; ``last`` (N, 2): (row, position) of each
+    sequence's last token, where a scalar head is read.
     """
     examples = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in seqs]
     batch = collate(examples, pad_id, packing)
-    targets = batch["labels"][:, 1:]  # (R, T-1)
+    targets = batch["labels"][:, 1:]  # (R, T-1): position t predicts token t+1
+    rows, pos = (targets != IGNORE).nonzero(as_tuple=True)  # (M,), (M,)
     if packing:
         bounds = batch["cu_seq_lens_q"].long()  # (N+1,)
-        positions = torch.arange(targets.shape[1] + 1)
-        owner = torch.searchsorted(bounds, positions, right=True) - 1  # (T,) the sequence of each position
-        seq_id = owner[1:].unsqueeze(0)  # (1, T-1): target t+1 belongs to sequence owner[t+1]
+        owner = torch.searchsorted(bounds, pos + 1, right=True) - 1  # the sequence token pos+1 belongs to
         last = torch.stack([torch.zeros_like(bounds[1:]), bounds[1:] - 1], dim=1)  # (N, 2)
     else:
-        R = targets.shape[0]
-        seq_id = torch.arange(R).unsqueeze(1).expand_as(targets)  # (R, T-1)
-        last = torch.stack([torch.arange(R), batch["attention_mask"].sum(1) - 1], dim=1)  # (N, 2)
-    batch["seq_id"] = torch.where(targets != IGNORE, seq_id, torch.full_like(seq_id, -1))
-    batch["last"] = last
-    batch["n_seqs"] = len(seqs)
+        owner = rows
+        last = torch.stack([torch.arange(len(seqs)), batch["attention_mask"].sum(1) - 1], dim=1)  # (N, 2)
+    batch.update(pred_index=torch.stack([rows, pos], dim=1), target=targets[rows, pos], owner=owner, last=last, n_seqs=len(seqs))
     return batch
+
+
+def collate_shared_prompts(prompts: list[list[int]], chosen: list[list[int]], rejected: list[list[int]]) -> dict:
+    """Pairs as one packed row of ``[prompt, chosen, rejected]`` segments: each prompt is computed once.
+
+    The rejected tokens take the positions they would have right after the prompt, and attend to
+    the prompt and to themselves only (`packed_attention.SHARED_PREFIX`), so every log-probability
+    equals the one of ``prompt + response`` on its own. Sequences 0..B-1 are the chosen responses,
+    B..2B-1 the rejected ones, as in `collate_sequences`.
+    """
+    B = len(prompts)
+    ids, positions, pred, target, owner, last, segments = [], [], [], [], [], [], []
+    for i, (p, c, r) in enumerate(zip(prompts, chosen, rejected)):
+        start = len(ids)
+        ids += p + c + r
+        positions += list(range(len(p) + len(c))) + list(range(len(p), len(p) + len(r)))
+        segments.append((start, len(p), len(c), len(r)))
+        prompt_end = start + len(p) - 1  # the last prompt token predicts both responses' first token
+        c0, r0 = start + len(p), start + len(p) + len(c)
+        pred += [prompt_end] + list(range(c0, c0 + len(c) - 1)) + [prompt_end] + list(range(r0, r0 + len(r) - 1))
+        target += c + r
+        owner += [i] * len(c) + [B + i] * len(r)
+        last.append((c0 + len(c) - 1, r0 + len(r) - 1))
+    pred_pos = torch.tensor(pred)
+    return {
+        "input_ids": torch.tensor([ids]),
+        "position_ids": torch.tensor([positions]),
+        SHARED_PREFIX: segments,
+        "pred_index": torch.stack([torch.zeros_like(pred_pos), pred_pos], dim=1),
+        "target": torch.tensor(target),
+        "owner": torch.tensor(owner),
+        "last": torch.tensor([[0, c] for c, _ in last] + [[0, r] for _, r in last]),
+        "n_seqs": 2 * B,
+    }
+
+
+def _model_inputs(batch: dict) -> dict:
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    if SHARED_PREFIX in batch:
+        inputs[SHARED_PREFIX] = batch[SHARED_PREFIX]
+    return inputs
 
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_t log π(y_t | x, y_<t) over each sequence's completion, and its length: (N,), (N,)."""
-    seq_id = batch["seq_id"]  # (R, T-1)
-    mask = seq_id >= 0
-    keep = mask.any(0).nonzero().squeeze(-1)  # (K,) positions that predict a completion token
-    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (R, K, V)
-    targets = batch["labels"][:, 1:][:, keep]  # (R, K)
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (R, K)
-    m = mask[:, keep]
-    owner = seq_id[:, keep][m]  # (M,)
-    n = batch["n_seqs"]
-    sums = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, logp[m])  # (N,)
-    counts = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, torch.ones_like(logp[m]))  # (N,)
+    rows, pos = batch["pred_index"].unbind(-1)  # (M,), (M,)
+    keep = torch.unique(pos)  # (K,) sorted: the only positions whose logits are computed
+    logits = model(**_model_inputs(batch), use_cache=False, logits_to_keep=keep).logits  # (R, K, V)
+    logits = logits[rows, torch.searchsorted(keep, pos)]  # (M, V)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch["target"].unsqueeze(-1)).squeeze(-1)  # (M,)
+    n, owner = batch["n_seqs"], batch["owner"]
+    sums = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, logp)  # (N,)
+    counts = torch.bincount(owner, minlength=n).to(logp.dtype)  # (N,)
     return sums, counts
 
 
 def sequence_scores(model, batch: dict) -> torch.Tensor:
     """A scalar head read at each sequence's last token (its EOS): (N,)."""
-    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # (R, T, H)
+    hidden = backbone(**_model_inputs(batch), use_cache=False).last_hidden_state  # (R, T, H)
     last = batch["last"]  # (N, 2)
     return model.score(hidden[last[:, 0], last[:, 1]]).squeeze(-1).float()  # (N,)
 
@@ -106,6 +139,15 @@ def _pair_seqs(examples: list[dict], rejected: list[list[int]] | None = None) ->
     ]
 
 
+def pair_batch(examples: list[dict], rejected, pad_id: int, packing) -> dict:
+    """Chosen and rejected of every row for one forward pass: padded, packed, or packed with shared
+    prompts (``packing == "shared"``: our packed attention computes each prompt once)."""
+    if packing == "shared":
+        rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
+        return collate_shared_prompts([ex["prompt_ids"] for ex in examples], [ex["chosen_ids"] for ex in examples], rejected)
+    return collate_sequences(_pair_seqs(examples, rejected), pad_id, bool(packing))
+
+
 def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected=None) -> dict:
     """The algorithm's input for one micro-batch (the policy's tensors carry gradients)."""
     B = len(examples)
@@ -113,6 +155,7 @@ def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, 
     if spec.data_format == "unpaired":
         matched = [(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
         batch = {"label": torch.tensor([float(ex["label"]) for ex in examples], device=engine.device)}
+        packing = bool(packing)
         seqs = engine.to_device(collate_sequences(matched, pad_id, packing))
         batch["logp"], batch["n_tokens"] = sequence_logps(model, seqs)
         if wants_ref:
@@ -125,7 +168,7 @@ def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, 
                 ref_logp = sequence_logps(ref, both)[0]
             batch["ref_logp"], batch["ref_kl_logp"] = ref_logp[:B], ref_logp[B:]
         return batch
-    seqs = engine.to_device(collate_sequences(_pair_seqs(examples, rejected), pad_id, packing))
+    seqs = engine.to_device(pair_batch(examples, rejected, pad_id, packing))
     if spec.head == "score":
         rewards = sequence_scores(model, seqs)  # (2B,)
         return {"rewards_chosen": rewards[:B], "rewards_rejected": rewards[B:]}
@@ -141,12 +184,13 @@ def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, 
     return batch
 
 
-def policy_tokens(examples: list[dict], rejected: list[list[int]] | None = None) -> int:
-    """Tokens the policy's training forward pass reads for these rows (chosen and rejected, or the completion)."""
+def policy_tokens(examples: list[dict], rejected: list[list[int]] | None = None, shared: bool = False) -> int:
+    """Tokens the policy's training forward pass reads for these rows (padding not counted)."""
     if "completion_ids" in examples[0]:
         return sum(len(ex["prompt_ids"]) + len(ex["completion_ids"]) for ex in examples)
     rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
-    return sum(2 * len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(r) for ex, r in zip(examples, rejected))
+    prompts = 1 if shared else 2  # with shared prompts each prompt is read once
+    return sum(prompts * len(ex["prompt_ids"]) + len(ex["chosen_ids"]) + len(r) for ex, r in zip(examples, rejected))
 
 
 def generate_rejected(backend, examples: list[dict], ro, seed: int) -> list[list[int]]:
@@ -162,7 +206,7 @@ def precompute_ref(ref, examples: list[dict], engine, pad_id: int, packing: bool
     for start in range(0, len(examples), batch_size):
         part = examples[start : start + batch_size]
         with engine.autocast():
-            logp = sequence_logps(ref, engine.to_device(collate_sequences(_pair_seqs(part), pad_id, packing)))[0].tolist()
+            logp = sequence_logps(ref, engine.to_device(pair_batch(part, None, pad_id, packing)))[0].tolist()
         for i, ex in enumerate(part):
             ex["ref_logp_chosen"], ex["ref_logp_rejected"] = logp[i], logp[len(part) + i]
 
@@ -244,6 +288,8 @@ def run_preference(trainer, ckpt: Path | None):
 
     # ---- models
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
+    if packing and attn == PACKED_SDPA and fmt != "unpaired":
+        packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
     start = str(ckpt) if ckpt else policy_path
     if spec.head == "score":
         model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
@@ -331,7 +377,7 @@ def run_preference(trainer, ckpt: Path | None):
                         f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
                         f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
                     )
-                tokens += policy_tokens(examples, rejected)
+                tokens += policy_tokens(examples, rejected, packing == "shared")
                 share = len(examples) / total_rows
                 engine.backward(loss * share)
                 sums["loss"] += float(loss.detach()) * share
