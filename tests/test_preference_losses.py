@@ -291,3 +291,25 @@ def test_collate_marks_completion_tokens_and_last_tokens():
     assert shared["input_ids"].tolist() == [[1, 2, 3, 4, 7]] and shared["position_ids"].tolist() == [[0, 1, 2, 3, 2]]
     assert shared["pred_index"][:, 1].tolist() == [1, 2, 1] and shared["target"].tolist() == [3, 4, 7]
     assert shared["owner"].tolist() == [0, 0, 1] and shared["last"].tolist() == [[0, 3], [0, 4]]
+
+
+def test_reward_head_reads_the_same_scores_in_every_layout():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_scores
+    from oxrl_core.packed_attention import packed_attn_implementation
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                         num_key_value_heads=1, head_dim=64, num_labels=1, pad_token_id=0)
+    model = LlamaForSequenceClassification(config).eval()
+    prompts, chosen, rejected = [[5, 9, 11], [7, 8]], [[20, 21, 3], [30, 3]], [[22, 3], [31, 32, 33, 3]]
+    seqs = list(zip(prompts, chosen)) + list(zip(prompts, rejected))
+    with torch.no_grad():
+        expected = [float(model(torch.tensor([p + c])).logits[0, 0]) for p, c in seqs]  # transformers' own pooling
+        padded = sequence_scores(model, collate_sequences(seqs, 0, packing=False))
+        model.config._attn_implementation = packed_attn_implementation("sdpa")
+        packed = sequence_scores(model, collate_sequences(seqs, 0, packing=True))
+        shared = sequence_scores(model, collate_shared_prompts(prompts, chosen, rejected))
+    for scores in (padded, packed, shared):
+        assert scores.tolist() == pytest.approx(expected, abs=1e-5)

@@ -109,7 +109,7 @@ def _model_inputs(batch: dict) -> dict:
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_t log π(y_t | x, y_<t) over each sequence's completion, and its length: (N,), (N,)."""
-    rows, pos = batch["pred_index"].unbind(-1)  # (M,), (M,)
+    rows, pos = batch["pred_index"].t().contiguous()  # (M,), (M,)
     keep = torch.unique(pos)  # (K,) sorted: the only positions whose logits are computed
     logits = model(**_model_inputs(batch), use_cache=False, logits_to_keep=keep).logits  # (R, K, V)
     logits = logits[rows, torch.searchsorted(keep, pos)]  # (M, V)
