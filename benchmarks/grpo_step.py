@@ -46,6 +46,7 @@ compare with `--threads 1`.
     python benchmarks/grpo_step.py                              # 2 + 12 steps, 3 rounds (~1 min on 2 idle cores)
     python benchmarks/grpo_step.py --steps 20 --repeats 3
     python benchmarks/grpo_step.py --only oxrl --profile        # + a cProfile of one oxRL step
+    python benchmarks/grpo_step.py --packing                    # oxRL with data.packing (shared prompts)
 
 TRL is a benchmark-only dependency (`pip install trl`). Prints a table, the ratio
 `oxRL steps/s ÷ TRL steps/s` (goal ≥ 1.3) and a JSON line with all figures.
@@ -143,7 +144,7 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, tag: str, pr
     trainer = Trainer(
         alg="sgrpo",
         model=str(model_dir),
-        data=str(data_file),
+        data={"train": str(data_file), "packing": args.packing},
         output_dir=out_dir,
         quiet=True,
         train={"max_steps": total, "batch_size": args.prompts_per_step, "lr": args.lr, "lr_scheduler": "constant",
@@ -335,6 +336,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--natural-eos", action="store_true", help="keep the random model's EOS (completions may stop early)")
     ap.add_argument("--only", default="oxrl,trl", help="comma-separated subset of oxrl,trl")
+    ap.add_argument("--packing", action="store_true",
+                    help="oxRL with data.packing: the training forward computes each prompt once for its n samples")
     ap.add_argument("--profile", action="store_true", help="cProfile the first measured oxRL step of round 1")
     ap.add_argument("--workdir", default="", help="keep model/data/runs here (default: a temp dir, removed)")
     args = ap.parse_args()
@@ -374,7 +377,7 @@ def main() -> None:
             f"workload: Llama h={args.hidden_size} L={args.layers}, {args.prompts_per_step} prompts × {args.samples} samples × "
             f"{args.max_new_tokens} new tokens per step, {args.warmup}+{args.steps} steps × {args.repeats} rounds, "
             f"{'natural EOS' if args.natural_eos else 'EOS suppressed in the model'}, threads {args.threads}, "
-            f"torch {torch.__version__}", flush=True,
+            f"torch {torch.__version__}, oxRL data.packing {'on' if args.packing else 'off'}", flush=True,
         )
         for rnd in range(args.repeats):
             for side in sides if rnd % 2 == 0 else sides[::-1]:

@@ -71,15 +71,39 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
 #: model keyword (passed through to the attention) that describes a shared-prefix row, see below
 SHARED_PREFIX = "oxrl_shared_prefix"
 
+_LAST_MASKS: tuple = (None, None)  # (segments list, its masks): every layer of one forward shares them
+
+
+def _segment_masks(segments, device) -> list:
+    """One boolean mask per segment, built once per forward pass (every layer reuses it)."""
+    global _LAST_MASKS
+    if _LAST_MASKS[0] is not segments:
+        import torch
+
+        masks = []
+        for _start, p, lengths in segments:
+            size = p + sum(lengths)
+            allowed = torch.zeros(size, size, dtype=torch.bool, device=device)
+            allowed[:, :p] = True  # everything sees the prompt ...
+            allowed[:p, :p] = torch.ones(p, p, dtype=torch.bool, device=device).tril()  # ... the prompt causally
+            offset = p
+            for n in lengths:  # ... and each response itself, causally, never another response
+                allowed[offset : offset + n, offset : offset + n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                offset += n
+            masks.append(allowed)
+        _LAST_MASKS = (segments, masks)
+    return _LAST_MASKS[1]
+
 
 def _shared_prefix_attention(query, key, value, segments, dropout: float, scaling):
-    """Causal attention over a row of ``[prompt, chosen, rejected]`` segments that share their prompt.
+    """Causal attention over a row of ``[prompt, response_1, ..., response_k]`` segments.
 
-    ``segments``: one ``(start, p, c, r)`` per pair. The prompt and the chosen response are an
-    ordinary causal sequence; the rejected response's tokens attend to the prompt and causally to
-    themselves, never to the chosen tokens, and carry the positions they would have after the prompt.
-    So each response sees exactly what it would see as ``prompt + response`` on its own, and the
-    prompt is computed once instead of twice (its gradient collects both responses' contributions).
+    ``segments``: one ``(start, p, (n_1, ..., n_k))`` per prompt. Each response's tokens attend to
+    the prompt and causally to themselves, never to another response, and carry the positions they
+    would have right after the prompt (the caller's ``position_ids``). So each response sees exactly
+    what it would see as ``prompt + response`` on its own, while the prompt is computed once instead
+    of k times (its gradient collects every response's contribution). Preference pairs are k = 2
+    (chosen, rejected); an RL group is k = n samples. One SDPA call per segment.
     query (1, H, ΣL, D), key/value (1, H_kv, ΣL, D) -> (1, ΣL, H, D).
     """
     import torch
@@ -87,21 +111,12 @@ def _shared_prefix_attention(query, key, value, segments, dropout: float, scalin
 
     gqa = key.shape[1] != query.shape[1]
     parts = []
-    for start, p, c, r in segments:
-        end_c = start + p + c
+    for (start, p, lengths), allowed in zip(segments, _segment_masks(segments, query.device)):
+        end = start + p + sum(lengths)
         parts.append(F.scaled_dot_product_attention(
-            query[:, :, start:end_c], key[:, :, start:end_c], value[:, :, start:end_c],
-            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+            attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
         ))
-        if r:
-            keys = torch.cat([key[:, :, start : start + p], key[:, :, end_c : end_c + r]], dim=2)  # (1, H_kv, p+r, D)
-            values = torch.cat([value[:, :, start : start + p], value[:, :, end_c : end_c + r]], dim=2)
-            # (r, p+r): every prompt key, then causal over the rejected tokens
-            allowed = torch.ones(r, p + r, dtype=torch.bool, device=query.device).tril(diagonal=p)
-            parts.append(F.scaled_dot_product_attention(
-                query[:, :, end_c : end_c + r], keys, values,
-                attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa,
-            ))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 

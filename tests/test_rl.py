@@ -272,3 +272,47 @@ def test_rl_config_errors_are_clear(tmp_path, tiny_model_dir):
     assert proc.returncode == 2 and "alg.clip_hihg" in proc.stderr and "clip_high" in proc.stderr
     proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "reward.name=nope.py:R", cwd=tmp_path)
     assert proc.returncode == 2 and "file not found: nope.py" in proc.stderr
+
+
+def test_shared_prompt_forward_equals_separate_rows(tiny_model_dir):
+    """`data.packing`: the n samples of a prompt share one copy of it; logprobs, entropy and gradients
+    at completion positions equal the padded per-row forward pass."""
+    from oxrl_core.loops.rl import _forward
+    from oxrl_core.models import load_causal_lm
+    from oxrl_core.packed_attention import packed_attn_implementation
+
+    model = load_causal_lm(str(tiny_model_dir), attn_implementation=packed_attn_implementation("sdpa"))
+    prompts = [[5, 9, 11, 12], [7, 8]]
+    completions = [_c([20, 21, EOS]), _c([22, EOS]), _c([30, 31, 32, EOS]), _c([33, EOS])]  # 2 samples per prompt
+    batch = rollout_tensors([prompts[0], prompts[0], prompts[1], prompts[1]], completions, pad_id=0)
+    batch["group"] = torch.tensor([0, 0, 1, 1])
+    batch["prompt_len"] = torch.tensor([4, 4, 2, 2])
+    outs, grads = [], []
+    for shared in (False, True):
+        model.zero_grad()
+        out = _forward(model, None, batch, temperature=0.7, shared=shared)
+        ((out["logp"] + 0.1 * out["entropy"]) * batch["mask"]).sum().backward()
+        outs.append(out)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    mask = batch["mask"] > 0
+    for key in ("logp", "entropy"):
+        assert torch.allclose(outs[0][key][mask], outs[1][key][mask], atol=1e-5), key
+    assert torch.allclose(grads[0], grads[1], atol=1e-5)
+    # a minibatch that holds only some samples of a group (rows shuffled) works the same way
+    part = {k: (v[[3, 0, 2]] if torch.is_tensor(v) and v.dim() and v.shape[0] == 4 else v) for k, v in batch.items()}
+    with torch.no_grad():
+        a, b = _forward(model, None, part, 0.7, False), _forward(model, None, part, 0.7, True)
+    assert torch.allclose(a["logp"][part["mask"] > 0], b["logp"][part["mask"] > 0], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_rl_packing_gives_the_same_run(tmp_path, tiny_model_dir):
+    runs = {}
+    for packing in ("false", "true"):
+        run = tmp_path / packing
+        _ok(oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=3",
+                 "--set", "train.batch_size=4", "--set", "rollout.n=4", "--set", "alg.kl_coeff=0.05",
+                 "--set", f"data.packing={packing}", "-q", "-o", str(run), cwd=tmp_path))
+        runs[packing] = read_metrics(run)
+    for key in ("loss", "kl/ref", "reward/mean", "entropy"):
+        assert [m[key] for m in runs["true"]] == pytest.approx([m[key] for m in runs["false"]], abs=1e-4), key

@@ -80,7 +80,7 @@ def collate_shared_prompts(prompts: list[list[int]], chosen: list[list[int]], re
         start = len(ids)
         ids += p + c + r
         positions += list(range(len(p) + len(c))) + list(range(len(p), len(p) + len(r)))
-        segments.append((start, len(p), len(c), len(r)))
+        segments.append((start, len(p), (len(c), len(r))))
         prompt_end = start + len(p) - 1  # the last prompt token predicts both responses' first token
         c0, r0 = start + len(p), start + len(p) + len(c)
         pred += [prompt_end] + list(range(c0, c0 + len(c) - 1)) + [prompt_end] + list(range(r0, r0 + len(r) - 1))

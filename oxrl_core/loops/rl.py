@@ -33,6 +33,7 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
+from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import build_reward, score_batch
 from oxrl_core.tracking import Tracker
@@ -129,6 +130,65 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hi
     return logp, entropy, hidden
 
 
+def shared_prompt_row(mb: dict) -> dict:
+    """A micro-batch of rollout rows as one packed row in which the samples of a prompt share it.
+
+    Rows with the same ``group`` have the same prompt (``prompt_len`` tokens); each group becomes a
+    segment ``[prompt, completion_1, ..., completion_k]`` (`packed_attention.SHARED_PREFIX`), the
+    completions at the positions they have after the prompt. ``index`` (B, L-1) is the row position
+    whose logits predict each completion token (-1 elsewhere).
+    """
+    ids, attn = mb["input_ids"].tolist(), mb["attention_mask"].sum(1).tolist()
+    plen, group = mb["prompt_len"].tolist(), mb["group"].tolist()
+    B, L = mb["input_ids"].shape
+    index = torch.full((B, L - 1), -1, dtype=torch.long)
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(group):
+        members.setdefault(g, []).append(i)
+    flat, positions, segments = [], [], []
+    for rows in members.values():
+        start, p = len(flat), plen[rows[0]]
+        flat += ids[rows[0]][:p]
+        positions += list(range(p))
+        lengths = []
+        for i in rows:
+            c = attn[i] - p  # completion tokens of row i
+            offset = len(flat)
+            flat += ids[i][p : p + c]
+            positions += list(range(p, p + c))
+            lengths.append(c)
+            # position p-1 (the prompt's last token) predicts the first completion token, then the completion's own
+            index[i, p - 1] = start + p - 1
+            index[i, p : p + c - 1] = torch.arange(offset, offset + c - 1)
+        segments.append((start, p, tuple(lengths)))
+    return {
+        "input_ids": torch.tensor([flat]), "position_ids": torch.tensor([positions]),
+        SHARED_PREFIX: segments, "index": index,
+    }
+
+
+def token_logprobs_shared(model, mb: dict, temperature: float):
+    """`token_logprobs` with each prompt computed once per micro-batch: logp, entropy (B, L-1), set at
+    completion-predicting positions (0 elsewhere, where nothing reads them)."""
+    device = mb["input_ids"].device
+    row = shared_prompt_row({k: mb[k].cpu() for k in ("input_ids", "attention_mask", "prompt_len", "group")})
+    index = row["index"].to(device)  # (B, L-1)
+    where = index >= 0
+    keep = torch.unique(index[where])  # (K,) sorted
+    out = model(input_ids=row["input_ids"].to(device), position_ids=row["position_ids"].to(device),
+                use_cache=False, logits_to_keep=keep, **{SHARED_PREFIX: row[SHARED_PREFIX]})
+    logits = out.logits[0, torch.searchsorted(keep, index[where])].float()  # (M, V)
+    if temperature > 0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)  # (M, V)
+    targets = mb["input_ids"][:, 1:][where]  # (M,)
+    logp = torch.zeros(where.shape, device=device, dtype=logp_all.dtype)
+    entropy = torch.zeros_like(logp)
+    logp[where] = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy[where] = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
 def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
     """Every entry, masked or not: NaN · 0 is still NaN once it reaches the loss."""
     if not torch.isfinite(tensor).all():
@@ -208,10 +268,16 @@ def run_rl(trainer, ckpt: Path | None):
         raise OxrlError(f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}")
 
     # ---- models
-    model = load_causal_lm(str(ckpt) if ckpt else policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    # data.packing: the training forward packs a micro-batch into one row in which the samples of a
+    # prompt share one copy of it (not with a critic, whose values are read at every position)
+    attn = cfg.model.attn_implementation
+    if cfg.data.packing and not spec.needs_critic:
+        attn = packed_attn_implementation(attn)
+    shared = attn == PACKED_SDPA
+    model = load_causal_lm(str(ckpt) if ckpt else policy_path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     ref = None
     if algorithm.uses_ref():  # the reference is the initial policy (never the checkpoint being resumed)
-        ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name")
+        ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
         ref.requires_grad_(False).eval()
     critic = None
     if spec.needs_critic:
@@ -289,8 +355,10 @@ def run_rl(trainer, ckpt: Path | None):
             batch = {k: v.to(device) for k, v in batch.items()}
             batch["rewards"] = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
             batch["group_size"] = ro.n
+            batch["group"] = torch.arange(len(completions), device=device) // ro.n  # (B,) the prompt of each sample
+            batch["prompt_len"] = torch.tensor([len(prompt_ids[i]) for i in picks for _ in range(ro.n)], device=device)  # (B,)
             check_finite("rewards", batch["rewards"], step, run_dir)
-            record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir)
+            record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir, shared)
             version += 1
             backend.update_weights(model, version)  # the weight sync
             train_s = time.perf_counter() - t0
@@ -341,7 +409,10 @@ def run_rl(trainer, ckpt: Path | None):
     return RunResult(run_dir, final_dir, cfg.train.max_steps, records, eval_before, eval_after)
 
 
-def _forward(model, critic, mb: dict, temperature: float):
+def _forward(model, critic, mb: dict, temperature: float, shared: bool = False):
+    if shared:
+        logp, entropy = token_logprobs_shared(model, mb, temperature)
+        return {"logp": logp, "entropy": entropy}
     want_hidden = critic is not None and critic.shared
     logp, entropy, hidden = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden)
     out = {"logp": logp, "entropy": entropy}
@@ -354,7 +425,7 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)] if size > 0 else [indices]
 
 
-def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir) -> dict:
+def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir, shared: bool = False) -> dict:
     """Old/ref logprobs and values, advantages, then epochs × minibatches optimiser steps. Returns metrics."""
     B = batch["input_ids"].shape[0]
     temperature = ro.temperature
@@ -379,16 +450,16 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
         if ref is not None:
             with torch.no_grad():
                 batch["logp_ref"] = torch.cat([
-                    token_logprobs(ref, mb["input_ids"], mb["attention_mask"], temperature)[0] for mb in forward_parts()
+                    _forward(ref, None, mb, temperature, shared)["logp"] for mb in forward_parts()
                 ])
         if single_pass:
-            fresh = _forward(model, critic, batch, temperature)
+            fresh = _forward(model, critic, batch, temperature, shared)
             batch["logp_old"] = fresh["logp"].detach()
             if critic is not None:
                 batch["values"] = fresh["values_new"].detach()
         else:
             with torch.no_grad():
-                outs = [_forward(model, critic, mb, temperature) for mb in forward_parts()]
+                outs = [_forward(model, critic, mb, temperature, shared) for mb in forward_parts()]
             batch["logp_old"] = torch.cat([o["logp"] for o in outs])
             if critic is not None:
                 batch["values"] = torch.cat([o["values_new"] for o in outs])
@@ -425,7 +496,7 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
             for part, weight in zip(parts, weights):
                 mb = rows_of(part)
                 with engine.autocast():
-                    mb.update(fresh if single_pass else _forward(model, critic, mb, temperature))
+                    mb.update(fresh if single_pass else _forward(model, critic, mb, temperature, shared))
                     loss, metrics = algorithm.loss(mb)
                 check_finite("loss", loss.detach().reshape(1), step, run_dir)
                 engine.backward(loss * (weight / total))
