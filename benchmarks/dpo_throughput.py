@@ -66,10 +66,11 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from sft_throughput import oxrl_command  # the same CLI lookup (this folder is on sys.path when run as a script)
 
 VARIANTS = ("oxrl-padded", "oxrl-packed", "trl")
 LOSS_TOL = 1e-3
@@ -174,14 +175,6 @@ def _result(step_s: list[float], step_tokens: list[int], losses: list[float], gr
 
 
 # ----------------------------------------------------------------------------- (a) oxrl CLI
-
-
-def oxrl_command() -> list[str]:
-    exe = Path(sys.executable).with_name("oxrl")
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("oxrl")
-    return [found] if found else [sys.executable, "-m", "oxrl_core.cli"]
 
 
 def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: bool, tag: str, step_tokens: list[int]) -> dict:

@@ -140,6 +140,15 @@ def load_source(spec: str, split: str, registry=None) -> Source:
     return Source(_from_hf(ds, spec, split), spec)
 
 
+def eval_source(data_cfg, split_registry, train_source: Source) -> Source | None:
+    """Held-out rows: ``data.eval`` when set, else the eval split of a dataset-plugin ``data.train``, else none."""
+    if data_cfg.eval:
+        return load_source(data_cfg.eval, "eval", split_registry)
+    if train_source.dataset is not None:
+        return load_source(data_cfg.train, "eval", split_registry)
+    return None
+
+
 # ----------------------------------------------------------------------------- validation
 
 REQUIRED = {

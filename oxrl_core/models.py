@@ -15,6 +15,16 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
+def initial_policy_path(name: str, log=None) -> str:
+    """Where RL and preference runs start: ``model.name``, or with it empty the built-in tiny model
+    after its cached SFT warm start on the built-in task (a random model never answers right)."""
+    if name:
+        return name
+    from oxrl_core.tiny import warm_start_dir
+
+    return str(warm_start_dir(log=log))
+
+
 def _check_local_dir(path: str, field: str) -> None:
     """A name that is clearly a path (not a hub id) must exist; say so instead of a hub error."""
     if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):

@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
-from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_examples
+from oxrl_core.checkpoint import load_training_state, save_checkpoint, save_model
+from oxrl_core.data import IGNORE, BatchPlan, collate, eval_source, load_source, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.loops.supervised import MODEL_INPUTS, seed_everything
-from oxrl_core.models import count_parameters, load_causal_lm, load_score_model, load_tokenizer
+from oxrl_core.loops.supervised import MODEL_INPUTS, check_loss, seed_everything
+from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.tracking import Tracker
@@ -236,14 +236,6 @@ def pair_metrics(algorithm, spec, model, ref, examples, engine, pad_id, packing,
 # ----------------------------------------------------------------------------- the loop
 
 
-def _eval_source(cfg, registry, train_source):
-    if cfg.data.eval:
-        return load_source(cfg.data.eval, "eval", registry)
-    if train_source.dataset is not None:
-        return load_source(cfg.data.train, "eval", registry)
-    return None
-
-
 def run_preference(trainer, ckpt: Path | None):
     from oxrl_core.trainer import RunResult
 
@@ -254,26 +246,21 @@ def run_preference(trainer, ckpt: Path | None):
     fmt, self_play, packing = spec.data_format, spec.self_play, cfg.data.packing
 
     # ---- data (before any model loads, so bad data fails fast)
-    if cfg.model.name:
-        policy_path = cfg.model.name
-    else:  # the built-in tiny model, warmed up on the built-in task
-        from oxrl_core.tiny import warm_start_dir
-
-        policy_path = str(warm_start_dir(log=reporter.info))
+    policy_path = initial_policy_path(cfg.model.name, log=reporter.info)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
     train_source = load_source(cfg.data.train, "train", trainer.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
     if train.dropped:
         reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
-    eval_source = _eval_source(cfg, trainer.registry, train_source)
+    held_out = eval_source(cfg.data, trainer.registry, train_source)
     eval_examples, eval_rows, eval_dataset = [], [], None
-    if eval_source is not None:
+    if held_out is not None:
         if not self_play:  # self-play pairs need generations; held-out accuracy still applies
-            eval_examples = prepare_examples(eval_source, fmt, tokenizer, cfg.data.max_length).examples
-        eval_dataset = eval_source.dataset
+            eval_examples = prepare_examples(held_out, fmt, tokenizer, cfg.data.max_length).examples
+        eval_dataset = held_out.dataset
         if spec.head == "lm" and can_verify(eval_dataset):
-            eval_rows = [r for r in eval_source.rows if "prompt" in r]
+            eval_rows = [r for r in held_out.rows if "prompt" in r]
     unpaired_kl = fmt == "unpaired" and algorithm.uses_ref()
     if unpaired_kl and cfg.train.batch_size < 2:
         raise OxrlError(
@@ -371,12 +358,7 @@ def run_preference(trainer, ckpt: Path | None):
                 with engine.autocast():
                     batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)
                     loss, metrics = algorithm.loss(batch)
-                if not torch.isfinite(loss):
-                    last = latest_checkpoint(run_dir)
-                    raise OxrlError(
-                        f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
-                        f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
-                    )
+                check_loss(loss, step, run_dir)
                 tokens += policy_tokens(examples, rejected, packing == "shared")
                 share = len(examples) / total_rows
                 engine.backward(loss * share)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -27,12 +26,12 @@ import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.critic import build_critic
-from oxrl_core.data import BatchPlan, encode_prompt, load_source, normalise_row
+from oxrl_core.data import BatchPlan, encode_prompt, eval_source, load_source, normalise_row
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
+from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import build_reward, score_batch
@@ -244,25 +243,15 @@ def run_rl(trainer, ckpt: Path | None):
     seed_everything(cfg.train.seed)
 
     # ---- data and reward (before any model loads, so bad input fails fast)
-    if cfg.model.name:
-        policy_path = cfg.model.name
-    else:  # the built-in tiny model, warmed up on the built-in task
-        from oxrl_core.tiny import warm_start_dir
-
-        policy_path = str(warm_start_dir(log=reporter.info))
+    policy_path = initial_policy_path(cfg.model.name, log=reporter.info)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     train_source = load_source(cfg.data.train, "train", trainer.registry)
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
     if dropped:
         reporter.info(f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}")
-    if cfg.data.eval:
-        eval_source = load_source(cfg.data.eval, "eval", trainer.registry)
-    elif train_source.dataset is not None:
-        eval_source = load_source(cfg.data.train, "eval", trainer.registry)
-    else:
-        eval_source = None
-    eval_rows, eval_ids = ([], []) if eval_source is None else prepare_prompts(eval_source, tokenizer, cfg.data.max_length)[:2]
-    eval_dataset = eval_source.dataset if eval_source is not None else None
+    held_out = eval_source(cfg.data, trainer.registry, train_source)
+    eval_rows, eval_ids = ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
+    eval_dataset = held_out.dataset if held_out is not None else None
     reward = build_reward(cfg, trainer.registry, spec.default_reward, train_source.dataset)
     if ro.n < spec.min_group_size:
         raise OxrlError(f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}")

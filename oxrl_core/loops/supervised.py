@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
-from oxrl_core.data import IGNORE, BatchPlan, collate, load_source, prepare_examples
+from oxrl_core.data import IGNORE, BatchPlan, collate, eval_source, load_source, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
@@ -40,6 +40,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def check_loss(loss: torch.Tensor, step: int, run_dir: Path) -> None:
+    """Stop the run before a non-finite loss reaches the weights; the newest checkpoint stays as it was."""
+    if not torch.isfinite(loss):
+        last = latest_checkpoint(run_dir)
+        raise OxrlError(
+            f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
+            f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
+        )
+
+
 def micro_batch_weight(batch: dict, weighting: str) -> float:
     if weighting == "sequences":
         return float(batch["input_ids"].shape[0])
@@ -48,11 +58,8 @@ def micro_batch_weight(batch: dict, weighting: str) -> float:
 
 def _eval_data(cfg, registry, train_source, fmt, tokenizer):
     """Eval examples (for eval/loss) and rows (for accuracy): data.eval, else the plugin's eval split."""
-    if cfg.data.eval:
-        source = load_source(cfg.data.eval, "eval", registry)
-    elif train_source.dataset is not None:
-        source = load_source(cfg.data.train, "eval", registry)
-    else:
+    source = eval_source(cfg.data, registry, train_source)
+    if source is None:
         return [], [], None
     examples = prepare_examples(source, fmt, tokenizer, cfg.data.max_length).examples
     rows = source.rows if "prompt" in source.rows[0] else []
@@ -152,12 +159,7 @@ def run_supervised(trainer, ckpt: Path | None):
                         with torch.no_grad():
                             batch["teacher_logits"] = teacher(**inputs, use_cache=False).logits
                     loss, metrics = algorithm.loss(batch)
-                if not torch.isfinite(loss):
-                    last = latest_checkpoint(run_dir)
-                    raise OxrlError(
-                        f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
-                        f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
-                    )
+                check_loss(loss, step, run_dir)
                 engine.backward(loss * (weight / total_weight))
                 share = weight / total_weight
                 sums["loss"] += float(loss.detach()) * share
