@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import StrictModel
@@ -30,9 +30,47 @@ class ModelConfig(StrictModel):
     trust_remote_code: bool = False
 
 
+class SourceSpec(StrictModel):
+    """One source of a mixture: ``{source: gsm8k, ratio: 3, path: ./gsm8k}``; keys other than
+    ``source`` and ``ratio`` are the dataset plugin's options (validated by its ``Config``)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    source: str = Field(..., min_length=1, description="a file, a saved `datasets` dir, a dataset plugin name or a hub id")
+    ratio: float = Field(1.0, gt=0, description="sampling weight among the sources of data.train")
+
+
+Sources = Union[str, SourceSpec, list[Union[str, SourceSpec]]]
+
+
 class DataConfig(StrictModel):
-    train: str = Field("arith", description="a JSONL/Parquet/JSON file, a saved `datasets` dir, a dataset plugin name or a hub id")
-    eval: str = Field("", description="held-out data (same forms); empty = the dataset plugin's eval split, if any")
+    train: Sources = Field(
+        "arith",
+        description="a JSONL/Parquet/JSON file, a saved `datasets` dir, a dataset plugin name or a hub id; "
+        "or {source, ratio, <plugin options>}; or a list of those, mixed by ratio",
+    )
+    eval: Sources = Field("", description="held-out data (same forms, all rows); empty = the eval splits of the dataset plugins in data.train")
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _sources(cls, value: Any, info) -> Any:
+        """One clear message per bad source instead of pydantic's attempt at every branch of the union."""
+        def spec(item: Any, where: str) -> Any:
+            if isinstance(item, str):
+                return item
+            if not isinstance(item, dict):
+                raise ValueError(f"{where}{': ' if where else ''}expected a source string or a {{source, ratio, ...}} mapping, got {type(item).__name__}")
+            try:
+                return SourceSpec.model_validate(item)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise ValueError(f"{where}{'.' if where else ''}{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+        if isinstance(value, list):
+            if not value and info.field_name == "train":
+                raise ValueError("the list of sources is empty")
+            return [spec(item, f"[{i}]") for i, item in enumerate(value)]
+        return spec(value, "")
     max_length: int = Field(1024, gt=0, description="longer rows are truncated (completion side)")
     group_by_length: bool = Field(False, description="batch rows of similar length together (less padding; changes the sample order)")
     packing: bool = Field(False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)")
@@ -196,7 +234,7 @@ def format_validation_error(exc: ValidationError, model_cls, source: str, prefix
         else:
             got = err.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"  {dotted}: {err['msg']}{shown}")
+            lines.append(f"  {dotted}: {err['msg'].removeprefix('Value error, ')}{shown}")
     return OxrlError(f"invalid config ({source}):\n" + "\n".join(lines))
 
 

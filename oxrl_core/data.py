@@ -2,9 +2,11 @@
 
 Sources (``data.train`` / ``data.eval``): a local ``.jsonl``/``.json``/``.parquet``
 file, a directory written by ``datasets.save_to_disk``, a dataset plugin name, or
-a hub id (through ``datasets.load_dataset``). Every row is checked against the
-format the algorithm consumes (DESIGN §5); a bad row is an `OxrlError` naming
-the file, the row number (1-based; the line number for JSONL) and the field.
+a hub id (through ``datasets.load_dataset``); or a mapping ``{source, ratio, ...}``
+whose other keys are the dataset plugin's options; or a list of those, mixed by
+their ratios (`MixturePlan`). Every row is checked against the format the
+algorithm consumes (DESIGN §5); a bad row is an `OxrlError` naming the file, the
+row number (1-based; the line number for JSONL) and the field.
 
 Tokenisation convention: the prompt goes through the chat template with the
 generation prompt when the tokenizer has one (plain text otherwise); a
@@ -22,18 +24,33 @@ from pathlib import Path
 from typing import Any
 
 from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import Dataset
 
 IGNORE = -100
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass
+class Part:
+    """One source of a run's data: a short name (for ``data/<name>`` metrics) and its sampling ratio."""
+
+    name: str
+    ratio: float
+    origin: str
+
+
+@dataclass
 class Source:
-    """Rows plus where they came from (for error messages) and the plugin, if any."""
+    """Rows plus where they came from (for error messages) and the plugin, if any.
+
+    A mixture of several sources is one `Source` whose rows are the parts' rows one after the
+    other, each tagged ``_source`` (its index in ``parts``) and ``_origin``.
+    """
 
     rows: list[dict]
     origin: str
     dataset: Any = None  # the Dataset plugin instance, when the source is one
+    parts: list[Part] | None = None
 
 
 # ----------------------------------------------------------------------------- loading
@@ -95,9 +112,15 @@ def _from_hf(ds, origin: str, split: str) -> list[dict]:
     return [{**row, "_row": i} for i, row in enumerate(ds, start=1)]
 
 
-def load_source(spec: str, split: str, registry=None) -> Source:
-    """Resolve a `data.train`/`data.eval` string to rows."""
+def load_source(spec: str, split: str, registry=None, options: dict | None = None, field: str = "data.train") -> Source:
+    """Resolve one source string to rows; ``options`` go to a dataset plugin's ``Config``."""
     path = Path(spec).expanduser()
+    is_plugin = not path.exists() and registry is not None and spec in registry.entries["dataset"]
+    if options and not is_plugin:
+        raise OxrlError(
+            f"{field}.{next(iter(options))}: options apply to dataset plugins only, and '{spec}' is not one "
+            "(a file, a directory or a hub id takes just `source` and `ratio`)"
+        )
     if path.is_file():
         suffix = path.suffix.lower()
         readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
@@ -112,9 +135,8 @@ def load_source(spec: str, split: str, registry=None) -> Source:
         except Exception as exc:  # noqa: BLE001
             raise OxrlError(f"{path}: not a dataset saved with `datasets.save_to_disk` ({exc})") from None
         return Source(_from_hf(ds, str(path), split), str(path))
-    if registry is not None and spec in registry.entries["dataset"]:
-        cls = registry.load("dataset", spec)
-        dataset = cls()
+    if is_plugin:
+        dataset = build_dataset(registry, spec, options or {}, field)
         try:
             rows = dataset.rows(split)
         except OxrlError:
@@ -140,13 +162,123 @@ def load_source(spec: str, split: str, registry=None) -> Source:
     return Source(_from_hf(ds, spec, split), spec)
 
 
-def eval_source(data_cfg, split_registry, train_source: Source) -> Source | None:
-    """Held-out rows: ``data.eval`` when set, else the eval split of a dataset-plugin ``data.train``, else none."""
+def build_dataset(registry, name: str, options: dict, field: str):
+    """The dataset plugin ``name`` with its options validated by its ``Config`` (errors name ``field.option``)."""
+    from pydantic import ValidationError
+
+    from oxrl_core.config import format_validation_error
+    from oxrl_core.errors import PluginError
+    from oxrl_core.interfaces import Dataset
+
+    cls = registry.load("dataset", name)
+    if not (isinstance(cls, type) and issubclass(cls, Dataset)):
+        raise PluginError(f"dataset '{name}': {cls!r} is not an oxrl_core.Dataset subclass")
+    try:
+        config = cls.Config.model_validate(options)
+    except ValidationError as exc:
+        raise format_validation_error(exc, cls.Config, f"dataset '{name}'", prefix=f"{field}.") from None
+    try:
+        return cls(config)
+    except OxrlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin that cannot start is reported with its name
+        raise OxrlError(f"{field}: dataset '{name}' could not start: {type(exc).__name__}: {exc}") from None
+
+
+def source_specs(value, field: str) -> list[tuple[str, float, dict, str]]:
+    """``data.train``/``data.eval`` as (source, ratio, plugin options, field label) per source."""
+    items = value if isinstance(value, list) else [value]
+    specs = []
+    for i, item in enumerate(items):
+        label = f"{field}[{i}]" if isinstance(value, list) else field
+        if isinstance(item, str):
+            specs.append((item, 1.0, {}, label))
+        else:  # config.SourceSpec (or a plain mapping)
+            data = item if isinstance(item, dict) else item.model_dump()
+            data = dict(data)
+            source, ratio = data.pop("source"), float(data.pop("ratio", 1.0))
+            specs.append((source, ratio, data, label))
+    return specs
+
+
+def _part_name(spec: str, taken: set[str]) -> str:
+    path = Path(spec)
+    base = path.stem if path.suffix.lower() in FILE_SUFFIXES else (path.name or spec)
+    base = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in base) or "source"
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def load_data(value, split: str, registry=None, field: str = "data.train") -> Source:
+    """All sources of ``data.train`` (or ``data.eval``), one `Source`; several are tagged for mixing."""
+    specs = source_specs(value, field)
+    if not specs:
+        raise OxrlError(f"{field}: the list of sources is empty")
+    taken: set[str] = set()
+    loaded = [(load_source(spec, split, registry, options, label), spec, ratio) for spec, ratio, options, label in specs]
+    parts = [Part(_part_name(spec, taken), ratio, src.origin) for src, spec, ratio in loaded]
+    if len(loaded) == 1:
+        source = loaded[0][0]
+        source.parts = parts
+        return source
+    rows = []
+    for i, (src, _, _) in enumerate(loaded):
+        rows += [{**r, "_source": i, "_origin": src.origin} for r in src.rows]
+    datasets = [src.dataset for src, _, _ in loaded]
+    origin = " + ".join(f"{p.origin} ({p.ratio:g})" for p in parts)
+    return Source(rows, origin, MixedDataset.of(datasets), parts)
+
+
+def eval_source(data_cfg, registry, train_source: Source) -> Source | None:
+    """Held-out rows: ``data.eval`` when set, else the eval splits of the dataset plugins in
+    ``data.train`` (those that have one), else none."""
     if data_cfg.eval:
-        return load_source(data_cfg.eval, "eval", split_registry)
-    if train_source.dataset is not None:
-        return load_source(data_cfg.train, "eval", split_registry)
-    return None
+        return load_data(data_cfg.eval, "eval", registry, "data.eval")
+    plugin_specs = [
+        (spec, options, label)
+        for spec, _, options, label in source_specs(data_cfg.train, "data.train")
+        if not Path(spec).expanduser().exists() and registry is not None and spec in registry.entries["dataset"]
+    ]
+    held_out = [s for s in (load_source(spec, "eval", registry, options, label) for spec, options, label in plugin_specs) if s.rows]
+    if not held_out:
+        return None
+    if len(held_out) == 1:
+        return held_out[0]
+    rows = []
+    for i, src in enumerate(held_out):
+        rows += [{**r, "_source": i, "_origin": src.origin} for r in src.rows]
+    return Source(rows, " + ".join(s.origin for s in held_out), MixedDataset.of([s.dataset for s in held_out]))
+
+
+class MixedDataset(Dataset):
+    """Several dataset plugins' answer checks behind one: a row is checked by the plugin it came from."""
+
+    name = "mix"
+    formats = ()
+
+    def __init__(self, datasets: list):
+        super().__init__()
+        self.datasets = datasets
+
+    @classmethod
+    def of(cls, datasets: list):
+        """One plugin when every part is the same one; a mix when every part can check answers; else None."""
+        from oxrl_core.evaluation import can_verify
+
+        if all(d is not None for d in datasets) and len({id(d) for d in datasets}) == 1:
+            return datasets[0]
+        if datasets and all(can_verify(d) for d in datasets):
+            return cls(datasets)
+        return None
+
+    def rows(self, split: str) -> list[dict]:
+        raise OxrlError("a mixture of datasets is read through its parts")
+
+    def verify(self, completion: str, row: dict) -> bool | None:
+        return self.datasets[row.get("_source", 0)].verify(completion, row)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -172,7 +304,7 @@ def _check_messages(value, where: str, field: str) -> None:
 
 def normalise_row(row: dict, fmt: str, origin: str) -> dict:
     """Check `row` against `fmt`; return it with `prompt` (str or messages) and the format's fields."""
-    where = f"{origin}: row {row.get('_row', '?')}"
+    where = f"{row.get('_origin', origin)}: row {row.get('_row', '?')}"
     if fmt == "prompt_response" and "messages" in row and "prompt" not in row:
         msgs = row["messages"]
         _check_messages(msgs, where, "messages")
@@ -277,20 +409,30 @@ def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int) 
 
 
 def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int, self_play: bool = False) -> Tokenised:
+    """Validated, tokenised examples; each carries ``_source`` (its part of a mixture; 0 otherwise).
+
+    The parts of a mixture are tokenised one by one, so CPT blocks never span two sources.
+    """
     if not source.rows:
         raise OxrlError(f"{source.origin}: no rows")
-    rows = [normalise_row(r, fmt, source.origin) for r in source.rows]
-    if fmt in ("preference", "unpaired") or self_play:
-        out = tokenise_preference(rows, fmt, tokenizer, max_length)
-    elif fmt == "prompt_response":
-        out = tokenise_prompt_response(rows, tokenizer, max_length)
-    elif fmt == "text":
-        out = tokenise_text_packed(rows, tokenizer, max_length)
-    else:
-        raise OxrlError(f"the supervised and preference loops cannot train on '{fmt}' rows")
-    if not out.examples:
-        raise OxrlError(f"{source.origin}: every row was longer than data.max_length={max_length} in its prompt")
-    return out
+    by_part: dict[int, list[dict]] = {}
+    for r in source.rows:
+        by_part.setdefault(r.get("_source", 0), []).append(normalise_row(r, fmt, source.origin))
+    examples, dropped = [], 0
+    for part, rows in by_part.items():
+        if fmt in ("preference", "unpaired") or self_play:
+            out = tokenise_preference(rows, fmt, tokenizer, max_length)
+        elif fmt == "prompt_response":
+            out = tokenise_prompt_response(rows, tokenizer, max_length)
+        elif fmt == "text":
+            out = tokenise_text_packed(rows, tokenizer, max_length)
+        else:
+            raise OxrlError(f"the supervised and preference loops cannot train on '{fmt}' rows")
+        if not out.examples:
+            raise OxrlError(f"{rows[0].get('_origin', source.origin)}: every row was longer than data.max_length={max_length} in its prompt")
+        examples += [{**ex, "_source": part} for ex in out.examples]
+        dropped += out.dropped
+    return Tokenised(examples, dropped)
 
 
 # ----------------------------------------------------------------------------- batching
@@ -338,6 +480,100 @@ class BatchPlan:
     def micro_batch(self, k: int) -> list[int]:
         epoch, index = divmod(k, self.batches_per_epoch)
         return self.epoch(epoch)[index]
+
+
+    def counts(self, indices: list[int]) -> dict[str, float]:
+        """Per-source counts of a batch (``data/<name>``); one source has none."""
+        return {}
+
+
+class MixturePlan:
+    """Micro-batches drawn from several sources by their ratios; the k-th depends only on (seed, k).
+
+    Every row slot j = k·batch_size + b picks its source at random with probability
+    ratio_s / Σ ratios (a seeded generator per block of slots), so a 3:1 mix draws about
+    3:1 whatever the sources' sizes. The c-th draw from source s is row ``perm_s,e[c mod n_s]``
+    of a seeded shuffle per pass e = c // n_s: a source is walked in shuffled passes, and a
+    small source repeats. Like `BatchPlan`, the data position is one integer, so `--resume`
+    continues exactly where the run stopped.
+    """
+
+    BLOCK = 1 << 14  # row slots per block of source choices
+
+    def __init__(self, sources_of: list[int], parts: list, batch_size: int, seed: int):
+        import numpy as np
+
+        self.np = np
+        self.names = [p.name for p in parts]
+        self.members = [np.flatnonzero(np.asarray(sources_of) == s) for s in range(len(parts))]
+        for part, members in zip(parts, self.members):
+            if len(members) == 0:
+                raise OxrlError(f"{part.origin}: no usable rows in this source of the mixture")
+        ratios = np.array([p.ratio for p in parts], dtype=np.float64)
+        self.probs = ratios / ratios.sum()
+        self.batch_size, self.seed = batch_size, seed
+        self.total = len(sources_of)
+        self._starts = [np.zeros(len(parts), dtype=np.int64)]  # draws per source before block m
+        self._blocks: dict[int, tuple] = {}
+        self._perms: dict[tuple[int, int], object] = {}
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return -(-self.total // self.batch_size)
+
+    def _block(self, m: int):
+        """(source of each slot, the draw number of each slot within its source) for block m."""
+        if m not in self._blocks:
+            np = self.np
+            while len(self._starts) <= m:  # draws before each block, accumulated block by block
+                choice = np.random.default_rng([self.seed, len(self._starts) - 1]).choice(len(self.probs), self.BLOCK, p=self.probs)
+                self._starts.append(self._starts[-1] + np.bincount(choice, minlength=len(self.probs)))
+            choice = np.random.default_rng([self.seed, m]).choice(len(self.probs), self.BLOCK, p=self.probs)
+            draw = np.empty(self.BLOCK, dtype=np.int64)
+            for s in range(len(self.probs)):
+                where = np.flatnonzero(choice == s)
+                draw[where] = self._starts[m][s] + np.arange(len(where))
+            self._blocks = {m: (choice, draw)}
+        return self._blocks[m]
+
+    def _row(self, source: int, draw: int) -> int:
+        members = self.members[source]
+        epoch, index = divmod(int(draw), len(members))
+        key = (source, epoch)
+        if key not in self._perms:
+            if len(self._perms) > 64:
+                self._perms.clear()
+            self._perms[key] = self.np.random.default_rng([self.seed, 1 + source, epoch]).permutation(members)
+        return int(self._perms[key][index])
+
+    def micro_batch(self, k: int) -> list[int]:
+        rows = []
+        for j in range(k * self.batch_size, (k + 1) * self.batch_size):
+            m, offset = divmod(j, self.BLOCK)
+            choice, draw = self._block(m)
+            rows.append(self._row(int(choice[offset]), int(draw[offset])))
+        return rows
+
+    def source_of(self, index: int) -> int:
+        for s, members in enumerate(self.members):
+            pos = self.np.searchsorted(members, index)
+            if pos < len(members) and members[pos] == index:
+                return s
+        raise IndexError(index)
+
+    def counts(self, indices: list[int]) -> dict[str, float]:
+        """``data/<name>``: how many rows of the batch came from each source."""
+        found = [0] * len(self.names)
+        for i in indices:
+            found[self.source_of(i)] += 1
+        return {f"data/{name}": float(n) for name, n in zip(self.names, found)}
+
+
+def make_plan(source: Source, sources_of: list[int], lengths: list[int], batch_size: int, seed: int, group_by_length: bool):
+    """A `BatchPlan` for one source, a `MixturePlan` for several (length grouping does not apply to a mix)."""
+    if source.parts is not None and len(source.parts) > 1:
+        return MixturePlan(sources_of, source.parts, batch_size, seed)
+    return BatchPlan(lengths, batch_size, seed, group_by_length)
 
 
 def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:

@@ -353,7 +353,7 @@ def test_prepare_examples_with_messages_rows(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
     from_messages = prepare_examples(load_source(str(path), "train"), "prompt_response", tokenizer, 64).examples
     from_prompt = tokenise_prompt_response([{"prompt": "Hi", "response": "42"}], tokenizer, 64).examples
-    assert from_messages == from_prompt
+    assert from_messages == [{**ex, "_source": 0} for ex in from_prompt]  # prepare_examples tags each example's source
 
 
 def test_prepare_examples_all_rows_too_long(tmp_path, tokenizer):

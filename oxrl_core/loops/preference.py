@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.checkpoint import load_training_state, save_checkpoint, save_model
-from oxrl_core.data import IGNORE, BatchPlan, collate, eval_source, load_source, prepare_examples
+from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
@@ -249,7 +249,7 @@ def run_preference(trainer, ckpt: Path | None):
     policy_path = initial_policy_path(cfg.model.name, log=reporter.info)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
-    train_source = load_source(cfg.data.train, "train", trainer.registry)
+    train_source = load_data(cfg.data.train, "train", trainer.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
     if train.dropped:
         reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
@@ -309,7 +309,7 @@ def run_preference(trainer, ckpt: Path | None):
     iteration_steps = -(-cfg.train.max_steps // algorithm.iterations()) if self_play else cfg.train.max_steps
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
     lengths = [len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids") for ex in train.examples]
-    plan = BatchPlan(lengths, cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
+    plan = make_plan(train_source, [ex["_source"] for ex in train.examples], lengths, cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
     accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
@@ -343,7 +343,8 @@ def run_preference(trainer, ckpt: Path | None):
             t0 = time.perf_counter()
             if self_play and step > 1 and (step - 1) % iteration_steps == 0:
                 ref.load_state_dict(model.state_dict())  # a new iteration plays against the current policy
-            micro = [[train.examples[i] for i in plan.micro_batch(k)] for k in range(position, position + accum)]
+            picks = [plan.micro_batch(k) for k in range(position, position + accum)]
+            micro = [[train.examples[i] for i in idx] for idx in picks]
             position += accum
             total_rows = sum(len(mb) for mb in micro)
             lr = engine.lr
@@ -377,6 +378,7 @@ def run_preference(trainer, ckpt: Path | None):
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
+                **plan.counts([i for idx in picks for i in idx]),
             }
             if self_play:
                 record["iteration"] = (step - 1) // iteration_steps + 1

@@ -26,7 +26,7 @@ import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.critic import build_critic
-from oxrl_core.data import BatchPlan, encode_prompt, eval_source, load_source, normalise_row
+from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
@@ -245,7 +245,7 @@ def run_rl(trainer, ckpt: Path | None):
     # ---- data and reward (before any model loads, so bad input fails fast)
     policy_path = initial_policy_path(cfg.model.name, log=reporter.info)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
-    train_source = load_source(cfg.data.train, "train", trainer.registry)
+    train_source = load_data(cfg.data.train, "train", trainer.registry)
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
     if dropped:
         reporter.info(f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}")
@@ -290,7 +290,7 @@ def run_rl(trainer, ckpt: Path | None):
         reporter.info(f"resuming from {ckpt} (step {start_step})")
     version = start_step  # the policy version: optimiser phases completed
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
-    plan = BatchPlan([len(p) for p in prompt_ids], cfg.train.batch_size, cfg.train.seed, group_by_length=False)
+    plan = make_plan(train_source, [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids], cfg.train.batch_size, cfg.train.seed, False)
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
         f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} ({len(rows)} prompts) · "
@@ -365,6 +365,7 @@ def run_rl(trainer, ckpt: Path | None):
                 "perf/step_s": time.perf_counter() - t_step,
                 "perf/tokens": float(batch["attention_mask"].sum()),
                 "perf/tokens_per_s": float(batch["attention_mask"].sum()) / (time.perf_counter() - t_step),
+                **plan.counts(picks),
             })
             if step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
                 record.update(run_eval())

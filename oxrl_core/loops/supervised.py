@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
-from oxrl_core.data import IGNORE, BatchPlan, collate, eval_source, load_source, prepare_examples
+from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
@@ -79,10 +79,13 @@ def run_supervised(trainer, ckpt: Path | None):
     # ---- data
     tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     fmt = spec.data_format
-    train_source = load_source(cfg.data.train, "train", trainer.registry)
+    train_source = load_data(cfg.data.train, "train", trainer.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length)
     eval_examples, eval_rows, eval_dataset = _eval_data(cfg, trainer.registry, train_source, fmt, tokenizer)
-    plan = BatchPlan([len(e["input_ids"]) for e in train.examples], cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
+    plan = make_plan(
+        train_source, [e["_source"] for e in train.examples], [len(e["input_ids"]) for e in train.examples],
+        cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length,
+    )
     if train.dropped:
         reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
 
@@ -140,10 +143,8 @@ def run_supervised(trainer, ckpt: Path | None):
     try:
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
-            micro = [
-                collate([train.examples[i] for i in plan.micro_batch(k)], tokenizer.pad_token_id, cfg.data.packing)
-                for k in range(position, position + accum)
-            ]
+            picks = [plan.micro_batch(k) for k in range(position, position + accum)]
+            micro = [collate([train.examples[i] for i in idx], tokenizer.pad_token_id, cfg.data.packing) for idx in picks]
             position += accum
             weights = [micro_batch_weight(mb, spec.loss_weighting) for mb in micro]
             total_weight = sum(weights) or 1.0
@@ -177,6 +178,7 @@ def run_supervised(trainer, ckpt: Path | None):
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
+                **plan.counts([i for idx in picks for i in idx]),
             }
             if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
                 record.update(run_eval())

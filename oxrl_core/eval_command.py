@@ -1,0 +1,111 @@
+"""`oxrl eval`: generate on held-out prompts and report mean reward, pass@1 and pass@k.
+
+A sample is *correct* when its reward is at least 1 (the dataset's answer check passed, every
+test of the ``code`` reward passed, ...). With ``n`` samples per prompt of which ``c`` are
+correct, pass@k is the unbiased estimator of Chen et al. (2021, the Codex paper), averaged over
+prompts:
+
+    pass@k = 1 − C(n − c, k) / C(n, k)
+
+so pass@1 is the mean accuracy of single samples. With ``n = 1`` decoding is greedy by default
+and pass@1 is the greedy accuracy; with ``n > 1`` the default temperature is 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from oxrl_core.errors import OxrlError
+
+CORRECT = 1.0 - 1e-9  # a reward at least this large counts as a correct sample
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """1 − C(n−c, k)/C(n, k): the chance that at least one of k of the n samples is correct."""
+    if n - c < k:
+        return 1.0
+    # the product form of the binomial ratio, stable for large n (as in the Codex paper's code)
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def ks_for(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def evaluate_model(
+    model: str, data: Any, reward: str = "", n: int = 1, temperature: float | None = None,
+    max_new_tokens: int = 64, limit: int = 0, batch_size: int = 32, seed: int = 0, backend: str = "hf",
+) -> dict:
+    """Generate ``n`` completions per held-out prompt, score them, and return the report."""
+    import torch
+
+    from oxrl_core.config import RolloutConfig, RunConfig
+    from oxrl_core.data import encode_prompt, load_data, normalise_row
+    from oxrl_core.interfaces import SamplingParams
+    from oxrl_core.models import load_causal_lm, load_tokenizer
+    from oxrl_core.plugins import registry as get_registry
+    from oxrl_core.rewards import build_reward, score_batch
+
+    registry = get_registry()
+    temperature = (0.0 if n == 1 else 1.0) if temperature is None else temperature
+    if n > 1 and temperature == 0:
+        raise OxrlError("--n > 1 with --temperature 0 gives n identical greedy samples; set a temperature above 0")
+
+    # data and reward first: bad input fails before a model loads
+    source = load_data(data, "eval", registry, field="--data")
+    if not source.rows:
+        raise OxrlError(f"--data: {source.origin} has no held-out rows (a dataset plugin without an eval split needs a file)")
+    rows = [normalise_row(r, "prompt", source.origin) for r in source.rows]
+    if limit:
+        rows = rows[:limit]
+    config = RunConfig.model_validate({"algorithm": "eval", "reward": {"name": reward}})
+    scorer = build_reward(config, registry, dataset=source.dataset, source="--reward")
+
+    tokenizer = load_tokenizer(model, field="--model")
+    policy = load_causal_lm(model, field="--model")
+    policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    rollout = RolloutConfig(backend=backend, n=n, max_new_tokens=max_new_tokens, temperature=temperature)
+    generator = registry.load("rollout_backend", backend).build(policy, tokenizer, model, rollout)
+
+    prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    texts, lengths = [], []
+    try:
+        for start in range(0, len(rows), batch_size):
+            for group in generator.generate(prompt_ids[start : start + batch_size], sampling):
+                texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+                lengths += [len(c.token_ids) for c in group]
+    finally:
+        generator.close()
+    sample_rows = [r for r in rows for _ in range(n)]
+    scores, reward_metrics = score_batch(scorer, [r["prompt"] for r in sample_rows], texts, sample_rows)
+
+    correct = [sum(s >= CORRECT for s in scores[i * n : (i + 1) * n]) for i in range(len(rows))]
+    metrics: dict[str, float] = {
+        "reward/mean": reward_metrics["reward/mean"],
+        "reward/std": reward_metrics["reward/std"],
+    }
+    for k in ks_for(n):
+        metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(rows)
+    metrics.update({
+        "reward/errors": reward_metrics["reward/errors"],
+        "reward/timeouts": reward_metrics["reward/timeouts"],
+        "response/length": sum(lengths) / len(lengths),
+        "prompts": len(rows),
+        "samples": len(texts),
+    })
+    samples = [
+        {"row": r.get("_row"), "completions": texts[i * n : (i + 1) * n], "scores": scores[i * n : (i + 1) * n]}
+        for i, r in enumerate(rows)
+    ]
+    return {
+        "model": model, "data": source.origin, "reward": getattr(scorer, "name", type(scorer).__name__),
+        "n": n, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
+        "metrics": metrics, "samples": samples,
+    }
