@@ -60,7 +60,12 @@ def save_model(dest: Path, model, tokenizer, extra=None) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    from oxrl_core.lora import is_peft, save_lora
+
+    if is_peft(model):
+        save_lora(tmp, model)  # merged HF weights, and the adapter in adapter/
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if extra is not None:
         extra(tmp)

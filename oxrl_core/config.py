@@ -124,6 +124,18 @@ class RewardConfig(StrictModel):
     timeout_s: float | None = Field(None, gt=0, description="seconds per scoring call (default: the reward's own)")
 
 
+class LoraConfig(StrictModel):
+    """LoRA adapters through PEFT for the policy (any algorithm); `final/` holds merged weights and `final/adapter/`."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of every weight")
+    r: int = Field(16, gt=0, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling: the update is (alpha / r) · B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    target_modules: Union[str, list[str]] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or `all-linear` (every linear layer but the output head)"
+    )
+
+
 class LoggingConfig(StrictModel):
     tensorboard: bool = Field(False, description="write TensorBoard events to <run>/tensorboard")
     mlflow: bool = Field(False, description="log to MLflow")
@@ -142,6 +154,7 @@ class RunConfig(StrictModel):
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
     logging: LoggingConfig = LoggingConfig()
+    lora: LoraConfig = LoraConfig()
     alg: dict[str, Any] = Field(default_factory=dict)
 
 

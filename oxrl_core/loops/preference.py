@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.checkpoint import load_training_state, save_checkpoint, save_model
+from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
@@ -122,10 +123,11 @@ def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sequence_scores(model, batch: dict) -> torch.Tensor:
     """A scalar head read at each sequence's last token (its EOS): (N,)."""
-    backbone = getattr(model, model.base_model_prefix)
+    inner = model.get_base_model() if is_peft(model) else model  # under LoRA: the adapted model, `score` trainable
+    backbone = getattr(inner, inner.base_model_prefix)
     hidden = backbone(**_model_inputs(batch), use_cache=False).last_hidden_state  # (R, T, H)
     last = batch["last"]  # (N, 2)
-    return model.score(hidden[last[:, 0], last[:, 1]]).squeeze(-1).float()  # (N,)
+    return inner.score(hidden[last[:, 0], last[:, 1]]).squeeze(-1).float()  # (N,)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -277,11 +279,14 @@ def run_preference(trainer, ckpt: Path | None):
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
     if packing and attn == PACKED_SDPA and fmt != "unpaired":
         packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
-    start = str(ckpt) if ckpt else policy_path
+    start, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
     if spec.head == "score":
         model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     else:
         model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    model = apply_lora(model, cfg.lora, spec.head, resume_from=adapter_ckpt)
+    if cfg.lora.enabled:
+        reporter.info(trainable_summary(model))
     ref = None
     if algorithm.uses_ref():  # the initial policy (or model.ref), never the checkpoint being resumed
         ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
@@ -342,7 +347,7 @@ def run_preference(trainer, ckpt: Path | None):
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
             if self_play and step > 1 and (step - 1) % iteration_steps == 0:
-                ref.load_state_dict(model.state_dict())  # a new iteration plays against the current policy
+                ref.load_state_dict(policy_state_dict(model))  # a new iteration plays against the current policy
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
             micro = [[train.examples[i] for i in idx] for idx in picks]
             position += accum

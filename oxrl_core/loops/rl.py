@@ -26,6 +26,7 @@ import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.critic import build_critic
+from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
@@ -263,7 +264,11 @@ def run_rl(trainer, ckpt: Path | None):
     if cfg.data.packing and not spec.needs_critic:
         attn = packed_attn_implementation(attn)
     shared = attn == PACKED_SDPA
-    model = load_causal_lm(str(ckpt) if ckpt else policy_path, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    load_from, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
+    model = load_causal_lm(load_from, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    model = apply_lora(model, cfg.lora, resume_from=adapter_ckpt)
+    if cfg.lora.enabled:
+        reporter.info(trainable_summary(model))
     ref = None
     if algorithm.uses_ref():  # the reference is the initial policy (never the checkpoint being resumed)
         ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)

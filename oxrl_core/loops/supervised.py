@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
+from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
 from oxrl_core.engines.torch_engine import TorchEngine
 from oxrl_core.errors import OxrlError
@@ -92,11 +93,15 @@ def run_supervised(trainer, ckpt: Path | None):
     # ---- models (the tokenizer is loaded with the data, so bad data fails before any model loads)
     # packed micro-batches: attention row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
     attn = packed_attn_implementation(cfg.model.attn_implementation) if cfg.data.packing else cfg.model.attn_implementation
+    load_from, adapter_ckpt = start_path(cfg.model.name, ckpt, cfg.lora)
     model = load_causal_lm(
-        str(ckpt) if ckpt else cfg.model.name,
+        load_from,
         attn_implementation=attn,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    model = apply_lora(model, cfg.lora, resume_from=adapter_ckpt)
+    if cfg.lora.enabled:
+        reporter.info(trainable_summary(model))
     teacher = None
     if spec.needs_teacher:
         teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=attn)
