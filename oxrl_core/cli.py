@@ -85,6 +85,55 @@ def doctor():
         out.print(f"[red]plugin '{escape(e.plugin)}'[/red] ({escape(e.package)} {e.version}) failed to load: {escape(e.error)}", highlight=False, soft_wrap=True)
 
 
+@app.command()
+def score(
+    reward: str = typer.Option(..., "--reward", "-r", help="reward name (see `oxrl plugins`) or file.py:Class"),
+    data: Path = typer.Option(..., "--data", "-d", help="JSONL/JSON/Parquet rows that hold a `completion` (plus the fields the reward needs)"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="write one JSON object per row here (default: stdout)"),
+    set_: list[str] = typer.Option([], "--set", "-s", help="a reward option: --set workers=4 (repeatable)"),
+):
+    """Score completions with a reward before a run: one JSON object per row with `score` and the reward's details."""
+    from oxrl_core.scoring import score_file
+
+    score_file(reward, data, output, set_, console=err)
+
+
+@app.command("eval")
+def eval_(
+    model: str = typer.Option(..., "--model", "-m", help="a model directory (e.g. runs/sft-.../final) or hub id"),
+    data: str = typer.Option("arith", "--data", "-d", help="held-out rows: a file, a dataset plugin (its eval split) or a hub id"),
+    reward: str = typer.Option("", "--reward", "-r", help="reward name; empty = the dataset plugin's own answer check"),
+    n: int = typer.Option(1, "--n", "-n", min=1, help="samples per prompt; n > 1 also reports pass@k for k = 1, 2, 4, ..., n"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0, help="default: 0 (greedy) when n = 1, else 1.0"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    limit: int = typer.Option(0, "--limit", min=0, help="evaluate only the first N rows (0 = all)"),
+    batch_size: int = typer.Option(32, "--batch-size", min=1, help="prompts per generate call"),
+    seed: int = typer.Option(0, "--seed"),
+    backend: str = typer.Option("hf", "--backend", help="rollout backend plugin that generates"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="also write the report, with every completion and score, as JSON here"),
+    as_json: bool = typer.Option(False, "--json", help="print the report (without the samples) as JSON instead of a table"),
+):
+    """Evaluate a model on held-out prompts: mean reward, pass@1 and pass@k."""
+    from oxrl_core.eval_command import evaluate_model
+
+    report = evaluate_model(
+        model=model, data=data, reward=reward, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
+        limit=limit, batch_size=batch_size, seed=seed, backend=backend,
+    )
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2) + "\n")
+    if as_json:
+        out.print_json(json.dumps({k: v for k, v in report.items() if k != "samples"}))
+        return
+    table = Table(title=f"oxrl eval · {escape(model or 'built-in tiny model')} · {escape(report['data'])}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in report["metrics"].items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    out.print(table)
+
+
 @app.command("new-plugin")
 def new_plugin(
     name: str = typer.Argument(..., help="algorithm name, e.g. myalg (package oxrl-myalg)"),

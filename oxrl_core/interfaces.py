@@ -128,6 +128,11 @@ class Reward(ABC):
     def score(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[float]:
         """One float per completion; ``examples`` are the dataset rows (extra fields such as ``answer``)."""
 
+    def score_details(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[dict]:
+        """One dict per completion with at least ``score`` (what `score` returns) plus whatever the
+        reward can say about it (``oxrl score`` writes these). Default: ``{"score": s}``."""
+        return [{"score": s} for s in self.score(prompts, completions, examples)]
+
 
 class Dataset(ABC):
     """A named source of rows in one of the formats of DESIGN §5."""

@@ -160,11 +160,12 @@ def build_reward(config, registry, default_name: str = "", dataset=None, source:
     """
     from oxrl_core.config import validate_reward_section
     from oxrl_core.errors import OxrlError, PluginError
-    from oxrl_core.evaluation import can_verify
     from oxrl_core.interfaces import Reward
 
     name = config.reward.name or default_name
     if not name:
+        from oxrl_core.evaluation import can_verify  # imports torch: only when the dataset checks answers
+
         if can_verify(dataset):
             if config.reward.model_extra:
                 raise OxrlError(f"reward.{next(iter(config.reward.model_extra))}: options need a reward.name")

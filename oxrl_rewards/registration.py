@@ -1,8 +1,9 @@
 """One entry point per reward. Each registers an import path, so discovery never imports math-verify
 (nor torch/transformers, which `reward_model` and `llm_judge` load on first use).
 
-The files are `math_answer.py` and `tag_format.py`, not `math.py`/`format.py`: a module named
-like a standard-library one shadows it whenever this directory is the working directory.
+The files are `math_answer.py`, `tag_format.py` and `code_exec.py`, not `math.py`/`format.py`/
+`code.py`: a module named like a standard-library one shadows it whenever this directory is the
+working directory.
 """
 
 from oxrl_core.hookspecs import Registers
@@ -16,3 +17,4 @@ numeric = Registers("reward", "numeric", "oxrl_rewards.numeric:NumericReward")
 arith = Registers("reward", "arith", "oxrl_rewards.arith:ArithReward")
 reward_model = Registers("reward", "reward_model", "oxrl_rewards.reward_model:RewardModelReward")
 llm_judge = Registers("reward", "llm_judge", "oxrl_rewards.llm_judge:LLMJudgeReward")
+code = Registers("reward", "code", "oxrl_rewards.code_exec:CodeReward")
