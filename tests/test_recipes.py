@@ -20,6 +20,7 @@ CASES = {
     "ultrafeedback_dpo": ([f"data.train.path={DATA / 'ultrafeedback_binarized'}"], "rewards/accuracies"),
     "hh_rlhf_rm": ([f"data.train.path={DATA / 'hh_rlhf'}"], "rewards/accuracies"),
     "alpaca_sft": ([f"data.train.path={DATA / 'alpaca'}"], "loss/nll"),
+    "code_sgrpo": ([f"data.train={ROOT / 'tests' / 'fixtures' / 'code' / 'train.jsonl'}", "reward.workers=2"], "reward/mean"),
     "mix_sft": ([f"data.train=[{{source: alpaca, ratio: 3, path: {DATA / 'alpaca'}}}, "
                  f"{{source: gsm8k, ratio: 1, path: {DATA / 'gsm8k'}}}]"], "data/gsm8k"),
 }
