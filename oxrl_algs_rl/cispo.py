@@ -3,7 +3,10 @@
 With group-relative advantages A_i (as in GRPO: z-scores of the rewards within a prompt's group):
 
     ρ_{i,t} = π_θ(o_{i,t}) / π_old(o_{i,t})
-    L = −(1/Σ_i|o_i|) Σ_i Σ_t sg(clip(ρ_{i,t}, 1−ε_low, 1+ε_high)) · A_i · log π_θ(o_{i,t})
+    L = −(1/Σ_i|o_i|) Σ_i Σ_t sg(clip(ρ_{i,t}, 1−ε_low, 1+ε_high)) · A_i · log π_θ(o_{i,t}) · w_{i,t}
+
+w_{i,t} = min(π_old(o_{i,t}) / π_rollout(o_{i,t}), C) is the truncated importance weight (TIS, Yao et
+al. 2025) against the rollout engine's numerics, detached, with C = ``rollout.tis_cap``; 1 when off.
 
 Unlike PPO/GRPO, which drop the gradient of a token whose ratio leaves the clip range, CISPO
 clips and detaches the importance weight, so every token keeps a gradient (rare "fork" tokens
@@ -44,8 +47,10 @@ class CISPO(Algorithm):
         ratio = torch.exp(logp - batch["logp_old"])  # ρ (B, T)
         # sg(clip(ρ, 1−ε_low, 1+ε_high)): a detached weight, so the gradient flows through log π_θ only
         weight = ratio.clamp(1 - c.eps_low, 1 + c.eps_high).detach()  # (B, T)
-        # L = −(1/Σ|o_i|) Σ_i Σ_t w · A · log π_θ
-        loss = masked_mean(-weight * adv * logp, mask)
+        # TIS: w_tis = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
+        tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
+        # L = −(1/Σ|o_i|) Σ_i Σ_t w · A · log π_θ · w_tis
+        loss = masked_mean(-weight * adv * logp * tis_weight, mask)
         clipped = (ratio > 1 + c.eps_high) | (ratio < 1 - c.eps_low)
         return loss, {
             "loss/policy": loss.detach(),

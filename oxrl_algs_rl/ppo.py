@@ -10,14 +10,17 @@ KL penalty to the reference policy is folded into the reward:
     R_t = A_t + V(s_t)                                        value target
 
     ρ_t  = π_θ(o_t) / π_old(o_t)
-    L_π  = −mean_t min(ρ_t Â_t, clip(ρ_t, 1−ε, 1+ε) Â_t)      Â: A whitened over the batch
+    L_π  = −mean_t w_t · min(ρ_t Â_t, clip(ρ_t, 1−ε, 1+ε) Â_t)   Â: A whitened over the batch
+    w_t  = min(π_old(o_t) / π_rollout(o_t), C)                TIS weight (Yao et al. 2025), detached
     L_V  = ½ · mean_t max((V_θ − R_t)², (V_old + clip(V_θ − V_old, −ε_V, ε_V) − R_t)²)
     L    = L_π + c_V · L_V − c_H · mean_t H(π_θ(· | s_t))
 
 Means run over every completion token of the batch. GAE is computed for all positions at once
 as a product with a (T, T) matrix of discount powers (no Python loop over time); that costs
 T² memory, small next to the (B, T, V) logits. Deviation: a completion cut at the length
-limit is treated as terminal (no bootstrap from V), as in TRL and OpenRLHF.
+limit is treated as terminal (no bootstrap from V), as in TRL and OpenRLHF. The truncated
+importance weight w_t corrects for the rollout engine's numerics (C = ``rollout.tis_cap``; w = 1 when
+off, the default); it weights the policy term only, not the value loss.
 """
 
 from __future__ import annotations
@@ -104,7 +107,9 @@ class PPO(Algorithm):
         # clipped policy loss
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # ρ (B, T)
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_eps, 1 + c.clip_eps) * adv)  # (B, T)
-        loss_policy = masked_mean(-surrogate, mask)
+        # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
+        tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
+        loss_policy = masked_mean(-surrogate * tis_weight, mask)
         # clipped value loss
         values, values_old, returns = batch["values_new"], batch["values"], batch["returns"]  # (B, T)
         values_clipped = values_old + (values - values_old).clamp(-c.value_clip, c.value_clip)

@@ -7,6 +7,11 @@ For a prompt x, a group of n samples o_1..o_n with scalar rewards r_1..r_n:
     L       = −(1/Σ_i|o_i|) Σ_i Σ_t [ min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1−ε_low, 1+ε_high) A_i) − β·KL_{i,t} ]
     KL_{i,t} = exp(Δ) − Δ − 1,  Δ = log π_ref(o_{i,t}) − log π_θ(o_{i,t})     (k3 estimator)
 
+With ``rollout.tis_cap`` = C > 0, truncated importance sampling (TIS, Yao et al. 2025) corrects for
+the rollout engine sampling from π_rollout (its kernels and precision), not exactly π_old: the
+clipped surrogate of each token is multiplied by w_{i,t} = min(π_old(o_{i,t}) / π_rollout(o_{i,t}), C),
+detached (the loop provides ``tis_weight``; 1 when off). The KL term is not weighted.
+
 Deliberate deviations from GRPO as published, each for stability:
 - Asymmetric clipping (ε_high > ε_low, "clip-higher" from DAPO, Yu et al. 2025): lets unlikely
   tokens with positive advantage grow, which keeps entropy from collapsing.
@@ -59,7 +64,10 @@ class SGRPO(Algorithm):
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # (B, T)
         # min(ρ A, clip(ρ, 1−ε_low, 1+ε_high) A)
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_low, 1 + c.clip_high) * adv)  # (B, T)
-        per_token = -surrogate  # (B, T)
+        # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
+        tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
+        policy_term = -surrogate * tis_weight  # (B, T)
+        per_token = policy_term  # (B, T)
         metrics = {}
         if c.kl_coeff > 0:
             kl = k3_kl(batch["logp"], batch["logp_ref"])  # (B, T)
@@ -69,7 +77,7 @@ class SGRPO(Algorithm):
         loss = masked_mean(per_token, mask)
         clipped = ((ratio < 1 - c.clip_low) & (adv < 0)) | ((ratio > 1 + c.clip_high) & (adv > 0))
         metrics.update({
-            "loss/policy": masked_mean(-surrogate, mask).detach(),
+            "loss/policy": masked_mean(policy_term, mask).detach(),
             "clip/frac": masked_mean(clipped.float(), mask).detach(),
             "ratio/mean": masked_mean(ratio, mask).detach(),
         })

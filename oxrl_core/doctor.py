@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import os
 import platform
 
 
@@ -12,6 +13,15 @@ def _version(dist: str) -> str | None:
         return md.version(dist)
     except md.PackageNotFoundError:
         return None
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - reported in the torch row
+        return False
 
 
 def checks() -> list[tuple[str, bool, str]]:
@@ -44,9 +54,16 @@ def checks() -> list[tuple[str, bool, str]]:
             continue
         if module in ("deepspeed", "vllm"):  # heavy imports that fail in interesting ways: try them
             try:
+                if module == "deepspeed" and not _cuda():
+                    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it here, not in DeepSpeed's import warning
                 importlib.import_module(module)
             except Exception as exc:  # noqa: BLE001
                 rows.append((label, False, f"{version} installed but import fails: {type(exc).__name__}: {exc}"))
                 continue
+            if module == "deepspeed":
+                from deepspeed.accelerator import get_accelerator
+
+                accelerator = get_accelerator()
+                version += f" (accelerator {accelerator.device_name()}, training collectives over {'nccl' if _cuda() else 'gloo'})"
         rows.append((label, True, version))
     return rows

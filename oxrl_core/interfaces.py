@@ -48,7 +48,9 @@ class Algorithm(ABC):
       to add to the batch — at least ``adv`` (B, T) — and metrics;
       ``loss(batch)`` then gets a minibatch of all of that plus ``logp`` (B, T) and
       ``entropy`` (B, T) of the current policy (with gradients) and, with a critic,
-      ``values_new`` (B, T).
+      ``values_new`` (B, T); and ``tis_weight`` (B, T), the truncated importance weight
+      min(π_old / π_rollout, C) that corrects for the rollout engine's numerics (detached;
+      ones when ``rollout.tis_cap`` is 0), which multiplies each token's policy-gradient term.
 
     Preference algorithms (the preference loop) receive per-sequence tensors, summed over
     completion tokens (the prompt is never scored), with gradients for the policy's:
@@ -178,6 +180,9 @@ class RolloutBackend(ABC):
 
     name: ClassVar[str]
 
+    class Config(StrictModel):
+        """The backend's own options (``rollout.options``); none by default."""
+
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
         """``sampling.n`` completions per prompt, with per-token logprobs of the sampled tokens."""
@@ -186,10 +191,39 @@ class RolloutBackend(ABC):
     def update_weights(self, state: Any, policy_version: int) -> None:
         """Load new policy weights; later generations report ``policy_version``."""
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Optional: ``log p(token_ids[i] | token_ids[:i])`` for i = 1..len-1 under the backend's current
+        weights, from the raw logits (temperature 1, nothing truncated). The RL loop compares it with
+        the trainer's own on a fixed probe after every weight sync (``rollout.sync_check``)."""
+        raise NotImplementedError(f"rollout backend '{self.name}' cannot score a sequence")
+
+    @classmethod
+    def can_score(cls) -> bool:
+        """Whether `score` is implemented (the weight-sync check needs it)."""
+        return cls.score is not RolloutBackend.score
+
+    @classmethod
+    def parse_options(cls, config) -> "RolloutBackend.Config":
+        """``rollout.options`` validated by this backend's `Config` (an error names the field)."""
+        from pydantic import ValidationError
+
+        from oxrl_core.config import format_validation_error
+        from oxrl_core.errors import OxrlError
+
+        options = dict(getattr(config, "options", None) or {})
+        if options and not cls.Config.model_fields:
+            raise OxrlError(f"rollout.options: the '{cls.name}' rollout backend takes no options, got {sorted(options)}")
+        try:
+            return cls.Config.model_validate(options)
+        except ValidationError as exc:
+            raise format_validation_error(exc, cls.Config, f"rollout backend '{cls.name}'", prefix="rollout.options.") from None
+
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "RolloutBackend":
         """Construct the backend for a run: the trainer's ``model`` and ``tokenizer``, the path the
-        policy was loaded from, and the ``rollout:`` config section."""
+        policy was loaded from, and the ``rollout:`` config section (its ``options`` are this
+        backend's, see `parse_options`)."""
+        cls.parse_options(config)
         return cls(model, tokenizer)
 
     def close(self) -> None:

@@ -32,10 +32,15 @@ def _check_local_dir(path: str, field: str) -> None:
 
 
 def _quiet_transformers() -> None:
+    import os
+
+    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if not torch.cuda.is_available():  # accelerate imports DeepSpeed (when installed), which warns when it picks the CPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool = False):
@@ -72,7 +77,8 @@ def load_causal_lm(name: str, field: str = "model.name", attn_implementation: st
 
 
 def count_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the model (under ZeRO-3 a rank holds a slice; ``ds_numel`` is the whole size)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def load_score_model(name: str, pad_token_id: int, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False):

@@ -1,4 +1,6 @@
-"""What a run prints: a rich progress bar on a terminal, plain lines otherwise, nothing with --quiet."""
+"""What a run prints: a rich progress bar on a terminal, plain lines otherwise, nothing with --quiet.
+
+In a data-parallel run only rank 0 prints (the ranks' metrics are reduced into its own)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 class Reporter:
     def __init__(self, quiet: bool = False, log_steps: int = 1):
-        self.quiet = quiet
+        from oxrl_core.distributed import is_main
+
+        self.silent = not is_main()
+        self.quiet = quiet or self.silent
         self.log_steps = log_steps
         self.console = Console(stderr=True, soft_wrap=True)
         self.progress: Progress | None = None
@@ -22,7 +27,8 @@ class Reporter:
 
     def result(self, message: str) -> None:
         """Shown even with --quiet (the outcome of the run)."""
-        self.console.print(message, highlight=False)
+        if not self.silent:
+            self.console.print(message, highlight=False)
 
     def start(self, total: int, completed: int = 0) -> None:
         if self.quiet or not self.console.is_terminal:

@@ -138,9 +138,25 @@ class HFRolloutBackend(RolloutBackend):
             self.model.load_state_dict(state, strict=True)
         self.policy_version = policy_version
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        """``log p(token_ids[i] | token_ids[:i])``, i = 1..len-1: one teacher-forced forward, raw logits, float32."""
+        if self.model is None:
+            raise OxrlError("the hf rollout backend is closed")
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([token_ids], device=device)  # (1, L)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # (L-1, V)
+        finally:
+            self.model.train(was_training)
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "HFRolloutBackend":
         """In a run the backend shares the policy module: a weight sync is a version bump, not a copy."""
+        cls.parse_options(config)
         return cls(model, tokenizer)
 
     def close(self) -> None:

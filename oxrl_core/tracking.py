@@ -108,9 +108,14 @@ class WandbSink:
 
 
 class Tracker:
-    """Fans one metrics dict out to every configured sink."""
+    """Fans one metrics dict out to every configured sink (on rank 0 only in a data-parallel run)."""
 
     def __init__(self, run_dir: Path, logging_cfg, config: dict, resume_step: int | None = None):
+        from oxrl_core.distributed import is_main
+
+        self.sinks = []
+        if not is_main():  # the other ranks' metrics are reduced into rank 0's
+            return
         self.sinks = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
         if logging_cfg.tensorboard:
             self.sinks.append(TensorBoardSink(run_dir, config))

@@ -100,6 +100,9 @@ class Trainer:
         self.algorithm = self.algorithm_cls(alg_config)
         if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
             raise OxrlError(f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)")
+        from oxrl_core.engines import check_engine
+
+        check_engine(self.config, self.algorithm_cls.family, self.algorithm_cls.needs_rollouts)
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.run_dir = Path("runs") / f"{_dir_name(self.config.algorithm)}-{stamp}"
@@ -124,7 +127,7 @@ class Trainer:
         return run_dir, None
 
     def train(self) -> RunResult:
-        from oxrl_core.checkpoint import clean_partial, latest_checkpoint
+        from oxrl_core.checkpoint import check_engine_matches, clean_partial, latest_checkpoint
 
         run_dir = self.run_dir
         ckpt = None
@@ -139,8 +142,20 @@ class Trainer:
             ckpt = latest_checkpoint(run_dir)
         elif any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "final")):
             raise OxrlError(f"output directory {run_dir} already holds a run; pass --resume to continue it or choose another --output-dir")
+        if ckpt is not None:
+            from oxrl_core.engines import engine_record
+
+            check_engine_matches(ckpt, engine_record(self.config.engine))
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_yaml(self.config))
+        if self.config.engine.world_size > 1:  # one Ray actor per rank, each running `run_loop`
+            from oxrl_core.launcher import launch
+
+            return launch(self, ckpt)
+        return self.run_loop(ckpt)
+
+    def run_loop(self, ckpt: Path | None) -> RunResult:
+        """The algorithm family's loop, in this process (one rank of a data-parallel run, or the whole run)."""
         family = self.algorithm_cls.family
         if self.algorithm_cls.needs_rollouts:
             from oxrl_core.loops.rl import run_rl

@@ -1,1 +1,93 @@
-"""Training engines: own the model's device, precision, optimiser and scheduler."""
+"""Training engines: own the model's device, precision, optimiser and scheduler.
+
+`build_engine` picks one from ``engine.name``: `torch` (one process; the default) or
+`deepspeed` (ZeRO 0-3, CPU offload; one process, or one rank of a data-parallel run started by
+`oxrl_core.launcher`). DeepSpeed is imported only when its engine is built. `check_engine`
+refuses, before anything is loaded or launched, settings that cannot work together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from oxrl_core.errors import OxrlError
+
+
+def build_engine(model, train_cfg, engine_cfg, gradient_checkpointing: bool = False, extra_modules=(),
+                 total_steps: int | None = None, run_dir: Path | None = None):
+    """The engine ``engine.name`` asks for (see `TorchEngine` for the arguments)."""
+    if engine_cfg.name == "deepspeed":
+        from oxrl_core.engines.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps, run_dir)
+    from oxrl_core.engines.torch_engine import TorchEngine
+
+    return TorchEngine(model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps)
+
+
+def check_engine(config, family: str, needs_rollouts: bool) -> None:
+    """Cross-section checks of the engine settings (``engine`` alone is checked by its pydantic model),
+    each message naming the fields and the arithmetic. Data parallelism keeps the single-process
+    batch: every optimiser step sees the same rows; each rank takes a share of every micro-batch."""
+    engine, train = config.engine, config.train
+    n = engine.world_size
+    if n > 1:
+        what = "prompts per step" if needs_rollouts else "rows per micro-batch"
+        if train.batch_size % n:
+            raise OxrlError(
+                f"train.batch_size={train.batch_size} {what} must split evenly over engine.world_size={n} ranks "
+                f"({train.batch_size} / {n} = {train.batch_size / n:g} per rank). With data parallelism an optimiser "
+                f"step still sees train.batch_size × train.grad_accum_steps = {train.batch_size} × {train.grad_accum_steps} "
+                f"= {train.batch_size * train.grad_accum_steps} {'prompts' if needs_rollouts else 'rows'}, each rank "
+                f"1/{n} of every micro-batch: use a multiple of {n}"
+            )
+    if needs_rollouts:
+        shards = engine.rollout_shards or n
+        if shards % n:
+            raise OxrlError(
+                f"engine.rollout_shards={shards} rollout shards cannot be dealt evenly to engine.world_size={n} ranks "
+                f"({shards} / {n} = {shards / n:g}); use a multiple of {n}"
+            )
+        if train.batch_size % shards:
+            raise OxrlError(
+                f"train.batch_size={train.batch_size} prompts cannot be cut into {shards} equal rollout shards "
+                f"(engine.rollout_shards={engine.rollout_shards or f'0 = engine.world_size={n}'}; "
+                f"{train.batch_size} / {shards} = {train.batch_size / shards:g}); use a multiple of {shards}"
+            )
+        if n > 1 and config.rollout.backend != "hf":
+            raise OxrlError(
+                f"rollout.backend={config.rollout.backend!r} with engine.world_size={n}: data-parallel runs generate "
+                "with each rank's own hf backend on the policy it trains; a backend in separate rollout actors "
+                "(vLLM) is not wired to the Ray launcher yet: use rollout.backend: hf or engine.world_size: 1"
+            )
+    if engine.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise OxrlError("engine.name: deepspeed needs the deepspeed package: pip install 'oxrl[deepspeed]' (see `oxrl doctor`)")
+    if n > 1 and importlib.util.find_spec("ray") is None:
+        raise OxrlError(f"engine.world_size={n} runs one Ray actor per rank and needs ray: pip install 'oxrl[ray]'")
+    if engine.name == "deepspeed" and not engine.ray_address:
+        check_local_gpus(engine)
+
+
+def check_local_gpus(engine) -> None:
+    """One GPU per rank on this machine (a Ray address is checked against the cluster at launch)."""
+    if engine.device == "cpu":
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if engine.device == "cuda" and have == 0:
+        raise OxrlError("engine.device: 'cuda' was asked for but torch sees no CUDA device (see `oxrl doctor`)")
+    if have and engine.world_size > have:
+        raise OxrlError(
+            f"engine.world_size={engine.world_size} ranks need {engine.world_size} GPUs (one each) but this machine has "
+            f"{have}: lower engine.world_size to {have}, set engine.ray_address to a cluster with more GPUs, or "
+            "engine.device: cpu to train on CPU ranks"
+        )
+
+
+def engine_record(engine_cfg) -> dict:
+    """What a checkpoint records about the engine that writes it (`describe()` of the built engine)."""
+    if engine_cfg.name == "torch":
+        return {"name": "torch"}
+    return {"name": "deepspeed", "zero_stage": engine_cfg.zero_stage, "world_size": engine_cfg.world_size}

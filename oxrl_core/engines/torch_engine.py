@@ -2,12 +2,14 @@
 
 AdamW (no weight decay on biases and norm weights), a transformers LR schedule
 with warm-up, gradient clipping, bf16 autocast where the device supports it,
-and gradient checkpointing when the model config asks for it.
+and gradient checkpointing when the model config asks for it. The `deepspeed` engine
+(`oxrl_core.engines.deepspeed_engine`) has the same interface and the same optimiser.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,22 @@ def pick_autocast_dtype(precision: str, device: torch.device) -> torch.dtype | N
     return None
 
 
+def adamw_param_groups(model: torch.nn.Module, extra_modules=(), weight_decay: float = 0.0) -> list[dict]:
+    """AdamW groups: weight decay on matrices, none on biases and norm weights; trainable parameters of
+    ``model`` then of each extra module, a parameter shared between them (a backbone) once."""
+    named = list(model.named_parameters())
+    for i, module in enumerate(extra_modules):
+        named += [(f"extra{i}.{n}", p) for n, p in module.named_parameters()]
+    decay, no_decay, seen = [], [], set()
+    for name, param in named:
+        if id(param) in seen:  # a shared backbone appears once
+            continue
+        seen.add(id(param))
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 class TorchEngine:
     def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False, extra_modules=(), total_steps: int | None = None):
         """``extra_modules`` (e.g. a critic) are trained by the same optimiser, after the model's parameters;
@@ -47,23 +65,7 @@ class TorchEngine:
         model.train()
         for module in extra_modules:
             module.to(self.device).train()
-        named = list(model.named_parameters())
-        for i, module in enumerate(extra_modules):
-            named += [(f"extra{i}.{n}", p) for n, p in module.named_parameters()]
-        decay, no_decay, seen = [], [], set()
-        for name, param in named:
-            if id(param) in seen:  # a shared backbone appears once
-                continue
-            seen.add(id(param))
-            if param.requires_grad:
-                (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": train_cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=train_cfg.lr,
-        )
+        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, extra_modules, train_cfg.weight_decay), lr=train_cfg.lr)
         self.scheduler = get_scheduler(
             train_cfg.lr_scheduler,
             self.optimizer,
@@ -95,6 +97,22 @@ class TorchEngine:
     @property
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
+
+    def full_weights(self):
+        """Whole parameters for code outside the training step (generation, evaluation, saving); they
+        always are in one process (see `DeepSpeedEngine.full_weights` for ZeRO-3)."""
+        return contextlib.nullcontext()
+
+    def describe(self) -> dict:
+        """What a checkpoint records about the engine that wrote it (resume checks it)."""
+        return {"name": "torch"}
+
+    def save_state(self, directory: Path) -> None:
+        """Optimiser and scheduler into a checkpoint directory (``engine.pt``)."""
+        torch.save(self.state_dict(), Path(directory) / "engine.pt")
+
+    def load_state(self, directory: Path) -> None:
+        self.load_state_dict(torch.load(Path(directory) / "engine.pt", map_location=self.device, weights_only=False))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

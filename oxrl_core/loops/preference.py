@@ -30,7 +30,8 @@ import torch
 from oxrl_core.checkpoint import load_training_state, save_checkpoint, save_model
 from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
-from oxrl_core.engines.torch_engine import TorchEngine
+from oxrl_core.distributed import is_main, reduce_metrics, shard
+from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
 from oxrl_core.interfaces import SamplingParams
@@ -291,7 +292,7 @@ def run_preference(trainer, ckpt: Path | None):
     if algorithm.uses_ref():  # the initial policy (or model.ref), never the checkpoint being resumed
         ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
         ref.requires_grad_(False).eval()
-    engine = TorchEngine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing)
+    engine = build_engine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=run_dir)
     if ref is not None:
         ref.to(engine.device)
 
@@ -322,12 +323,13 @@ def run_preference(trainer, ckpt: Path | None):
         f"({len(train.examples)} rows) · run dir {run_dir}"
     )
 
-    def run_eval() -> dict:
+    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         metrics = {}
-        if eval_examples:
-            metrics.update(pair_metrics(algorithm, spec, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size))
-        if eval_rows:
-            metrics.update(evaluate(model, tokenizer, engine.device, [], eval_rows, eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens))
+        with engine.full_weights():
+            if eval_examples and is_main():
+                metrics.update(pair_metrics(algorithm, spec, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size))
+            if eval_rows and is_main():
+                metrics.update(evaluate(model, tokenizer, engine.device, [], eval_rows, eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens))
         return metrics
 
     def extra_files(tmp: Path) -> None:
@@ -347,11 +349,13 @@ def run_preference(trainer, ckpt: Path | None):
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
             if self_play and step > 1 and (step - 1) % iteration_steps == 0:
-                ref.load_state_dict(policy_state_dict(model))  # a new iteration plays against the current policy
+                with engine.full_weights():
+                    ref.load_state_dict(policy_state_dict(model))  # a new iteration plays against the current policy
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
-            micro = [[train.examples[i] for i in idx] for idx in picks]
+            shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
+            micro = [[train.examples[i] for i in rows] for rows, _ in shares]
             position += accum
-            total_rows = sum(len(mb) for mb in micro)
+            total_rows = sum(len(idx) for idx in picks)
             lr = engine.lr
             sums: dict[str, float] = defaultdict(float)
             gen_seconds, tokens = 0.0, 0
@@ -365,12 +369,15 @@ def run_preference(trainer, ckpt: Path | None):
                     batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)
                     loss, metrics = algorithm.loss(batch)
                 check_loss(loss, step, run_dir)
-                tokens += policy_tokens(examples, rejected, packing == "shared")
-                share = len(examples) / total_rows
+                padding = shares[k][1]
+                tokens += 0 if padding else policy_tokens(examples, rejected, packing == "shared")
+                share = 0.0 if padding else len(examples) / total_rows
                 engine.backward(loss * share)
                 sums["loss"] += float(loss.detach()) * share
                 for key, value in metrics.items():
                     sums[key] += float(value) * share
+            sums = reduce_metrics({**sums, "perf/tokens": tokens})  # every rank's shares
+            tokens = int(sums.pop("perf/tokens"))
             grad_norm = engine.step()
             seconds = time.perf_counter() - t0
             record = {
@@ -403,7 +410,7 @@ def run_preference(trainer, ckpt: Path | None):
         tracker.close()
 
     final_dir = run_dir / "final"
-    save_model(final_dir, model, tokenizer)
+    save_model(final_dir, model, tokenizer, engine=engine)
     eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
     summary = {
         "algorithm": cfg.algorithm,
@@ -412,7 +419,8 @@ def run_preference(trainer, ckpt: Path | None):
         "eval_before": eval_before,
         "eval_after": eval_after,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if is_main():
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     for key, label in (("eval/rewards/accuracies", "held-out pair accuracy"), ("eval/accuracy", "held-out accuracy")):
         if key in eval_after:
             reporter.result(f"{label}: {eval_before.get(key, math.nan):.3f} before → {eval_after[key]:.3f} after")

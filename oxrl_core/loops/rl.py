@@ -20,6 +20,7 @@ import json
 import math
 import time
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,7 +29,8 @@ from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_ch
 from oxrl_core.critic import build_critic
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row
-from oxrl_core.engines.torch_engine import TorchEngine
+from oxrl_core.distributed import all_gather_object, gather_rows, is_main, rank, reduce_metrics, shard, world_size
+from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
@@ -36,6 +38,7 @@ from oxrl_core.models import count_parameters, initial_policy_path, load_causal_
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import build_reward, score_batch
+from oxrl_core.sync import check_weight_sync, default_tolerance, probe_sequence, tis_weight
 from oxrl_core.tracking import Tracker
 
 # ----------------------------------------------------------------------------- prompts and rollouts
@@ -204,6 +207,45 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
+# ----------------------------------------------------------------------------- data parallelism
+
+#: shard k of a rollout batch samples with seed + k·SHARD_SEED_STRIDE (shard 0 keeps the unsharded seed)
+SHARD_SEED_STRIDE = 7_919
+
+
+def generate_sharded(backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int):
+    """The rollout batch's groups, generated in ``shards`` seeded shards of whole prompts that are dealt
+    to the ranks in contiguous blocks (each rank samples its own on whole weights) and gathered on
+    every rank. The samples depend on ``shards``, not on the world size; one shard in one process is
+    one ``generate`` call with ``sampling``."""
+    size, per_rank = len(prompts) // shards, shards // world_size()
+    local = []
+    with engine.full_weights():
+        for k in range(rank() * per_rank, (rank() + 1) * per_rank):
+            seed = None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k
+            local += backend.generate(prompts[k * size : (k + 1) * size], replace(sampling, seed=seed))
+    return [group for part in all_gather_object(local) for group in part]
+
+
+def score_sharded(reward, prompts: list, texts: list[str], rows: list[dict]) -> tuple[list[float], dict[str, float]]:
+    """`score_batch` of this rank's block of samples; the scores gathered on every rank and the metrics
+    recomputed over the whole batch (mean, population std; errors and timeouts are row counts)."""
+    if world_size() == 1:
+        return score_batch(reward, prompts, texts, rows)
+    per_rank = len(texts) // world_size()
+    mine = slice(rank() * per_rank, (rank() + 1) * per_rank)
+    parts = all_gather_object(score_batch(reward, prompts[mine], texts[mine], rows[mine]))
+    scores = [s for part, _ in parts for s in part]
+    metrics = {k: sum(m[k] * len(part) for part, m in parts) / len(scores) for k in parts[0][1]}  # row-weighted means
+    mean = sum(scores) / len(scores)
+    metrics["reward/mean"] = mean
+    metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+    for count in ("reward/errors", "reward/timeouts"):
+        if count in metrics:
+            metrics[count] = float(sum(m[count] for _, m in parts))
+    return scores, metrics
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -256,6 +298,8 @@ def run_rl(trainer, ckpt: Path | None):
     reward = build_reward(cfg, trainer.registry, spec.default_reward, train_source.dataset)
     if ro.n < spec.min_group_size:
         raise OxrlError(f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}")
+    backend_cls = trainer.registry.load("rollout_backend", ro.backend)
+    backend_cls.parse_options(ro)  # rollout.options: a typo fails before any model loads
 
     # ---- models
     # data.packing: the training forward packs a micro-batch into one row in which the samples of a
@@ -278,22 +322,40 @@ def run_rl(trainer, ckpt: Path | None):
         critic = build_critic(model, getattr(algorithm.config, "critic", "shared"), lambda: load_causal_lm(policy_path))
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
-    engine = TorchEngine(
+    engine = build_engine(
         model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing,
-        extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches,
+        extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches, run_dir=run_dir,
     )
     if ref is not None:
         ref.to(engine.device)
-    backend_cls = trainer.registry.load("rollout_backend", ro.backend)
     backend = backend_cls.build(model, tokenizer, policy_path, ro)
 
     start_step, eval_before = 0, {}
     if ckpt is not None:
         state = load_training_state(ckpt, engine)
         start_step, eval_before = state["step"], state.get("eval_before", {})
-        backend.update_weights(model, start_step)
+        with engine.full_weights():  # ZeRO-3: the backend may read the weights
+            backend.update_weights(model, start_step)
         reporter.info(f"resuming from {ckpt} (step {start_step})")
     version = start_step  # the policy version: optimiser phases completed
+    # verified weight sync (oxrl_core.sync): the backend and the trainer score a fixed probe
+    sync_probe = probe_sequence(tokenizer, prompt_ids[0]) if ro.sync_check and backend_cls.can_score() else None
+    sync_tolerance = ro.sync_tolerance or default_tolerance(getattr(engine, "autocast_dtype", None))
+    if ro.sync_check and sync_probe is None:
+        reporter.info(f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified")
+
+    def verify_sync(policy_version: int) -> dict:
+        if sync_probe is None:
+            return {}
+        with engine.full_weights():
+            return check_weight_sync(backend, model, sync_probe, policy_version, sync_tolerance, engine.autocast,
+                                     latest_checkpoint(run_dir))
+
+    try:
+        verify_sync(version)  # before training: a backend that loaded the wrong weights stops here
+    except OxrlError:
+        backend.close()
+        raise
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
     plan = make_plan(train_source, [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids], cfg.train.batch_size, cfg.train.seed, False)
     reporter.info(
@@ -302,8 +364,9 @@ def run_rl(trainer, ckpt: Path | None):
         f"reward {getattr(reward, 'name', type(reward).__name__)} · {cfg.train.batch_size}×{ro.n} samples/step · run dir {run_dir}"
     )
 
-    def run_eval() -> dict:
-        return rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed)
+    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+        with engine.full_weights():
+            return rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed) if is_main() else {}
 
     def extra_files(tmp: Path) -> None:
         if critic is not None:
@@ -320,10 +383,10 @@ def run_rl(trainer, ckpt: Path | None):
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             t_step = time.perf_counter()
-            # 1. rollouts: n samples for each of batch_size prompts
+            # 1. rollouts: n samples for each of batch_size prompts (each rank its shards; see generate_sharded)
             picks = plan.micro_batch(step - 1)
             sampling = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=cfg.train.seed * 1_000_003 + step)
-            groups = backend.generate([prompt_ids[i] for i in picks], sampling)
+            groups = generate_sharded(backend, engine, [prompt_ids[i] for i in picks], sampling, cfg.engine.rollout_shards or world_size())
             check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
             completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
             versions = {c.policy_version for c in completions}
@@ -339,7 +402,7 @@ def run_rl(trainer, ckpt: Path | None):
             t0 = time.perf_counter()
             sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            scores, reward_metrics = score_batch(reward, [r["prompt"] for r in sample_rows], texts, sample_rows)
+            scores, reward_metrics = score_sharded(reward, [r["prompt"] for r in sample_rows], texts, sample_rows)
             reward_s = time.perf_counter() - t0
 
             # 3. the rollout batch, on the trainer's device
@@ -354,7 +417,11 @@ def run_rl(trainer, ckpt: Path | None):
             check_finite("rewards", batch["rewards"], step, run_dir)
             record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir, shared)
             version += 1
-            backend.update_weights(model, version)  # the weight sync
+            t_sync = time.perf_counter()
+            with engine.full_weights():  # ZeRO-3: the backend may read the weights
+                backend.update_weights(model, version)  # the weight sync
+            record.update(verify_sync(version))
+            record["perf/sync_s"] = time.perf_counter() - t_sync
             train_s = time.perf_counter() - t0
 
             lengths = [len(c.token_ids) for c in completions]
@@ -386,7 +453,7 @@ def run_rl(trainer, ckpt: Path | None):
         backend.close()
 
     final_dir = run_dir / "final"
-    save_model(final_dir, model, tokenizer, extra=extra_files if critic is not None else None)
+    save_model(final_dir, model, tokenizer, extra=extra_files if critic is not None else None, engine=engine)
     eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
     summary = {
         "algorithm": cfg.algorithm,
@@ -395,7 +462,8 @@ def run_rl(trainer, ckpt: Path | None):
         "eval_before": eval_before,
         "eval_after": eval_after,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if is_main():
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if eval_after:
         reporter.result("held-out: " + ", ".join(
             f"{k} {eval_before.get(k, math.nan):.3f} before → {v:.3f} after" for k, v in eval_after.items()
@@ -437,31 +505,42 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     # One update on one forward pass: the "old" policy is the current one, so logp_old is the
     # training forward's own logp, detached (the ratio is exactly 1) — no extra forward pass.
     single_pass = ro.epochs == 1 and ro.minibatches == 1 and (micro == 0 or micro >= B)
-    def forward_parts():  # the rollout batch in micro-batches, for the no-grad passes
-        return [rows_of(part) for part in _chunks(list(range(B)), micro)] if 0 < micro < B else [batch]
+
+    def forward_rows(module, critic_, keys) -> dict:
+        """A no-grad pass over the rollout batch in micro-batches; with data parallelism each rank
+        computes its rows of each micro-batch and every rank gets all of them (`oxrl_core.distributed`)."""
+        outs = []
+        for part in _chunks(list(range(B)), micro) if 0 < micro < B else [list(range(B))]:
+            mine, padding = shard(part, unit)
+            out = _forward(module, critic_, rows_of(mine), temperature, shared)
+            at = [] if padding else [i - part[0] for i in mine]
+            outs.append({k: gather_rows(out[k], at, len(part)) for k in keys})
+        return {k: torch.cat([o[k] for o in outs]) for k in keys}
 
     fresh = None
     with engine.autocast():
         if ref is not None:
             with torch.no_grad():
-                batch["logp_ref"] = torch.cat([
-                    _forward(ref, None, mb, temperature, shared)["logp"] for mb in forward_parts()
-                ])
+                batch["logp_ref"] = forward_rows(ref, None, ["logp"])["logp"]
         if single_pass:
-            fresh = _forward(model, critic, batch, temperature, shared)
-            batch["logp_old"] = fresh["logp"].detach()
+            mine, padding = shard(list(range(B)), unit)  # this rank's rows (all of them in one process)
+            fresh = _forward(model, critic, rows_of(mine), temperature, shared)
+            batch["logp_old"] = gather_rows(fresh["logp"].detach(), [] if padding else mine, B)
             if critic is not None:
-                batch["values"] = fresh["values_new"].detach()
+                batch["values"] = gather_rows(fresh["values_new"].detach(), [] if padding else mine, B)
         else:
             with torch.no_grad():
-                outs = [_forward(model, critic, mb, temperature, shared) for mb in forward_parts()]
-            batch["logp_old"] = torch.cat([o["logp"] for o in outs])
+                outs = forward_rows(model, critic, ["logp"] + (["values_new"] if critic is not None else []))
+            batch["logp_old"] = outs["logp"]
             if critic is not None:
-                batch["values"] = torch.cat([o["values_new"] for o in outs])
+                batch["values"] = outs["values_new"]
     mask = batch["mask"]
     check_finite("logp_old", batch["logp_old"], step, run_dir)
     gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
     sums = {"rollout/logprob_diff": masked_mean(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
+    # TIS: w_t = min(π_old / π_rollout, rollout.tis_cap), detached; ones when off
+    batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)  # (B, T)
+    sums.update(tis_metrics)
     if ref is not None:
         # k3 estimator of KL(π || π_ref) at the sampling policy: exp(Δ) − Δ − 1, Δ = logp_ref − logp
         delta = batch["logp_ref"] - batch["logp_old"]
@@ -475,6 +554,9 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     sums.update({k: float(v) for k, v in adv_metrics.items()})
 
     # updates
+    def part_weight(rows: list[int]) -> float:
+        return float(batch["mask"][rows].sum()) if algorithm.loss_weighting == "tokens" else float(len(rows))
+
     gen = torch.Generator().manual_seed(seed * 7919 + step)
     updates, grad_norms, loss_sums = 0, [], defaultdict(float)
     for _epoch in range(ro.epochs):
@@ -486,10 +568,11 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
         size = -(-(B // unit) // ro.minibatches) * unit
         for minibatch in _chunks(order, size):
             parts = _chunks(minibatch, micro)
-            weights = [float(batch["mask"][p].sum()) if algorithm.loss_weighting == "tokens" else float(len(p)) for p in parts]
-            total = sum(weights) or 1.0
-            for part, weight in zip(parts, weights):
-                mb = rows_of(part)
+            total = sum(part_weight(p) for p in parts) or 1.0
+            for part in parts:
+                mine, padding = shard(part, unit)  # this rank's rows of the micro-batch (all of them in one process)
+                weight = 0.0 if padding else part_weight(mine)
+                mb = rows_of(mine)
                 with engine.autocast():
                     mb.update(fresh if single_pass else _forward(model, critic, mb, temperature, shared))
                     loss, metrics = algorithm.loss(mb)
@@ -502,7 +585,7 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
                     loss_sums[key] += float(value) * share
             grad_norms.append(engine.step())
             updates += 1
-    record = {k: v / updates for k, v in loss_sums.items()}
+    record = {k: v / updates for k, v in reduce_metrics(loss_sums).items()}  # every rank's shares
     record.update(sums)
     record["grad_norm"] = sum(grad_norms) / len(grad_norms)
     record["perf/updates"] = float(updates)

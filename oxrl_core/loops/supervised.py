@@ -23,7 +23,8 @@ import torch
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
-from oxrl_core.engines.torch_engine import TorchEngine
+from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard
+from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
 from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
@@ -113,7 +114,7 @@ def run_supervised(trainer, ckpt: Path | None):
         teacher.requires_grad_(False).eval()
 
     # ---- engine and state
-    engine = TorchEngine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing)
+    engine = build_engine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=run_dir)
     if teacher is not None:
         teacher.to(engine.device)
     start_step, position, eval_before = 0, 0, {}
@@ -130,11 +131,12 @@ def run_supervised(trainer, ckpt: Path | None):
         f"({len(train.examples)} examples) · run dir {run_dir}"
     )
 
-    def run_eval() -> dict:
-        return evaluate(
-            model, tokenizer, engine.device, eval_examples, eval_rows,
-            eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens,
-        )
+    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+        with engine.full_weights():
+            return evaluate(
+                model, tokenizer, engine.device, eval_examples, eval_rows,
+                eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens,
+            ) if is_main() else {}
 
     if start_step == 0 and (eval_examples or eval_rows):
         eval_before = run_eval()
@@ -149,14 +151,15 @@ def run_supervised(trainer, ckpt: Path | None):
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
-            micro = [collate([train.examples[i] for i in idx], tokenizer.pad_token_id, cfg.data.packing) for idx in picks]
+            shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
+            micro = [collate([train.examples[i] for i in rows], tokenizer.pad_token_id, cfg.data.packing) for rows, _ in shares]
             position += accum
-            weights = [micro_batch_weight(mb, spec.loss_weighting) for mb in micro]
-            total_weight = sum(weights) or 1.0
+            weights = [0.0 if padding else micro_batch_weight(mb, spec.loss_weighting) for mb, (_, padding) in zip(micro, shares)]
+            total_weight = all_reduce_sum([sum(weights)])[0] or 1.0  # over every rank's share of the batch
             lr = engine.lr
             sums: dict[str, float] = defaultdict(float)
             tokens = 0
-            for mb, weight in zip(micro, weights):
+            for mb, weight, (_, padding) in zip(micro, weights, shares):
                 mb = engine.to_device(mb)
                 inputs = {k: mb[k] for k in MODEL_INPUTS if k in mb}
                 with engine.autocast():
@@ -171,7 +174,10 @@ def run_supervised(trainer, ckpt: Path | None):
                 sums["loss"] += float(loss.detach()) * share
                 for key, value in metrics.items():
                     sums[key] += float(value) * share
-                tokens += int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
+                if not padding:
+                    tokens += int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
+            sums = reduce_metrics({**sums, "perf/tokens": tokens})  # every rank's shares
+            tokens = int(sums.pop("perf/tokens"))
             grad_norm = engine.step()
             seconds = time.perf_counter() - t0
             record = {
@@ -200,7 +206,7 @@ def run_supervised(trainer, ckpt: Path | None):
         tracker.close()
 
     final_dir = run_dir / "final"
-    save_model(final_dir, model, tokenizer)
+    save_model(final_dir, model, tokenizer, engine=engine)
     eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
     if not records and (eval_examples or eval_rows):
         eval_after = run_eval()
@@ -211,7 +217,8 @@ def run_supervised(trainer, ckpt: Path | None):
         "eval_before": eval_before,
         "eval_after": eval_after,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if is_main():
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if "eval/accuracy" in eval_after:
         before = eval_before.get("eval/accuracy", math.nan)
         reporter.result(f"held-out accuracy: {before:.3f} before → {eval_after['eval/accuracy']:.3f} after")

