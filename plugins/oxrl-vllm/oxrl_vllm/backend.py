@@ -259,7 +259,9 @@ class VLLMRolloutBackend(RolloutBackend):
                 f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
             )
         if isinstance(state, torch.nn.Module):
-            state = state.state_dict()
+            from oxrl_core.lora import policy_state_dict
+
+            state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
         from vllm.v1.engine.core_client import InprocClient
 
         in_process = isinstance(llm.llm_engine.engine_core, InprocClient) and llm.get_world_size() == 1
