@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import oxrl, read_metrics, write_jsonl
+from conftest import oxrl as _oxrl
+from conftest import read_metrics, write_jsonl
 
 from oxrl_core.config import load_run_config
 from oxrl_core.errors import OxrlError
@@ -47,6 +48,11 @@ class Digits(Reward):
     def score(self, prompts, completions, examples):
         return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 '''
+
+
+def oxrl(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """The CLI with one torch thread per process: the tiny model runs faster so, and the two Ray ranks get one each."""
+    return _oxrl(*args, env={"OMP_NUM_THREADS": "1"}, **kwargs)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -293,7 +299,8 @@ def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_m
             "--set", "train.max_steps=60", "--set", "train.batch_size=8", "--set", "train.lr=1e-3",
             "--set", "train.save_steps=4", *DP2, "-o", str(run)]
     exe = Path(sys.executable).with_name("oxrl")
-    driver = subprocess.Popen([str(exe), *args], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen([str(exe), *args], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 300
     while not (run / "checkpoints" / "step-4").is_dir():
         assert driver.poll() is None, driver.communicate()

@@ -176,6 +176,7 @@ def test_options_are_validated_before_the_engine_starts(tiny_model_dir, model, t
         VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"engine_kwargs": {"seed": 1}}))
 
 
+@pytest.mark.slow
 def test_close_frees_the_engine_and_a_new_one_starts(tiny_model_dir, model, tokenizer, engine, prompt_ids):
     """Runs last in the module: a second engine in this process after the first one is closed."""
     greedy = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
