@@ -25,6 +25,12 @@ Prompts: the built-in arithmetic task's train questions through the chat templat
     python benchmarks/vllm_rollout.py                                   # tiny: hidden 64, 2 layers
     python benchmarks/vllm_rollout.py --hidden-size 512 --layers 8      # ~30M parameters
     python benchmarks/vllm_rollout.py --hf                              # + the hf backend for scale
+    python benchmarks/vllm_rollout.py --lora 16                         # LoRA: the adapter pushed per sync
+    python benchmarks/vllm_rollout.py --lora 16 --lora-mode merged      # LoRA: merged weights per sync
+
+With `--lora R` the trainer's model carries a rank-R PEFT adapter on every linear layer; both sides
+generate with the adapter (vLLM's LoRA kernels), and a sync pushes the adapter (or, with
+`--lora-mode merged`, reloads the merged weights).
 
 Needs vLLM (`pip install -e "plugins/oxrl-vllm[cpu]"` or `[gpu]`). Prints a table and a JSON line.
 """
@@ -77,15 +83,18 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=5, help="measured weight syncs")
     parser.add_argument("--natural-eos", action="store_true", help="keep the random model's EOS (lengths vary)")
     parser.add_argument("--hf", action="store_true", help="also time the hf backend on the same work (one round)")
+    parser.add_argument("--lora", type=int, default=0, help="rank of a LoRA adapter on the trainer's model (0: none)")
+    parser.add_argument("--lora-mode", choices=["adapter", "merged"], default="adapter")
     args = parser.parse_args()
 
     import torch
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm import TokensPrompt
 
-    from oxrl_core.config import RolloutConfig
+    from oxrl_core.config import LoraConfig, RolloutConfig
     from oxrl_core.data import encode_prompt
     from oxrl_core.interfaces import SamplingParams
+    from oxrl_core.lora import apply_lora
     from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
     from oxrl_core.sync import check_weight_sync, probe_sequence
     from oxrl_core.task import rows as task_rows
@@ -95,8 +104,10 @@ def main() -> None:
         model_dir = build_model_dir(Path(tmp), args)
         tokenizer = load_tokenizer(str(model_dir))
         model = load_causal_lm(str(model_dir))
+        if args.lora:
+            model = apply_lora(model, LoraConfig(enabled=True, r=args.lora, alpha=2 * args.lora))
         prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in task_rows("train")[: args.prompts]]
-        backend, start_s = timed(lambda: VLLMRolloutBackend.build(model, tokenizer, str(model_dir), RolloutConfig(backend="vllm")))
+        backend, start_s = timed(lambda: VLLMRolloutBackend.build(model, tokenizer, str(model_dir), RolloutConfig(backend="vllm", options={"lora": args.lora_mode})))
         llm, eos = backend.llm, tokenizer.eos_token_id
 
         def oxrl_side(seed: int) -> int:
@@ -107,7 +118,8 @@ def main() -> None:
             params = [VLLMSamplingParams(n=args.n, max_tokens=args.max_new_tokens, temperature=args.temperature,
                                          seed=request_seed(seed, i), logprobs=0, ignore_eos=True, stop_token_ids=[eos],
                                          detokenize=False) for i in range(len(prompt_ids))]
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
+                                   lora_request=backend.lora_request)
             return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
         sides = {"oxrl": oxrl_side, "plain": plain_side}
@@ -135,8 +147,9 @@ def main() -> None:
         sync_s = []
         for version in range(1, args.syncs + 2):
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-3 * torch.randn_like(p))
+                for name, p in model.named_parameters():
+                    if p.requires_grad:  # what training changes: every weight, or the adapter
+                        p.add_(1e-3 * torch.randn_like(p))
             _, seconds = timed(lambda: backend.update_weights(model, version))
             if version > 1:  # the first sync warms the reloader up
                 sync_s.append(seconds)
@@ -148,6 +161,7 @@ def main() -> None:
     median = {name: statistics.median(r) for name, r in rates.items()}
     result = {
         "model": f"hidden {args.hidden_size}, {args.layers} layers, {count_parameters(model) / 1e6:.2f}M params",
+        "lora": f"rank {args.lora}, {args.lora_mode}" if args.lora else "none",
         "work": f"{args.prompts} prompts × {args.n} samples × ≤{args.max_new_tokens} tokens = {tokens_per_call} tokens/call",
         "engine_start_s": start_s,
         "oxrl_tokens_per_s": median["oxrl"],

@@ -33,6 +33,7 @@ requires_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is
 requires_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'oxrl[ray]')")
 
 LOSS_ATOL, WEIGHT_ATOL = 1e-5, 1e-4
+LORA = ["--set", "lora.enabled=true", "--set", "lora.r=4", "--set", "lora.alpha=8", "--set", "train.lr=1e-2"]
 DS = ["--set", "engine.name=deepspeed"]
 DP2 = [*DS, "--set", "engine.zero_stage=3", "--set", "engine.world_size=2", "--set", "engine.timeout_s=120"]
 
@@ -260,6 +261,22 @@ def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(tmp_path, torc
     assert "was written with engine.name=torch but this run has engine.name=deepspeed, engine.zero_stage=2" in proc.stderr
 
 
+@requires_deepspeed
+@pytest.mark.slow
+def test_lora_under_zero3_matches_the_torch_engine(work, tiny_model_dir):
+    """ZeRO-3 partitions the frozen base and the adapter alike; the merged final/ and the adapter are
+    gathered whole and equal the torch engine's."""
+    single = _sft(work, "torch-lora-sft", tiny_model_dir, *LORA)
+    run = _sft(work, "zero3-lora-sft", tiny_model_dir, *LORA, *DS, "--set", "engine.zero_stage=3")
+    _assert_same_trajectory(single, run, keys=("loss", "grad_norm"))
+    merged = _weights(run / "final")
+    _assert_close_weights(_weights(single / "final"), merged)
+    _assert_close_weights(_weights(single / "final" / "adapter"), _weights(run / "final" / "adapter"))
+    assert not any("lora_" in k or "base_layer" in k for k in merged)
+    base = _weights(tiny_model_dir)
+    assert max((merged[k] - base[k]).abs().max().item() for k in base) > 1e-3  # the adapter trained and is merged in
+
+
 # ----------------------------------------------------------------------------- two ranks over Ray
 
 
@@ -287,6 +304,19 @@ def test_two_zero3_ranks_follow_the_single_process_sgrpo_trajectory(work, tiny_m
     run = _sgrpo(work, "dp-sgrpo", tiny_model_dir, *DP2)
     _assert_same_trajectory(single, run, keys=("reward/mean", "reward/std", "response/length"), atol=0)
     _assert_same_trajectory(single, run, keys=("loss", "grad_norm", "rollout/logprob_diff"))
+    _assert_close_weights(_weights(single / "final"), _weights(run / "final"))
+
+
+@requires_deepspeed
+@requires_ray
+@pytest.mark.slow
+def test_two_zero3_ranks_train_lora_like_one_process(work, tiny_model_dir):
+    """LoRA composed with ZeRO-3 over two Ray ranks: the same LoRA SGRPO run as one torch process."""
+    single = _sgrpo(work, "torch-lora-sgrpo", tiny_model_dir, *LORA)
+    run = _sgrpo(work, "dp-lora-sgrpo", tiny_model_dir, *LORA, *DP2)
+    _assert_same_trajectory(single, run, keys=("reward/mean", "reward/std"), atol=0)
+    _assert_same_trajectory(single, run, keys=("loss", "grad_norm"))
+    _assert_close_weights(_weights(single / "final" / "adapter"), _weights(run / "final" / "adapter"))
     _assert_close_weights(_weights(single / "final"), _weights(run / "final"))
 
 

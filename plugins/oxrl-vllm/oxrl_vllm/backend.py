@@ -23,6 +23,13 @@ Sampling matches the `hf` backend's contract (`oxrl_core.rollout_hf`):
   and one seed shared by all prompts would give every prompt the same random stream).
 
 `score` reads vLLM's prompt logprobs (raw logits), for the loop's verified weight sync.
+
+Under ``lora.enabled`` the engine serves the frozen base model with vLLM's LoRA kernels, and each
+sync pushes only the adapter (PEFT's ``lora_A``/``lora_B`` tensors, a few MB) as a new in-memory
+vLLM adapter, one id per policy version; every request of that version carries it
+(``rollout.options.lora: adapter``, the default). ``lora: merged`` instead folds the adapter into
+the weights and reloads those in place, as TRL does: no LoRA kernels at generation, the whole
+model moved per sync.
 """
 
 from __future__ import annotations
@@ -44,7 +51,12 @@ from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, Str
 _OWNED = {
     "model", "tokenizer", "dtype", "seed", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
     "enable_prefix_caching", "enforce_eager", "max_model_len", "logprobs_mode", "generation_config",
+    "enable_lora", "max_lora_rank", "max_loras",
 }
+#: the ranks vLLM can serve (`max_lora_rank`): an adapter of rank r uses the smallest one >= r
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's LoRARequest needs a path; adapters pushed by `update_weights` are in memory, never read from it
+_IN_MEMORY = "oxrl://in-memory"
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -68,6 +80,32 @@ def _set_rng_state(torch, state: tuple) -> None:
     torch.set_rng_state(state[2])
     if state[3] is not None:
         torch.cuda.set_rng_state_all(state[3])
+
+
+def _install_adapter(worker, lora_id: int, tensors: dict, peft_config: dict, previous_id: int | None) -> int:
+    """Runs in each vLLM worker: build adapter ``lora_id`` from the trainer's tensors (vLLM slices
+    them for its tensor-parallel shard when it activates them), drop ``previous_id``, and return
+    the number of adapters held."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager  # vLLM's LRU worker manager; the same steps as its disk loader
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    adapter = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+    )
+    expected = set(manager._adapter_manager.supported_lora_modules)
+    for packed in list(expected):
+        expected |= set(manager._adapter_manager.packed_modules_mapping.get(packed, ()))
+    unexpected = sorted(name for name in adapter.loras if name.rsplit(".", 1)[-1] not in expected)
+    if unexpected:
+        raise ValueError(f"vLLM has no LoRA support for modules {unexpected[:4]} (it adapts {sorted(expected)})")
+    if previous_id is not None:
+        manager._adapter_manager.remove_adapter(previous_id)
+    manager._adapter_manager.add_adapter(adapter)
+    return len(manager.list_adapters())
 
 
 class _DropRopeReloadWarning(logging.Filter):
@@ -102,6 +140,10 @@ class VLLMRolloutBackend(RolloutBackend):
             None, description="no torch.compile / CUDA graphs; empty = eager on CPU (compiling costs ~20 s per start), "
             "graphs on a GPU"
         )
+        lora: Literal["adapter", "merged"] = Field(
+            "adapter", description="under lora.enabled: push the adapter to vLLM as an adapter each sync (base "
+            "weights stay, LoRA kernels at generation), or merge it and reload the whole weights"
+        )
         engine_kwargs: dict[str, Any] = Field(
             default_factory=dict, description="further `vllm.LLM` keyword arguments, passed as they are (e.g. max_num_seqs)"
         )
@@ -114,11 +156,13 @@ class VLLMRolloutBackend(RolloutBackend):
                 raise ValueError(f"{clash} are set by the backend itself (some through options of the same name)")
             return value
 
-    def __init__(self, llm, eos_id: int):
+    def __init__(self, llm, eos_id: int, adapter: bool = False):
         self.llm = llm
         self.eos_id = eos_id
         self.policy_version = 0
         self._set_num_threads = None
+        self.adapter = adapter  # LoRA pushed as vLLM adapters (rollout.options.lora: adapter)
+        self.lora_request = None  # the adapter of the current policy version, sent with every request
 
     # ------------------------------------------------------------------ engine
 
@@ -162,6 +206,18 @@ class VLLMRolloutBackend(RolloutBackend):
             engine_args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
         if options.max_model_len is not None:
             engine_args["max_model_len"] = options.max_model_len
+        from oxrl_core.lora import is_peft
+
+        adapter = is_peft(model) and options.lora == "adapter"
+        if adapter:
+            peft_config = model.peft_config[model.active_adapter]
+            ranks = [peft_config.r, *peft_config.rank_pattern.values()]
+            fits = [rank for rank in _VLLM_LORA_RANKS if rank >= max(ranks)]
+            if not fits:
+                raise OxrlError(f"lora.r: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}, got {max(ranks)}; "
+                                "set rollout.options.lora=merged")
+            # one adapter at a time; the next version's is added before the old one goes
+            engine_args.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         # In this process vLLM seeds the global RNGs and (CPU) replaces torch.set_num_threads: the trainer's
         # RNG state is kept as it was, and close() puts set_num_threads back.
         set_num_threads, rng = torch.set_num_threads, _rng_state(torch)
@@ -174,8 +230,14 @@ class VLLMRolloutBackend(RolloutBackend):
             ) from exc
         finally:
             _set_rng_state(torch, rng)
-        backend = cls(llm, tokenizer.eos_token_id)
+        backend = cls(llm, tokenizer.eos_token_id, adapter)
         backend._set_num_threads = set_num_threads
+        if adapter:
+            try:
+                backend._push_adapter(model, policy_version=0)  # the fresh (or resumed) adapter
+            except BaseException:
+                backend.close()
+                raise
         return backend
 
     def _llm(self):
@@ -219,7 +281,8 @@ class VLLMRolloutBackend(RolloutBackend):
             self._sampling(sampling, None if sampling.seed is None else request_seed(sampling.seed, i))
             for i in range(len(prompt_token_ids))
         ]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params, use_tqdm=False)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params,
+                               use_tqdm=False, lora_request=self.lora_request)
         groups = [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
         if sampling.temperature == 0:
             groups = [[replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
@@ -243,7 +306,8 @@ class VLLMRolloutBackend(RolloutBackend):
         from vllm import TokensPrompt
 
         params = VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        out = self._llm().generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+        out = self._llm().generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False,
+                                   lora_request=self.lora_request)[0]
         return [float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
     # ------------------------------------------------------------------ weights
@@ -258,20 +322,55 @@ class VLLMRolloutBackend(RolloutBackend):
             raise OxrlError(
                 f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
             )
+        if self.adapter:
+            self._push_adapter(state, policy_version)
+            self.policy_version = policy_version
+            return
         if isinstance(state, torch.nn.Module):
             from oxrl_core.lora import policy_state_dict
 
-            state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
-        from vllm.v1.engine.core_client import InprocClient
-
-        in_process = isinstance(llm.llm_engine.engine_core, InprocClient) and llm.get_world_size() == 1
-        # in process: the trainer's tensors by reference (vLLM copies them into its own, converting dtype);
-        # across processes: CPU copies, serialised by vLLM's RPC
-        weights = [(name, tensor.detach() if in_process else tensor.detach().cpu()) for name, tensor in state.items()]
+            state = policy_state_dict(state)  # under LoRA (lora: merged): the merged weights, under the base model's names
+        weights = [(name, self._transferable(tensor)) for name, tensor in state.items()]
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if not llm.reset_prefix_cache():
             raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
         self.policy_version = policy_version
+
+    def _transferable(self, tensor):
+        """In process: the trainer's tensor by reference (vLLM copies it into its own, converting dtype);
+        across processes: a CPU copy, serialised by vLLM's RPC."""
+        from vllm.v1.engine.core_client import InprocClient
+
+        llm = self._llm()
+        in_process = isinstance(llm.llm_engine.engine_core, InprocClient) and llm.get_world_size() == 1
+        return tensor.detach() if in_process else tensor.detach().cpu()
+
+    def _push_adapter(self, model, policy_version: int) -> None:
+        """The trainer's LoRA tensors as vLLM adapter ``policy_version + 1``, replacing the previous one."""
+        import torch
+        from peft import get_peft_model_state_dict
+        from vllm.lora.request import LoRARequest
+
+        from oxrl_core.lora import is_peft
+
+        if not is_peft(model):
+            raise OxrlError("rollout backend 'vllm' serves LoRA adapters: update_weights needs the trainer's PEFT model")
+        name = model.active_adapter
+        # copies: vLLM folds the scaling into lora_B in place, and the trainer's tensors must stay as they are
+        tensors = {key: t.detach().to("cpu", copy=True) for key, t in get_peft_model_state_dict(model, adapter_name=name).items()}
+        config = model.peft_config[name].to_dict()
+        config["target_modules"] = sorted(config["target_modules"]) if isinstance(config["target_modules"], (set, list)) else config["target_modules"]
+        lora_id = policy_version + 1  # vLLM adapter ids start at 1; a new id per version keeps no stale cache
+        previous = self.lora_request.lora_int_id if self.lora_request is not None else None
+        try:
+            with torch.no_grad():
+                self._llm().collective_rpc(_install_adapter, args=(lora_id, tensors, config, previous))
+        except Exception as exc:  # noqa: BLE001 - e.g. an adapter vLLM cannot serve
+            raise OxrlError(f"rollout backend 'vllm': the LoRA adapter could not be loaded: {type(exc).__name__}: {exc} "
+                            "(rollout.options.lora=merged syncs merged weights instead)") from exc
+        self.lora_request = LoRARequest(f"oxrl-policy-v{policy_version}", lora_id, _IN_MEMORY)
+        if not self._llm().reset_prefix_cache():
+            raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
 
     def close(self) -> None:
         """Shut the engine down and free its memory (a new engine can start in this process afterwards)."""
