@@ -50,7 +50,7 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model, tokenizer, tiny_model_dir):
-    backend = VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm"))
+    backend = VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"}))
     yield backend
     backend.close()
 
@@ -106,6 +106,29 @@ def test_a_pushed_adapter_gives_the_trainers_logprobs_and_leaves_its_tensors_alo
     assert check_weight_sync(engine, model, probe, engine.policy_version, 1e-3, nullcontext)["sync/probe_logprob_diff"] < 1e-5
 
 
+def test_lora_auto_merges_on_cpu(tiny_model_dir, tokenizer, model, monkeypatch):
+    """`auto` pushes adapters on a GPU only; on CPU it syncs merged weights (vLLM's CPU LoRA kernels are slow).
+    Checked without starting a second engine: the engine arguments are captured."""
+    import vllm
+
+    seen = {}
+
+    class Captured(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Captured
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    for mode, lora_enabled in [("auto", False), ("merged", False), ("adapter", True)]:
+        seen.clear()
+        with pytest.raises(OxrlError, match="did not start"):
+            VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": mode}))
+        assert seen.get("enable_lora", False) is lora_enabled, mode
+    assert seen["max_lora_rank"] == 8 and seen["max_loras"] == 1  # rank 4 served in vLLM's smallest bucket >= 4
+
+
 def test_adapter_mode_needs_the_peft_model(engine, model):
     with pytest.raises(OxrlError, match="PEFT model"):
         engine.update_weights(model.get_base_model().state_dict(), engine.policy_version + 1)
@@ -114,7 +137,7 @@ def test_adapter_mode_needs_the_peft_model(engine, model):
 def test_a_rank_vllm_cannot_serve_is_refused_before_the_engine_starts(tiny_model_dir, tokenizer):
     big = apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(enabled=True, r=1024, alpha=8))
     with pytest.raises(OxrlError, match="lora.r: vLLM serves adapters up to rank 512, got 1024"):
-        VLLMRolloutBackend.build(big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm"))
+        VLLMRolloutBackend.build(big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"}))
 
 
 # ----------------------------------------------------------------------------- the real CLI and final/ in vLLM
@@ -174,7 +197,7 @@ def _check_final_in_vllm(tmp_path: Path, final: Path, base_dir: Path, tokenizer)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["adapter", "merged"])
+@pytest.mark.parametrize("mode", ["adapter", "auto"])
 def test_cli_lora_sgrpo_with_vllm_verifies_every_sync(tmp_path, tiny_model_dir, tokenizer, mode):
     run = tmp_path / "run"
     proc = vllm_run(tmp_path, tiny_model_dir, "--set", "rollout.backend=vllm", "--set", f"rollout.options.lora={mode}",
