@@ -29,7 +29,7 @@ from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_ch
 from oxrl_core.critic import build_critic
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row
-from oxrl_core.distributed import all_gather_object, gather_rows, is_main, rank, reduce_metrics, shard, world_size
+from oxrl_core.distributed import all_gather_object, broadcast_object, gather_rows, is_main, rank, reduce_metrics, shard, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
@@ -213,17 +213,28 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 SHARD_SEED_STRIDE = 7_919
 
 
+def sync_weights(backend, model, version: int) -> None:
+    """The weight sync; with rollout actors only rank 0 holds them (``backend`` is None elsewhere)."""
+    if backend is not None:
+        backend.update_weights(model, version)
+
+
 def generate_sharded(backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int):
     """The rollout batch's groups, generated in ``shards`` seeded shards of whole prompts that are dealt
     to the ranks in contiguous blocks (each rank samples its own on whole weights) and gathered on
     every rank. The samples depend on ``shards``, not on the world size; one shard in one process is
-    one ``generate`` call with ``sampling``."""
+    one ``generate`` call with ``sampling``. With rollout actors (``rollout.actors``) rank 0 has the
+    actors generate every shard and broadcasts the result."""
     size, per_rank = len(prompts) // shards, shards // world_size()
+    seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
+    if getattr(backend, "remote", False) or backend is None:
+        parts = backend.generate_shards([(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]))
+                                         for k in range(shards)]) if is_main() else None
+        return [group for part in broadcast_object(parts) for group in part]
     local = []
     with engine.full_weights():
         for k in range(rank() * per_rank, (rank() + 1) * per_rank):
-            seed = None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k
-            local += backend.generate(prompts[k * size : (k + 1) * size], replace(sampling, seed=seed))
+            local += backend.generate(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]))
     return [group for part in all_gather_object(local) for group in part]
 
 
@@ -328,14 +339,20 @@ def run_rl(trainer, ckpt: Path | None):
     )
     if ref is not None:
         ref.to(engine.device)
-    backend = backend_cls.build(model, tokenizer, policy_path, ro)
+    if ro.actors:  # rollout.actors: the backend in Ray actors of its own; rank 0 drives them
+        from oxrl_core.rollout_actors import RolloutActors
+
+        backend = (RolloutActors.start(ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
+                   if is_main() else None)
+    else:
+        backend = backend_cls.build(model, tokenizer, policy_path, ro)
 
     start_step, eval_before = 0, {}
     if ckpt is not None:
         state = load_training_state(ckpt, engine)
         start_step, eval_before = state["step"], state.get("eval_before", {})
         with engine.full_weights():  # ZeRO-3: the backend may read the weights
-            backend.update_weights(model, start_step)
+            sync_weights(backend, model, start_step)
         reporter.info(f"resuming from {ckpt} (step {start_step})")
     version = start_step  # the policy version: optimiser phases completed
     # verified weight sync (oxrl_core.sync): the backend and the trainer score a fixed probe
@@ -347,14 +364,17 @@ def run_rl(trainer, ckpt: Path | None):
     def verify_sync(policy_version: int) -> dict:
         if sync_probe is None:
             return {}
-        with engine.full_weights():
+        with engine.full_weights():  # (a collective under ZeRO-3: every rank enters it)
+            if backend is None:  # rollout actors: rank 0 checks them
+                return {}
             return check_weight_sync(backend, model, sync_probe, policy_version, sync_tolerance, engine.autocast,
                                      latest_checkpoint(run_dir))
 
     try:
         verify_sync(version)  # before training: a backend that loaded the wrong weights stops here
     except OxrlError:
-        backend.close()
+        if backend is not None:
+            backend.close()
         raise
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
     plan = make_plan(train_source, [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids], cfg.train.batch_size, cfg.train.seed, False)
@@ -419,7 +439,7 @@ def run_rl(trainer, ckpt: Path | None):
             version += 1
             t_sync = time.perf_counter()
             with engine.full_weights():  # ZeRO-3: the backend may read the weights
-                backend.update_weights(model, version)  # the weight sync
+                sync_weights(backend, model, version)  # the weight sync
             record.update(verify_sync(version))
             record["perf/sync_s"] = time.perf_counter() - t_sync
             train_s = time.perf_counter() - t0
@@ -450,7 +470,8 @@ def run_rl(trainer, ckpt: Path | None):
     finally:
         reporter.stop()
         tracker.close()
-        backend.close()
+        if backend is not None:
+            backend.close()
 
     final_dir = run_dir / "final"
     save_model(final_dir, model, tokenizer, extra=extra_files if critic is not None else None, engine=engine)

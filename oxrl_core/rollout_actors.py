@@ -1,0 +1,187 @@
+"""Rollout actors: ``rollout.actors: M`` runs the rollout backend in M Ray actors of its own.
+
+By default rollouts are generated inside the training process(es): the `hf` backend on the
+trained model itself, or a colocated vLLM engine. With ``rollout.actors: M`` (DESIGN §4: N
+training actors and M rollout actors) each actor loads the policy from its path and builds the
+configured backend (`hf`, `vllm` or a plugin) on its own device; the trainer keeps a
+`RolloutActors` proxy that is a `RolloutBackend` like any other:
+
+- ``generate_shards``: the loop's seeded shards of whole prompts are dealt to the actors in turn
+  and generated in parallel; the result is in shard order, so a run with M actors draws the same
+  samples as a single-process run with the same ``engine.rollout_shards``;
+- ``update_weights``: rank 0 puts the gathered weights (under LoRA the merged ones) in Ray's
+  object store once, and every actor loads them in place and moves to the new policy version;
+- ``score`` (the verified weight sync): every actor scores the probe; an actor that disagrees
+  with the first one is an error, and the first one's logprobs are compared with the trainer's.
+
+Only rank 0 talks to the actors; the other training ranks receive the rollouts by broadcast.
+Every call is bounded by ``engine.timeout_s``; an actor that dies or raises stops the run with
+its error. Actors ask Ray for one GPU each on a cluster with GPUs, and for no CPU reservation on
+a CPU-only one (they share the node's cores with the training ranks).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+
+#: actors whose probe logprobs differ from the first actor's by more than this hold other weights
+REPLICA_TOLERANCE = 1e-5
+
+
+class RolloutWorker:
+    """One rollout actor: the configured backend on the policy loaded from ``model_path``."""
+
+    def __init__(self, index: int, backend_name: str, model_path: str, rollout: dict, cwd: str, threads: int):
+        import torch
+
+        from oxrl_core.config import RolloutConfig
+        from oxrl_core.models import load_causal_lm, load_tokenizer
+        from oxrl_core.plugins import discover
+
+        os.chdir(cwd)  # relative plugin paths resolve as in the driver
+        if threads:
+            torch.set_num_threads(threads)
+        self.index = index
+        config = RolloutConfig.model_validate(rollout)
+        backend_cls = discover().load("rollout_backend", backend_name)
+        tokenizer = load_tokenizer(model_path)
+        model = load_causal_lm(model_path).to("cuda" if torch.cuda.is_available() else "cpu")
+        self.backend = backend_cls.build(model, tokenizer, model_path, config)
+
+    def __repr__(self) -> str:  # how Ray names this actor in its messages
+        return f"oxrl rollout actor {self.index}"
+
+    def generate(self, shards: list[tuple[list[list[int]], SamplingParams]]) -> list[list[list[Completion]]]:
+        return [self.backend.generate(prompts, sampling) for prompts, sampling in shards]
+
+    def update_weights(self, state: dict, policy_version: int) -> None:
+        self.backend.update_weights(state, policy_version)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.backend.score(token_ids)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+class RolloutActors(RolloutBackend):
+    """The trainer's handle on the rollout actors (see the module docstring)."""
+
+    name: ClassVar[str] = "actors"
+    remote: ClassVar[bool] = True  # the RL loop: rank 0 generates every shard and broadcasts them
+
+    def __init__(self, actors: list, backend_name: str, timeout_s: float, owns_ray: bool):
+        self.actors = actors
+        self.backend_name = backend_name
+        self.timeout_s = timeout_s
+        self.owns_ray = owns_ray
+        self.policy_version = 0
+
+    @classmethod
+    def start(cls, count: int, backend_name: str, model_path: str, rollout, timeout_s: float, ray_address: str = ""):
+        """Start ``count`` actors (and a local Ray cluster when none is running) and wait until each has built its backend."""
+        from oxrl_core.launcher import _env_for_actors
+
+        import ray
+
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            import logging
+
+            try:
+                ray.init(address=ray_address or "local", include_dashboard=False, log_to_driver=True,
+                         logging_level=logging.ERROR, runtime_env={"env_vars": _env_for_actors()})
+            except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
+                raise OxrlError(f"rollout.actors: could not start or join a Ray cluster: {type(exc).__name__}: {exc}") from None
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
+        actor_cls = ray.remote(RolloutWorker).options(num_gpus=gpus, num_cpus=0, max_restarts=0)
+        # CPU: generation and training take turns, so the actors share out the node's cores
+        threads = 0 if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)) // count)
+        config = rollout.model_dump(mode="json")
+        actors = [actor_cls.remote(i, backend_name, model_path, config, os.getcwd(), threads) for i in range(count)]
+        proxy = cls(actors, backend_name, timeout_s, owns_ray)
+        try:
+            proxy._get([actor.__ray_ready__.remote() for actor in actors], "start")
+        except BaseException:
+            proxy.close()
+            raise
+        return proxy
+
+    def _get(self, refs: list, what: str) -> list:
+        import ray
+
+        from oxrl_core.launcher import _reason
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise OxrlError(f"rollout actors ('{self.backend_name}'): could not {what} within engine.timeout_s={self.timeout_s:g}s") from None
+        except ray.exceptions.RayError as exc:
+            raise OxrlError(f"rollout actors ('{self.backend_name}'): could not {what}: {_reason(exc)}") from None
+
+    # ------------------------------------------------------------------ rollouts
+
+    def generate_shards(self, shards: list[tuple[list[list[int]], SamplingParams]]) -> list[list[list[Completion]]]:
+        """Shard k goes to actor k mod M; the shards come back in order."""
+        if not self.actors:
+            raise OxrlError("the rollout actors are closed")
+        dealt = [list(range(i, len(shards), len(self.actors))) for i in range(len(self.actors))]
+        refs = [actor.generate.remote([shards[k] for k in ks]) for actor, ks in zip(self.actors, dealt) if ks]
+        out: list = [None] * len(shards)
+        for ks, results in zip([ks for ks in dealt if ks], self._get(refs, "generate")):
+            for k, groups in zip(ks, results):
+                out[k] = groups
+        return out
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+        """One shard: the first actor generates it."""
+        return self.generate_shards([(prompt_token_ids, sampling)])[0]
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state: Any, policy_version: int) -> None:
+        """The trainer's weights (a module or a state_dict) into every actor, through the object store once."""
+        import ray
+        import torch
+
+        if not isinstance(policy_version, int) or policy_version <= self.policy_version:
+            raise OxrlError(f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}")
+        if isinstance(state, torch.nn.Module):
+            from oxrl_core.lora import policy_state_dict
+
+            state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
+        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
+        self._get([actor.update_weights.remote(ref, policy_version) for actor in self.actors], f"sync policy version {policy_version}")
+        self.policy_version = policy_version
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        per_actor = self._get([actor.score.remote(list(token_ids)) for actor in self.actors], "score the probe")
+        for index, logprobs in enumerate(per_actor[1:], start=1):
+            gap = max((abs(a - b) for a, b in zip(logprobs, per_actor[0])), default=0.0)
+            if not gap <= REPLICA_TOLERANCE:
+                raise OxrlError(
+                    f"rollout actor {index} scores the probe {gap:.3g} nats away from actor 0 after policy version "
+                    f"{self.policy_version}: the actors hold different weights"
+                )
+        return per_actor[0]
+
+    @classmethod
+    def can_score(cls) -> bool:
+        return True
+
+    def close(self) -> None:
+        import ray
+
+        actors, self.actors = self.actors, []
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self.owns_ray = False

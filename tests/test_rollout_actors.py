@@ -1,0 +1,80 @@
+"""`rollout.actors: M`: the rollout backend in Ray actors of its own (DESIGN §4: N training actors and
+M rollout actors). Same samples as the in-process backend with the same `engine.rollout_shards`;
+every sync verified on every actor; a dying actor stops the run clearly and keeps the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import oxrl, read_metrics
+
+pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+
+COMMON = ["--set", "train.max_steps=3", "--set", "train.batch_size=4", "--set", "rollout.n=4",
+          "--set", "rollout.max_new_tokens=8", "--set", "engine.rollout_shards=2", "--set", "train.eval_steps=0",
+          "--set", "train.lr=1e-2", "--set", "train.lr_scheduler=constant", "-q"]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+DYING = '''
+import os
+from oxrl_core.rollout_hf import HFRolloutBackend
+
+
+class DiesAtVersion2(HFRolloutBackend):
+    name = "dies"
+
+    def generate(self, prompt_token_ids, sampling):
+        if self.policy_version >= 2:
+            os._exit(3)  # the actor's process dies (as from an out-of-memory kill)
+        return super().generate(prompt_token_ids, sampling)
+'''
+
+
+def _run(tmp_path, tiny_model_dir, name: str, *sets: str):
+    run = tmp_path / name
+    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", *COMMON, *sets, "-o", str(run),
+                cwd=tmp_path, env=ENV)
+    return run, proc
+
+
+def _same_steps(a, b, loss_atol: float = 1e-5) -> None:
+    ma, mb = read_metrics(a), read_metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb] == [1, 2, 3]
+    for x, y in zip(ma, mb):
+        assert x["reward/mean"] == y["reward/mean"] and x["response/length"] == y["response/length"]
+        assert x["loss"] == pytest.approx(y["loss"], abs=loss_atol) and x["grad_norm"] == pytest.approx(y["grad_norm"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_two_rollout_actors_draw_the_in_process_samples_and_every_sync_is_verified(tmp_path, tiny_model_dir):
+    local, proc = _run(tmp_path, tiny_model_dir, "local")
+    assert proc.returncode == 0, proc.stderr
+    actors, proc = _run(tmp_path, tiny_model_dir, "actors", "--set", "rollout.actors=2")
+    assert proc.returncode == 0, proc.stderr
+    _same_steps(local, actors)
+    for m in read_metrics(actors):
+        assert m["sync/probe_logprob_diff"] < 1e-5 and m["rollout/logprob_diff"] < 1e-4
+        assert m["policy/version"] == m["step"] - 1  # strictly on-policy: the actors moved with every sync
+    assert (actors / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_training_ranks_and_one_rollout_actor_follow_the_single_process_run(tmp_path, tiny_model_dir):
+    pytest.importorskip("deepspeed")
+    local, proc = _run(tmp_path, tiny_model_dir, "local")
+    assert proc.returncode == 0, proc.stderr
+    both, proc = _run(tmp_path, tiny_model_dir, "ranks", "--set", "rollout.actors=1", "--set", "engine.name=deepspeed",
+                      "--set", "engine.zero_stage=3", "--set", "engine.world_size=2", "--set", "engine.timeout_s=120")
+    assert proc.returncode == 0, proc.stderr
+    _same_steps(local, both)
+
+
+@pytest.mark.slow
+def test_a_dying_rollout_actor_stops_the_run_clearly_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
+    (tmp_path / "dying.py").write_text(DYING)
+    run, proc = _run(tmp_path, tiny_model_dir, "dies", "--set", "rollout.actors=1", "--set",
+                     f"rollout.backend={tmp_path / 'dying.py'}:DiesAtVersion2", "--set", "train.save_steps=1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "rollout actors" in proc.stderr and "could not generate" in proc.stderr
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
+    assert (run / "checkpoints" / "step-2" / "trainer_state.json").is_file()
