@@ -84,9 +84,9 @@ class RolloutActors(RolloutBackend):
     @classmethod
     def start(cls, count: int, backend_name: str, model_path: str, rollout, timeout_s: float, ray_address: str = ""):
         """Start ``count`` actors (and a local Ray cluster when none is running) and wait until each has built its backend."""
-        from oxrl_core.launcher import _env_for_actors
-
         import ray
+
+        from oxrl_core.launcher import _env_for_actors
 
         owns_ray = not ray.is_initialized()
         if owns_ray:
