@@ -92,8 +92,8 @@ class RolloutActors(RolloutBackend):
         if owns_ray:
             import logging
 
-            try:
-                ray.init(address=ray_address or "local", include_dashboard=False, log_to_driver=True,
+            try:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
+                ray.init(address=ray_address or "local", include_dashboard=False, log_to_driver=False,
                          logging_level=logging.ERROR, runtime_env={"env_vars": _env_for_actors()})
             except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
                 raise OxrlError(f"rollout.actors: could not start or join a Ray cluster: {type(exc).__name__}: {exc}") from None

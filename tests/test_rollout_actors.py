@@ -58,6 +58,18 @@ def test_two_rollout_actors_draw_the_in_process_samples_and_every_sync_is_verifi
 
 
 @pytest.mark.slow
+def test_vllm_in_two_rollout_actors_draws_the_in_process_vllm_samples(tmp_path, tiny_model_dir):
+    pytest.importorskip("vllm")
+    local, proc = _run(tmp_path, tiny_model_dir, "vllm-local", "--set", "rollout.backend=vllm")
+    assert proc.returncode == 0, proc.stderr
+    actors, proc = _run(tmp_path, tiny_model_dir, "vllm-actors", "--set", "rollout.backend=vllm", "--set", "rollout.actors=2")
+    assert proc.returncode == 0, proc.stderr
+    assert "RolloutWorker" not in proc.stderr  # the engines' logs stay out of the run's output
+    _same_steps(local, actors)
+    assert all(m["sync/probe_logprob_diff"] < 1e-4 for m in read_metrics(actors))
+
+
+@pytest.mark.slow
 def test_two_training_ranks_and_one_rollout_actor_follow_the_single_process_run(tmp_path, tiny_model_dir):
     pytest.importorskip("deepspeed")
     local, proc = _run(tmp_path, tiny_model_dir, "local")
