@@ -35,6 +35,7 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
+from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import build_reward, score_batch
@@ -397,6 +398,7 @@ def run_rl(trainer, ckpt: Path | None):
         reporter.info("held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items()))
 
     device = engine.device
+    peak = peak_flops(device)  # perf/mfu where the device's peak is known (oxrl_core.perf)
     records: list[dict] = []
     train_start = time.perf_counter()
     reporter.start(cfg.train.max_steps, start_step)
@@ -457,6 +459,10 @@ def run_rl(trainer, ckpt: Path | None):
                 "perf/step_s": time.perf_counter() - t_step,
                 "perf/tokens": float(batch["attention_mask"].sum()),
                 "perf/tokens_per_s": float(batch["attention_mask"].sum()) / (time.perf_counter() - t_step),
+                # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
+                **mfu(ro.epochs * float(batch["attention_mask"].sum()) / train_s,
+                      train_flops_per_token(model, float(batch["attention_mask"].sum()) / len(completions)) if peak else 0.0,
+                      peak, world_size()),
                 **plan.counts(picks),
             })
             if step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):

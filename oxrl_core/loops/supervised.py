@@ -23,7 +23,8 @@ import torch
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
-from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard
+from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard, world_size
+from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
@@ -146,6 +147,7 @@ def run_supervised(trainer, ckpt: Path | None):
     # ---- the loop
     records: list[dict] = []
     train_start = time.perf_counter()
+    peak = peak_flops(engine.device)  # perf/mfu where the device's peak is known (oxrl_core.perf)
     reporter.start(max_steps, start_step)
     try:
         for step in range(start_step + 1, max_steps + 1):
@@ -158,7 +160,7 @@ def run_supervised(trainer, ckpt: Path | None):
             total_weight = all_reduce_sum([sum(weights)])[0] or 1.0  # over every rank's share of the batch
             lr = engine.lr
             sums: dict[str, float] = defaultdict(float)
-            tokens = 0
+            tokens = sequences = 0
             for mb, weight, (_, padding) in zip(micro, weights, shares):
                 mb = engine.to_device(mb)
                 inputs = {k: mb[k] for k in MODEL_INPUTS if k in mb}
@@ -176,8 +178,9 @@ def run_supervised(trainer, ckpt: Path | None):
                     sums[key] += float(value) * share
                 if not padding:
                     tokens += int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
-            sums = reduce_metrics({**sums, "perf/tokens": tokens})  # every rank's shares
-            tokens = int(sums.pop("perf/tokens"))
+                    sequences += mb["input_ids"].shape[0]
+            sums = reduce_metrics({**sums, "perf/tokens": tokens, "perf/sequences": sequences})  # every rank's shares
+            tokens, sequences = int(sums.pop("perf/tokens")), sums.pop("perf/sequences")
             grad_norm = engine.step()
             seconds = time.perf_counter() - t0
             record = {
@@ -189,6 +192,7 @@ def run_supervised(trainer, ckpt: Path | None):
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
+                **mfu(tokens / seconds, train_flops_per_token(model, tokens / max(sequences, 1)) if peak else 0.0, peak, world_size()),
                 **plan.counts([i for idx in picks for i in idx]),
             }
             if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
