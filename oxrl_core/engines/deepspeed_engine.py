@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core import distributed
-from oxrl_core.engines.torch_engine import adamw_param_groups, pick_autocast_dtype, pick_device
+from oxrl_core.engines.torch_engine import PrecisionAndDevice, adamw_param_groups, pick_autocast_dtype, pick_device
 from oxrl_core.errors import OxrlError
 
 CONFIG_FILE = "deepspeed_config.json"
@@ -95,7 +95,7 @@ class _Trained(torch.nn.Module):
         self.extra = torch.nn.ModuleList(extra_modules)
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(PrecisionAndDevice):
     def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False,
                  extra_modules=(), total_steps: int | None = None, run_dir: Path | None = None):
         """As `TorchEngine`; ``run_dir`` receives the generated ``deepspeed_config.json`` (rank 0)."""
@@ -139,14 +139,6 @@ class DeepSpeedEngine:
         self._full_depth = 0
 
     # ------------------------------------------------------------------ the training step
-
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss``: this rank's part of the global loss; gradients are summed over ranks."""

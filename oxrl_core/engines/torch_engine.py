@@ -49,7 +49,22 @@ def adamw_param_groups(model: torch.nn.Module, extra_modules=(), weight_decay: f
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class TorchEngine:
+class PrecisionAndDevice:
+    """What every engine does alike with its ``device`` and ``autocast_dtype``."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class TorchEngine(PrecisionAndDevice):
     def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False, extra_modules=(), total_steps: int | None = None):
         """``extra_modules`` (e.g. a critic) are trained by the same optimiser, after the model's parameters;
         ``total_steps`` is the number of optimiser steps of the run (default ``train.max_steps``)."""
@@ -72,14 +87,6 @@ class TorchEngine:
             num_warmup_steps=train_cfg.warmup_steps,
             num_training_steps=total_steps or train_cfg.max_steps,
         )
-
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

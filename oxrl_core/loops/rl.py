@@ -447,6 +447,7 @@ def run_rl(trainer, ckpt: Path | None):
             train_s = time.perf_counter() - t0
 
             lengths = [len(c.token_ids) for c in completions]
+            tokens = float(batch["attention_mask"].sum())  # prompt + completion tokens of the rollout batch
             record.update(reward_metrics)
             record.update({
                 "response/length": sum(lengths) / len(lengths),
@@ -457,12 +458,11 @@ def run_rl(trainer, ckpt: Path | None):
                 "perf/reward_s": reward_s,
                 "perf/train_s": train_s,
                 "perf/step_s": time.perf_counter() - t_step,
-                "perf/tokens": float(batch["attention_mask"].sum()),
-                "perf/tokens_per_s": float(batch["attention_mask"].sum()) / (time.perf_counter() - t_step),
+                "perf/tokens": tokens,
+                "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
                 # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
-                **mfu(ro.epochs * float(batch["attention_mask"].sum()) / train_s,
-                      train_flops_per_token(model, float(batch["attention_mask"].sum()) / len(completions)) if peak else 0.0,
-                      peak, world_size()),
+                **mfu(ro.epochs * tokens / train_s,
+                      train_flops_per_token(model, tokens / len(completions)) if peak else 0.0, peak, world_size()),
                 **plan.counts(picks),
             })
             if step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):

@@ -336,20 +336,21 @@ class VLLMRolloutBackend(RolloutBackend):
             from oxrl_core.lora import policy_state_dict
 
             state = policy_state_dict(state)  # under LoRA (lora: merged): the merged weights, under the base model's names
-        weights = [(name, self._transferable(tensor)) for name, tensor in state.items()]
+        by_reference = self._in_process()
+        # in process: the trainer's tensors by reference (vLLM copies them into its own, converting dtype);
+        # across processes: CPU copies, serialised by vLLM's RPC
+        weights = [(name, tensor.detach() if by_reference else tensor.detach().cpu()) for name, tensor in state.items()]
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if not llm.reset_prefix_cache():
             raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
         self.policy_version = policy_version
 
-    def _transferable(self, tensor):
-        """In process: the trainer's tensor by reference (vLLM copies it into its own, converting dtype);
-        across processes: a CPU copy, serialised by vLLM's RPC."""
+    def _in_process(self) -> bool:
+        """Whether vLLM's single worker runs in this process (then it can take the trainer's tensors by reference)."""
         from vllm.v1.engine.core_client import InprocClient
 
         llm = self._llm()
-        in_process = isinstance(llm.llm_engine.engine_core, InprocClient) and llm.get_world_size() == 1
-        return tensor.detach() if in_process else tensor.detach().cpu()
+        return isinstance(llm.llm_engine.engine_core, InprocClient) and llm.get_world_size() == 1
 
     def _push_adapter(self, model, policy_version: int) -> None:
         """The trainer's LoRA tensors as vLLM adapter ``policy_version + 1``, replacing the previous one."""
@@ -365,7 +366,8 @@ class VLLMRolloutBackend(RolloutBackend):
         # copies: vLLM folds the scaling into lora_B in place, and the trainer's tensors must stay as they are
         tensors = {key: t.detach().to("cpu", copy=True) for key, t in get_peft_model_state_dict(model, adapter_name=name).items()}
         config = model.peft_config[name].to_dict()
-        config["target_modules"] = sorted(config["target_modules"]) if isinstance(config["target_modules"], (set, list)) else config["target_modules"]
+        if isinstance(config["target_modules"], set):  # PEFT resolves "all-linear" to a set of names
+            config["target_modules"] = sorted(config["target_modules"])
         lora_id = policy_version + 1  # vLLM adapter ids start at 1; a new id per version keeps no stale cache
         previous = self.lora_request.lora_int_id if self.lora_request is not None else None
         try:
