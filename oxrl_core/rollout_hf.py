@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
@@ -58,9 +59,8 @@ class HFRolloutBackend(RolloutBackend):
         if any(len(p) == 0 for p in prompt_token_ids):
             raise OxrlError("every prompt needs at least one token")
 
-        # Each prompt is repeated n times (greedy generate does not take num_return_sequences > 1).
-        rows = [list(p) for p in prompt_token_ids for _ in range(sampling.n)]
-        per_call = len(rows) if self.batch_size is None else self.batch_size * sampling.n
+        # `batch_size` prompts (each with its n samples) per generate call
+        per_call = len(prompt_token_ids) if self.batch_size is None else self.batch_size
         device = next(self.model.parameters()).device
         rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
 
@@ -74,8 +74,8 @@ class HFRolloutBackend(RolloutBackend):
             with torch.random.fork_rng(devices=rng_devices, enabled=sampling.seed is not None), torch.no_grad():
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
-                for start in range(0, len(rows), per_call):
-                    flat += self._generate_batch(rows[start : start + per_call], sampling, device)
+                for start in range(0, len(prompt_token_ids), per_call):
+                    flat += self._generate_batch(prompt_token_ids[start : start + per_call], sampling, device)
         finally:
             self.model.generation_config = saved_config
             self.model.train(was_training)
@@ -90,14 +90,21 @@ class HFRolloutBackend(RolloutBackend):
             bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
         )
 
-    def _generate_batch(self, rows: list[list[int]], sampling: SamplingParams, device) -> list[Completion]:
-        width = max(map(len, rows))
-        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, device) -> list[Completion]:
+        """``sampling.n`` samples of each prompt, in one ``generate`` call over P·n left-padded rows."""
+        width = max(map(len, prompts))
+        prompt_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)  # (P, W)
+        prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (P, W)
+        # each prompt repeated n times, its samples contiguous (greedy generate takes no num_return_sequences > 1)
+        input_ids = prompt_ids.repeat_interleave(sampling.n, dim=0)  # (P·n, W)
+        attention_mask = prompt_mask.repeat_interleave(sampling.n, dim=0)  # (P·n, W)
+        cache = self._prefilled_cache(prompt_ids, prompt_mask, sampling.n, width + sampling.max_new_tokens)
         greedy = sampling.temperature == 0
         options: dict[str, Any] = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
         )
+        if cache is not None:
+            options["past_key_values"] = cache
         out = self.model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -121,6 +128,40 @@ class HFRolloutBackend(RolloutBackend):
             else:
                 completions.append(Completion(tokens, lps, "length", self.policy_version))
         return completions
+
+    def _prefilled_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, capacity: int):
+        """The KV cache ``generate`` starts from, or None for transformers' default.
+
+        Two savings over the default ``DynamicCache`` (measured in the README, benchmarks/grpo_step.py):
+        each layer's keys/values live in one buffer of ``capacity`` positions that decoding fills in place
+        (`PreallocatedLayer`), instead of being concatenated into a new tensor at every token; and with
+        n > 1 each prompt's first W-1 positions are computed once and the cache repeated n times, instead
+        of prefilling the same prompt n times. ``generate`` then feeds only the last prompt token (it skips
+        what the cache holds), so the samples are drawn from the same distribution as before: positions
+        and padding follow ``generate``'s own rule (cumulative mask − 1, padding at 0).
+        Only for caches made entirely of transformers' plain ``DynamicLayer`` (full attention); a model with
+        sliding-window, linear-attention or custom caches gets transformers' default.
+        """
+        from transformers import DynamicCache
+
+        config = getattr(self.model, "config", None)
+        supports = getattr(self.model, "_supports_default_dynamic_cache", None)
+        if config is None or supports is None or not supports():
+            return None
+        try:
+            cache = DynamicCache(config=config)
+        except Exception:  # noqa: BLE001 - a config transformers cannot lay a cache out for: its default path
+            return None
+        if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return None
+        cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
+        if n > 1 and prompt_ids.shape[1] > 1:
+            positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (P, W), as generate numbers them
+            self.model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
+                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+            for layer in cache.layers:
+                layer.repeat_rows(n)
+        return cache
 
     # ------------------------------------------------------------------ weights
 
@@ -161,3 +202,60 @@ class HFRolloutBackend(RolloutBackend):
 
     def close(self) -> None:
         self.model = None
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys/values are views into one buffer of ``capacity`` positions.
+
+    ``update`` writes the new positions in place and returns the filled prefix, so decoding T tokens
+    copies each position once instead of re-concatenating the whole cache T times (transformers'
+    ``DynamicLayer`` does ``torch.cat`` per token). Everything that reads ``keys``/``values`` sees the
+    same tensors as with ``DynamicLayer``. Growing past ``capacity`` falls back to concatenation.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        batch, heads, _, _ = key_states.shape
+        self._keys = key_states.new_empty(batch, heads, self.capacity, key_states.shape[-1])  # (B, H, capacity, D)
+        self._values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        self.length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self._keys.shape[-2]:  # past the planned length: grow (rare; generate stops at capacity)
+            grow = end - self._keys.shape[-2]
+            self._keys = torch.cat([self._keys, self._keys.new_empty(*self._keys.shape[:2], grow, self._keys.shape[-1])], dim=-2)
+            self._values = torch.cat([self._values, self._values.new_empty(*self._values.shape[:2], grow, self._values.shape[-1])], dim=-2)
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def repeat_rows(self, n: int) -> None:
+        """Each batch row repeated n times, in place of the row (row i becomes rows i·n … i·n+n-1)."""
+        self._keys = self._keys.repeat_interleave(n, dim=0)
+        self._values = self._values.repeat_interleave(n, dim=0)
+        self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.length = self.keys.shape[-2]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.repeat_rows(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._keys, self._values = self._keys[indices], self._values[indices]
+        self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+    def reset(self) -> None:
+        super().reset()
+        self.length = 0

@@ -283,7 +283,7 @@ def test_shared_prompt_forward_equals_separate_rows(tiny_model_dir):
 
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=packed_attn_implementation("sdpa"))
     prompts = [[5, 9, 11, 12], [7, 8]]
-    completions = [_c([20, 21, EOS]), _c([22, EOS]), _c([30, 31, 32, EOS]), _c([33, EOS])]  # 2 samples per prompt
+    completions = [_c([20, 21, EOS]), _c([22, EOS]), _c([30, 31, 32, EOS]), _c([EOS])]  # 2 samples per prompt (one only EOS)
     batch = rollout_tensors([prompts[0], prompts[0], prompts[1], prompts[1]], completions, pad_id=0)
     batch["group"] = torch.tensor([0, 0, 1, 1])
     batch["prompt_len"] = torch.tensor([4, 4, 2, 2])

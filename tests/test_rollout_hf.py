@@ -201,3 +201,67 @@ def test_discover_lists_hf_from_the_core_package(monkeypatch):
     reg = registry.get("rollout_backend", "hf")
     assert reg.package == "oxrl"
     assert reg.load() is HFRolloutBackend
+
+
+# ----------------------------------------------------------------------------- the KV cache generate starts from
+
+
+def test_prefill_once_and_the_preallocated_cache_sample_what_plain_generate_samples(backend, model, prompt_ids, tokenizer):
+    """Each prompt prefilled once and repeated n times, decoding into a preallocated buffer: the same seeded
+    samples and (up to float rounding) the same logprobs as plain `generate` over the P·n repeated rows."""
+    n, steps = 3, 10
+    got = backend.generate(prompt_ids, SamplingParams(n=n, max_new_tokens=steps, temperature=1.0, seed=5))
+    width = max(map(len, prompt_ids))
+    rows = [[tokenizer.pad_token_id] * (width - len(p)) + p for p in prompt_ids for _ in range(n)]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids for _ in range(n)]
+    model.generation_config = backend._clean_generation_config()
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(5)
+        out = model.generate(input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask), max_new_tokens=steps,
+                             do_sample=True, temperature=1.0, top_p=1.0, top_k=0, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    scores = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (P·n, steps, V)
+    flat = [c for group in got for c in group]
+    for i, c in enumerate(flat):
+        assert c.token_ids == out.sequences[i, width : width + len(c.token_ids)].tolist()
+        want = scores[i, torch.arange(len(c.token_ids)), torch.tensor(c.token_ids)]
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+
+
+def test_preallocated_layer_holds_what_a_dynamic_layer_holds():
+    from transformers.cache_utils import DynamicLayer
+
+    from oxrl_core.rollout_hf import PreallocatedLayer
+
+    torch.manual_seed(0)
+    chunks = [(torch.randn(2, 3, t, 4), torch.randn(2, 3, t, 4)) for t in (5, 1, 1, 2)]  # (B, H, t, D)
+    plain, buffered = DynamicLayer(), PreallocatedLayer(capacity=7)  # the last chunk outgrows the buffer
+    for k, v in chunks:
+        want, got = plain.update(k, v), buffered.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        assert buffered.get_seq_length() == plain.get_seq_length()
+    assert buffered.get_seq_length() == 9
+    buffered.crop(-2)
+    plain.crop(-2)
+    extra = (torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4))
+    assert all(torch.equal(a, b) for a, b in zip(plain.update(*extra), buffered.update(*extra)))
+    buffered.repeat_rows(2)  # row i becomes rows 2i, 2i+1
+    assert buffered.keys.shape == (4, 3, 8, 4)
+    assert torch.equal(buffered.keys[2], plain.keys[1]) and torch.equal(buffered.values[3], plain.values[1])
+
+
+def test_a_model_with_a_sliding_window_cache_generates_with_transformers_default(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=1, num_key_value_heads=1, head_dim=64, sliding_window=4,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = MistralForCausalLM(config).eval()
+    backend = HFRolloutBackend(model, tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    assert backend._prefilled_cache(ids, torch.ones_like(ids), 2, 10) is None
+    result = backend.generate([ids[0].tolist()], SamplingParams(n=2, max_new_tokens=5, temperature=1.0, seed=0))
+    for c in result[0]:
+        want = teacher_forced_logprobs(model, ids[0].tolist(), c.token_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)

@@ -271,6 +271,16 @@ class Varied(Reward):
         return [len(set(c)) / 8 for c in completions]
 
 
+class Copy(HFRolloutBackend):
+    """Generates with its own copy of the policy, loaded from the trainer's at every sync."""
+
+    name = "copy"
+
+    @classmethod
+    def build(cls, model, tokenizer, model_path, config):
+        return cls(copy.deepcopy(model), tokenizer)
+
+
 class StaleCopy(HFRolloutBackend):
     """Generates with its own copy of the policy and stops copying the trainer's weights after version 1."""
 
@@ -316,10 +326,18 @@ def test_run_logs_the_probe_check_and_tis(tmp_path, tiny_model_dir):
     assert proc.returncode == 0, proc.stderr
     metrics = read_metrics(run)
     for m in metrics:
-        assert m["sync/probe_tolerance"] == 1e-3 and m["sync/probe_logprob_diff"] <= 1e-5  # hf: the trainer's own model
+        # hf generates with the trainer's own module: checked at the start only, never stale after a sync
+        assert not any(k.startswith("sync/probe") for k in m)
         assert 0.9 < m["tis/weight_mean"] <= 1.0 + 1e-4 and m["tis/clipped_frac"] == 0.0
         assert m["perf/sync_s"] >= 0
     assert metrics[0]["loss"] != 0  # a real update (the rewards differ within groups)
+    # a backend with a copy of its own is checked after every sync
+    copied = tmp_path / "copy"
+    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", f"rollout.backend={tmp_path / 'sync_plugins.py'}:Copy",
+                  "--set", "train.max_steps=2", "-q", "-o", str(copied))
+    assert proc.returncode == 0, proc.stderr
+    for m in read_metrics(copied):
+        assert m["sync/probe_tolerance"] == 1e-3 and m["sync/probe_logprob_diff"] <= 1e-5
     proc = rl_run(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", "train.max_steps=1", "--set", "rollout.sync_check=false",
                   "-q", "-o", str(tmp_path / "off"))
     assert proc.returncode == 0, proc.stderr

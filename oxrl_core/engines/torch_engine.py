@@ -1,9 +1,10 @@
 """The `torch` engine: one process, CPU or one GPU.
 
-AdamW (no weight decay on biases and norm weights), a transformers LR schedule
+AdamW (fused; no weight decay on biases and norm weights), a transformers LR schedule
 with warm-up, gradient clipping, bf16 autocast where the device supports it,
 and gradient checkpointing when the model config asks for it. The `deepspeed` engine
-(`oxrl_core.engines.deepspeed_engine`) has the same interface and the same optimiser.
+(`oxrl_core.engines.deepspeed_engine`) has the same interface and the same optimiser
+(there in torch's default multi-tensor form, which ZeRO's partitioned parameters take).
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ class TorchEngine(PrecisionAndDevice):
         model.train()
         for module in extra_modules:
             module.to(self.device).train()
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, extra_modules, train_cfg.weight_decay), lr=train_cfg.lr)
+        # fused: one kernel over all parameters (CPU and CUDA; 4x faster than foreach on the tiny model's CPU step)
+        fused = self.device.type in ("cpu", "cuda") and all(
+            p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in model.parameters() if p.requires_grad)
+        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, extra_modules, train_cfg.weight_decay), lr=train_cfg.lr,
+                                           fused=fused or None)
         self.scheduler = get_scheduler(
             train_cfg.lr_scheduler,
             self.optimizer,

@@ -139,7 +139,8 @@ def shared_prompt_row(mb: dict) -> dict:
 
     Rows with the same ``group`` have the same prompt (``prompt_len`` tokens); each group becomes a
     segment ``[prompt, completion_1, ..., completion_k]`` (`packed_attention.SHARED_PREFIX`), the
-    completions at the positions they have after the prompt. ``index`` (B, L-1) is the row position
+    completions at the positions they have after the prompt, each without its last token (whose
+    logits would predict nothing). ``index`` (B, L-1) is the row position
     whose logits predict each completion token (-1 elsewhere).
     """
     ids, attn = mb["input_ids"].tolist(), mb["attention_mask"].sum(1).tolist()
@@ -158,9 +159,10 @@ def shared_prompt_row(mb: dict) -> dict:
         for i in rows:
             c = attn[i] - p  # completion tokens of row i
             offset = len(flat)
-            flat += ids[i][p : p + c]
-            positions += list(range(p, p + c))
-            lengths.append(c)
+            # the completion's last token predicts nothing: only its first c-1 tokens are inputs
+            flat += ids[i][p : p + c - 1]
+            positions += list(range(p, p + c - 1))
+            lengths.append(c - 1)
             # position p-1 (the prompt's last token) predicts the first completion token, then the completion's own
             index[i, p - 1] = start + p - 1
             index[i, p : p + c - 1] = torch.arange(offset, offset + c - 1)
@@ -362,8 +364,12 @@ def run_rl(trainer, ckpt: Path | None):
     if ro.sync_check and sync_probe is None:
         reporter.info(f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified")
 
+    # The built-in hf backend generates with the trained module itself: after the start check (which covers
+    # its generation path) a sync cannot leave it stale, so the probe is not re-scored after every sync.
+    shares_module = getattr(backend, "model", None) is model
+
     def verify_sync(policy_version: int) -> dict:
-        if sync_probe is None:
+        if sync_probe is None or (shares_module and policy_version != start_step):
             return {}
         with engine.full_weights():  # (a collective under ZeRO-3: every rank enters it)
             if backend is None:  # rollout actors: rank 0 checks them
