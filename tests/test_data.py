@@ -512,3 +512,42 @@ def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, toke
     assert calls_rows == lengths * n_layers  # one causal attention per row per layer
     assert loss_rows == pytest.approx(loss_dense, abs=1e-5)
     assert torch.allclose(grad_rows, grad_dense, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_shared_prefix_attention_equals_each_response_after_its_prompt(kv_heads):
+    """Shared-prefix rows (RL groups, preference pairs): two batched SDPA calls per layer give, for every
+    token, the attention it has in ``prompt + response`` on its own; prompts of different lengths, an
+    empty response (an EOS-only completion whose one token is dropped), grouped-query attention."""
+    import torch.nn.functional as F
+
+    from oxrl_core.packed_attention import _shared_prefix_attention
+
+    torch.manual_seed(0)
+    segments = [(0, 5, (3, 0, 7)), (15, 1, (2,)), (18, 9, (1, 4))]
+    total = 18 + 9 + 5
+    query = torch.randn(1, 4, total, 8, requires_grad=True)
+    key, value = (torch.randn(1, kv_heads, total, 8, requires_grad=True) for _ in range(2))
+    got = _shared_prefix_attention(query, key, value, segments, 0.0, None)  # (1, ΣL, H, D)
+
+    def alone(positions):  # causal attention over `positions` taken as one sequence: (H, len, D)
+        idx = torch.tensor(positions)
+        q, k, v = query[0][:, idx], key[0][:, idx], value[0][:, idx]
+        k, v = (t.repeat_interleave(4 // kv_heads, dim=0) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    want = torch.zeros(total, 4, 8)
+    for start, p, lengths in segments:
+        prompt = list(range(start, start + p))
+        want[start : start + p] = alone(prompt).transpose(0, 1)
+        begin = start + p
+        for n in lengths:
+            response = list(range(begin, begin + n))
+            want[begin : begin + n] = alone(prompt + response)[:, p:].transpose(0, 1)
+            begin += n
+    torch.testing.assert_close(got[0], want, atol=1e-6, rtol=0)
+    grad = torch.randn_like(want)
+    got_grads = torch.autograd.grad(got[0], (query, key, value), grad)
+    want_grads = torch.autograd.grad(want, (query, key, value), grad)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
