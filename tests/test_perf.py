@@ -75,3 +75,17 @@ def test_an_rl_run_logs_the_mfu_of_its_update_phase(tmp_path, tiny_model_dir):
     # the update phase: tokens × FLOPs/token over perf/train_s, so FLOPs/token = mfu · peak · train_s / tokens
     flops_per_token = m["perf/mfu"] * 0.5e12 * m["perf/train_s"] / m["perf/tokens"]
     assert 6 * n < flops_per_token < 6 * n + 12 * 2 * 64 * 512
+
+
+def test_a_preference_run_logs_the_mfu_of_its_policy(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "dpo"
+    proc = oxrl("run", "--alg", "dpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=2",
+                "--set", "train.batch_size=2", "--set", "train.eval_steps=0", "-q", "-o", str(run), cwd=tmp_path,
+                env={"OXRL_PEAK_TFLOPS": "0.5"})
+    assert proc.returncode == 0, proc.stderr
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    for m in read_metrics(run):
+        flops_per_token = m["perf/mfu"] * 0.5e12 / m["perf/tokens_per_s"]
+        assert 6 * n < flops_per_token < 6 * n + 12 * 2 * 64 * 512
