@@ -62,3 +62,22 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, devices
     if not peak:
         return {}
     return {"perf/mfu": tokens_per_s * flops_per_token / (peak * devices)}
+
+
+class MfuMeter:
+    """``perf/mfu`` of one run: the device's peak looked up and the model's FLOPs counted once, not per step.
+
+    ``meter(tokens_per_s, seq_len)`` is ``mfu(tokens_per_s, train_flops_per_token(model, seq_len), peak,
+    devices)``; an empty dict (and no counting at all) when the device's peak is unknown.
+    """
+
+    def __init__(self, model, device, devices: int = 1):
+        self.peak, self.devices = peak_flops(device), devices
+        if self.peak:
+            self.weight_flops = train_flops_per_token(model, 0)  # (4 + 2f)·N
+            self.attention_flops = 12 * model.config.num_hidden_layers * model.config.hidden_size  # per position of T
+
+    def __call__(self, tokens_per_s: float, seq_len: float) -> dict[str, float]:
+        if not self.peak:
+            return {}
+        return mfu(tokens_per_s, self.weight_flops + self.attention_flops * seq_len, self.peak, self.devices)

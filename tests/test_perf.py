@@ -89,3 +89,14 @@ def test_a_preference_run_logs_the_mfu_of_its_policy(tmp_path, tiny_model_dir):
     for m in read_metrics(run):
         flops_per_token = m["perf/mfu"] * 0.5e12 / m["perf/tokens_per_s"]
         assert 6 * n < flops_per_token < 6 * n + 12 * 2 * 64 * 512
+
+
+def test_the_run_meter_counts_once_what_mfu_counts_per_step(monkeypatch):
+    from oxrl_core.perf import MfuMeter
+
+    model = _tiny()
+    monkeypatch.setenv("OXRL_PEAK_TFLOPS", "2")
+    meter = MfuMeter(model, torch.device("cpu"), devices=2)
+    assert meter(1000.0, 37) == mfu(1000.0, train_flops_per_token(model, 37), 2e12, devices=2)
+    monkeypatch.delenv("OXRL_PEAK_TFLOPS")
+    assert MfuMeter(model, torch.device("cpu"))(1000.0, 37) == {}

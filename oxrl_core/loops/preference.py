@@ -38,7 +38,7 @@ from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.supervised import MODEL_INPUTS, check_loss, seed_everything
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
-from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
+from oxrl_core.perf import MfuMeter
 from oxrl_core.progress import Reporter
 from oxrl_core.tracking import Tracker
 
@@ -344,7 +344,7 @@ def run_preference(trainer, ckpt: Path | None):
 
     # ---- the loop
     records: list[dict] = []
-    peak = peak_flops(engine.device)  # perf/mfu where the device's peak is known (oxrl_core.perf)
+    mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
     train_start = time.perf_counter()
     reporter.start(max_steps, start_step)
     try:
@@ -393,8 +393,7 @@ def run_preference(trainer, ckpt: Path | None):
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
                 # the policy's training FLOPs (the reference model's forward is not counted); 2 sequences a row
-                **mfu(tokens / seconds, train_flops_per_token(model, tokens / max(2 * total_rows, 1)) if peak else 0.0,
-                      peak, world_size()),
+                **mfu_meter(tokens / seconds, tokens / max(2 * total_rows, 1)),
                 **plan.counts([i for idx in picks for i in idx]),
             }
             if self_play:

@@ -35,7 +35,7 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
-from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
+from oxrl_core.perf import MfuMeter
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import build_reward, score_batch
@@ -404,7 +404,7 @@ def run_rl(trainer, ckpt: Path | None):
         reporter.info("held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items()))
 
     device = engine.device
-    peak = peak_flops(device)  # perf/mfu where the device's peak is known (oxrl_core.perf)
+    mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
     records: list[dict] = []
     train_start = time.perf_counter()
     reporter.start(cfg.train.max_steps, start_step)
@@ -467,8 +467,7 @@ def run_rl(trainer, ckpt: Path | None):
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
                 # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
-                **mfu(ro.epochs * tokens / train_s,
-                      train_flops_per_token(model, tokens / len(completions)) if peak else 0.0, peak, world_size()),
+                **mfu_meter(ro.epochs * tokens / train_s, tokens / len(completions)),
                 **plan.counts(picks),
             })
             if step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):

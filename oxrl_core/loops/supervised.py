@@ -24,7 +24,7 @@ from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_ch
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
 from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard, world_size
-from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
+from oxrl_core.perf import MfuMeter
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
@@ -147,7 +147,7 @@ def run_supervised(trainer, ckpt: Path | None):
     # ---- the loop
     records: list[dict] = []
     train_start = time.perf_counter()
-    peak = peak_flops(engine.device)  # perf/mfu where the device's peak is known (oxrl_core.perf)
+    mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
     reporter.start(max_steps, start_step)
     try:
         for step in range(start_step + 1, max_steps + 1):
@@ -192,7 +192,7 @@ def run_supervised(trainer, ckpt: Path | None):
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
-                **mfu(tokens / seconds, train_flops_per_token(model, tokens / max(sequences, 1)) if peak else 0.0, peak, world_size()),
+                **mfu_meter(tokens / seconds, tokens / max(sequences, 1)),
                 **plan.counts([i for idx in picks for i in idx]),
             }
             if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
