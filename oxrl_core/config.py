@@ -81,6 +81,11 @@ class TrainConfig(StrictModel):
     lr: float = Field(1e-5, gt=0)
     batch_size: int = Field(8, gt=0, description="rows per micro-batch")
     grad_accum_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
+    max_tokens_per_micro_batch: int = Field(
+        0, ge=0, description="token-budget batching: the optimiser batch (batch_size × grad_accum_steps rows; RL: each "
+        "minibatch) is regrouped into micro-batches of at most this many tokens (padded width × rows, or the sum of "
+        "lengths when packed), longest rows first; the gradient is the same, the peak memory bounded (0 = off)",
+    )
     save_steps: int = Field(0, ge=0, description="checkpoint every N steps (0 = only final/)")
     save_limit: int = Field(0, ge=0, description="keep only the newest N checkpoints (0 = keep all)")
     seed: int = 42

@@ -576,6 +576,45 @@ def make_plan(source: Source, sources_of: list[int], lengths: list[int], batch_s
     return BatchPlan(lengths, batch_size, seed, group_by_length)
 
 
+def token_budget_batches(lengths: list[int], budget: int, packing: bool = False, unit: int = 1) -> list[list[int]]:
+    """Positions ``0..len(lengths)-1`` split into micro-batches that each fit a token budget.
+
+    A micro-batch costs what its forward pass holds: the padded width times its rows
+    (``rows · max length``), or with ``packing`` the sum of its lengths. Units of ``unit``
+    consecutive positions (an RL group whose loss compares its samples) stay together.
+    The units are taken longest first, so rows of similar length share a micro-batch and
+    padding stays small; the greedy fill starts a new micro-batch when the next unit would
+    exceed ``budget``. A unit longer than the budget on its own gets a micro-batch of its own.
+    Which micro-batch a row lands in never changes the gradient: the loops weight each
+    micro-batch's mean loss by its share of the optimiser batch's loss tokens (or rows).
+    """
+    units = [list(range(u, min(u + unit, len(lengths)))) for u in range(0, len(lengths), unit)]
+    units.sort(key=lambda rows: -max(lengths[i] for i in rows))  # stable: ties keep their order
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for rows in units:
+        trial = current + rows
+        width = [lengths[i] for i in trial]
+        cost = sum(width) if packing else len(trial) * max(width)
+        if current and cost > budget:
+            batches.append(current)
+            trial = rows
+        current = trial
+    if current:
+        batches.append(current)
+    return batches
+
+
+def regroup_by_tokens(picks: list[list[int]], length_of, budget: int, packing: bool = False) -> list[list[int]]:
+    """The rows of one optimiser step (``picks``: its micro-batches of row indices) regrouped into
+    micro-batches of at most ``budget`` tokens (`token_budget_batches`; ``length_of(row)`` is a row's
+    tokens). ``budget`` 0 keeps ``picks`` as they are (a fixed number of rows per micro-batch)."""
+    if budget <= 0:
+        return picks
+    rows = [i for idx in picks for i in idx]
+    return [[rows[j] for j in batch] for batch in token_budget_batches([length_of(i) for i in rows], budget, packing)]
+
+
 def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
     """Pad to the longest row (right padding), or pack all rows into one row.
 

@@ -29,7 +29,7 @@ import torch
 
 from oxrl_core.checkpoint import load_training_state, save_checkpoint, save_model
 from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
-from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
+from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
 from oxrl_core.distributed import is_main, reduce_metrics, shard, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
@@ -186,6 +186,21 @@ def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, 
             ref_logp = sequence_logps(ref, seqs)[0]
         batch["ref_logp_chosen"], batch["ref_logp_rejected"] = ref_logp[:B], ref_logp[B:]
     return batch
+
+
+def row_tokens(example: dict, packing) -> int:
+    """What one row costs a micro-batch's token budget (`regroup_by_tokens`). Padded, a pair is two
+    sequences padded to the longer one; packed, both sequences' tokens; with shared prompts
+    (``packing == "shared"``) the prompt once. An unpaired row is one sequence."""
+    p = len(example["prompt_ids"])
+    if "completion_ids" in example:
+        return p + len(example["completion_ids"])
+    c, r = len(example["chosen_ids"]), len(example.get("rejected_ids", ()))
+    if packing == "shared":
+        return p + c + r
+    if packing:
+        return 2 * p + c + r
+    return 2 * (p + max(c, r))  # padded: counted as two rows of the longer sequence
 
 
 def policy_tokens(examples: list[dict], rejected: list[list[int]] | None = None, shared: bool = False) -> int:
@@ -354,6 +369,9 @@ def run_preference(trainer, ckpt: Path | None):
                 with engine.full_weights():
                     ref.load_state_dict(policy_state_dict(model))  # a new iteration plays against the current policy
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
+            # train.max_tokens_per_micro_batch: the same rows, regrouped by a token budget (0 = as drawn)
+            picks = regroup_by_tokens(picks, lambda i: row_tokens(train.examples[i], packing),
+                                      cfg.train.max_tokens_per_micro_batch, bool(packing))
             shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
             micro = [[train.examples[i] for i in rows] for rows, _ in shares]
             position += accum
@@ -389,6 +407,7 @@ def run_preference(trainer, ckpt: Path | None):
                 "grad_norm": grad_norm,
                 "epoch": position / plan.batches_per_epoch,
                 "perf/rows": total_rows,
+                "perf/micro_batches": len(picks),
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,

@@ -28,7 +28,7 @@ import torch
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.critic import build_critic
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
-from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row
+from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row, token_budget_batches
 from oxrl_core.distributed import all_gather_object, broadcast_object, gather_rows, is_main, rank, reduce_metrics, shard, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
@@ -443,7 +443,8 @@ def run_rl(trainer, ckpt: Path | None):
             batch["group"] = torch.arange(len(completions), device=device) // ro.n  # (B,) the prompt of each sample
             batch["prompt_len"] = torch.tensor([len(prompt_ids[i]) for i in picks for _ in range(ro.n)], device=device)  # (B,)
             check_finite("rewards", batch["rewards"], step, run_dir)
-            record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir, shared)
+            record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir, shared,
+                             cfg.train.max_tokens_per_micro_batch)
             version += 1
             t_sync = time.perf_counter()
             with engine.full_weights():  # ZeRO-3: the backend may read the weights
@@ -520,7 +521,7 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)] if size > 0 else [indices]
 
 
-def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir, shared: bool = False) -> dict:
+def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir, shared: bool = False, token_budget: int = 0) -> dict:
     """Old/ref logprobs and values, advantages, then epochs × minibatches optimiser steps. Returns metrics."""
     B = batch["input_ids"].shape[0]
     temperature = ro.temperature
@@ -530,24 +531,38 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     if micro and unit > 1:
         micro = -(-micro // unit) * unit
 
+    lengths = batch["attention_mask"].sum(1).tolist()  # (B,) prompt + completion tokens of each row
+
+    def micro_batches(rows: list[int]) -> list[list[int]]:
+        """``rows`` in micro-batches: of ``rollout.micro_batch_size`` rows, or filled up to
+        ``train.max_tokens_per_micro_batch`` tokens (whole groups when the loss compares a group's samples)."""
+        if token_budget > 0:
+            return [[rows[j] for j in part] for part in
+                    token_budget_batches([lengths[i] for i in rows], token_budget, shared, unit)]
+        return _chunks(rows, micro)
+
     def rows_of(idx: list[int]) -> dict:
         index = torch.tensor(idx, device=batch["input_ids"].device)
         return {k: (v.index_select(0, index) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v) for k, v in batch.items()}
 
     # One update on one forward pass: the "old" policy is the current one, so logp_old is the
     # training forward's own logp, detached (the ratio is exactly 1) — no extra forward pass.
-    single_pass = ro.epochs == 1 and ro.minibatches == 1 and (micro == 0 or micro >= B)
+    single_pass = ro.epochs == 1 and ro.minibatches == 1 and (micro == 0 or micro >= B) and (
+        token_budget <= 0 or len(micro_batches(list(range(B)))) == 1)
 
     def forward_rows(module, critic_, keys) -> dict:
         """A no-grad pass over the rollout batch in micro-batches; with data parallelism each rank
         computes its rows of each micro-batch and every rank gets all of them (`oxrl_core.distributed`)."""
-        outs = []
-        for part in _chunks(list(range(B)), micro) if 0 < micro < B else [list(range(B))]:
+        outs, order = [], []
+        for part in micro_batches(list(range(B))) if (0 < micro < B or token_budget > 0) else [list(range(B))]:
             mine, padding = shard(part, unit)
             out = _forward(module, critic_, rows_of(mine), temperature, shared)
-            at = [] if padding else [i - part[0] for i in mine]
+            where = {row: j for j, row in enumerate(part)}
+            at = [] if padding else [where[i] for i in mine]
             outs.append({k: gather_rows(out[k], at, len(part)) for k in keys})
-        return {k: torch.cat([o[k] for o in outs]) for k in keys}
+            order += part
+        inverse = torch.argsort(torch.tensor(order))  # token-budget micro-batches need not be in row order
+        return {k: torch.cat([o[k] for o in outs])[inverse.to(outs[0][k].device)] for k in keys}
 
     fresh = None
     with engine.autocast():
@@ -590,7 +605,7 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
         return float(batch["mask"][rows].sum()) if algorithm.loss_weighting == "tokens" else float(len(rows))
 
     gen = torch.Generator().manual_seed(seed * 7919 + step)
-    updates, grad_norms, loss_sums = 0, [], defaultdict(float)
+    updates, grad_norms, loss_sums, micro_batch_count = 0, [], defaultdict(float), 0
     for _epoch in range(ro.epochs):
         if single_pass:
             order = list(range(B))
@@ -599,7 +614,8 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
             order = [u * unit + j for u in units for j in range(unit)]
         size = -(-(B // unit) // ro.minibatches) * unit
         for minibatch in _chunks(order, size):
-            parts = _chunks(minibatch, micro)
+            parts = micro_batches(minibatch)
+            micro_batch_count += len(parts)
             total = sum(part_weight(p) for p in parts) or 1.0
             for part in parts:
                 mine, padding = shard(part, unit)  # this rank's rows of the micro-batch (all of them in one process)
@@ -621,5 +637,6 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     record.update(sums)
     record["grad_norm"] = sum(grad_norms) / len(grad_norms)
     record["perf/updates"] = float(updates)
+    record["perf/micro_batches"] = micro_batch_count / updates  # per optimiser step
     return record
 

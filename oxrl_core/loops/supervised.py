@@ -22,7 +22,7 @@ import torch
 
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
-from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
+from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
 from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard, world_size
 from oxrl_core.perf import MfuMeter
 from oxrl_core.engines import build_engine
@@ -153,6 +153,9 @@ def run_supervised(trainer, ckpt: Path | None):
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
+            # train.max_tokens_per_micro_batch: the same rows, regrouped by a token budget (0 = as drawn)
+            picks = regroup_by_tokens(picks, lambda i: len(train.examples[i]["input_ids"]),
+                                      cfg.train.max_tokens_per_micro_batch, cfg.data.packing)
             shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
             micro = [collate([train.examples[i] for i in rows], tokenizer.pad_token_id, cfg.data.packing) for rows, _ in shares]
             position += accum
@@ -190,6 +193,7 @@ def run_supervised(trainer, ckpt: Path | None):
                 "grad_norm": grad_norm,
                 "epoch": position / plan.batches_per_epoch,
                 "perf/tokens": tokens,
+                "perf/micro_batches": len(picks),
                 "perf/tokens_per_s": tokens / seconds,
                 "perf/step_s": seconds,
                 **mfu_meter(tokens / seconds, tokens / max(sequences, 1)),
