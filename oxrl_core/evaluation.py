@@ -9,17 +9,18 @@ from oxrl_core.data import IGNORE, collate, encode_prompt
 
 @torch.no_grad()
 def eval_loss(model, examples: list[dict], pad_id: int, batch_size: int, device) -> float:
-    """Token-mean negative log-likelihood of the labelled tokens."""
+    """Token-mean negative log-likelihood of the labelled tokens (chunk by chunk, `token_head`)."""
+    from oxrl_core.token_head import token_stats
+
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        labels = batch["labels"][:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
-        total += float(nll)
-        count += int((labels != IGNORE).sum())
+        targets = batch["labels"][:, 1:]  # (B, T-1): position t predicts token t+1
+        rows, pos = (targets != IGNORE).nonzero(as_tuple=True)  # (M,)
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        logp = token_stats(model, inputs, rows, pos, targets[rows, pos])["logp"]  # (M,)
+        total += -float(logp.sum())
+        count += int(rows.numel())
     return total / max(count, 1)
 
 

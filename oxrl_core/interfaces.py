@@ -34,10 +34,15 @@ class Algorithm(ABC):
     and hands the results over in ``batch``; no distributed code, device
     juggling or I/O belongs in an algorithm.
 
-    Supervised algorithms receive ``batch`` with
+    Supervised algorithms receive per-token tensors over next-token positions (position t
+    scores token t+1), never a (B, T, V) tensor — the loop computes them chunk by chunk:
       ``input_ids`` (B, T), ``labels`` (B, T) with -100 where no loss is taken,
-      ``logits`` (B, T, V) from the policy and, when ``needs_teacher``,
-      ``teacher_logits`` (B, T, V).
+      ``mask`` (B, T-1) bool, True where ``labels[:, 1:]`` is scored,
+      ``logp`` (B, T-1) log π_θ(labels[:, t+1] | ≤ t) with gradients (0 where not scored),
+      ``logp_mean`` (B, T-1) (1/V) Σ_v log π_θ(v | ≤ t), only when `uses_logp_mean()`
+      (label smoothing), and when ``needs_teacher``
+      ``kl_teacher`` (B, T-1) KL(p_T^τ ‖ p_S^τ) per position, p^τ = softmax(logits / τ) of the
+      teacher (no gradient) and the student, at τ = `distill_temperature()`.
 
     Algorithms with ``needs_rollouts`` run on the RL loop. B = prompts × n samples, the n
     samples of one prompt contiguous (``batch["group_size"]`` = n); every per-token tensor
@@ -47,7 +52,8 @@ class Algorithm(ABC):
       `uses_ref()`, ``values`` (the critic's, when ``needs_critic``), and returns tensors
       to add to the batch — at least ``adv`` (B, T) — and metrics;
       ``loss(batch)`` then gets a minibatch of all of that plus ``logp`` (B, T) and
-      ``entropy`` (B, T) of the current policy (with gradients) and, with a critic,
+      ``entropy`` (B, T) of the current policy (with gradients; like ``logp_old`` and
+      ``logp_ref``, computed where ``mask`` is 1 only, 0 elsewhere) and, with a critic,
       ``values_new`` (B, T); and ``tis_weight`` (B, T), the truncated importance weight
       min(π_old / π_rollout, C) that corrects for the rollout engine's numerics (detached;
       ones when ``rollout.tis_cap`` is 0), which multiplies each token's policy-gradient term.
@@ -99,6 +105,14 @@ class Algorithm(ABC):
     def uses_ref(self) -> bool:
         """Whether the loop must provide ``logp_ref`` (an algorithm may decide from its config)."""
         return self.needs_ref
+
+    def uses_logp_mean(self) -> bool:
+        """Supervised: whether `loss` reads ``logp_mean`` (label smoothing); computed only when asked."""
+        return False
+
+    def distill_temperature(self) -> float:
+        """Supervised with ``needs_teacher``: the temperature τ of ``kl_teacher``."""
+        return 1.0
 
     def iterations(self) -> int:
         """Self-play: how many iterations the run's `train.max_steps` are split into."""

@@ -41,9 +41,11 @@ ALGORITHM = '''"""{cls}: supervised fine-tuning with label smoothing (a starting
     L = -(1/N) Σ_t m_t [ (1-ε) log π(y_t | y_<t) + (ε/V) Σ_v log π(v | y_<t) ]
 
 with m_t = 1 on completion tokens, N = Σ_t m_t, ε = `label_smoothing`, V the vocabulary size.
+The loop hands over per-token tensors (never logits): ``logp`` (B, T-1), log π of each label
+token, ``mask`` (B, T-1), and ``logp_mean`` (B, T-1) = (1/V) Σ_v log π(v) because
+`uses_logp_mean` asks for it.
 """
 
-import torch
 from pydantic import Field
 
 from oxrl_core import Algorithm
@@ -58,27 +60,30 @@ class {cls}(Algorithm):
     class Config(StrictModel):
         label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="ε: mass spread uniformly over the vocabulary")
 
+    def uses_logp_mean(self) -> bool:
+        return self.config.label_smoothing > 0
+
     def loss(self, batch):
-        logits = batch["logits"][:, :-1].float()  # (B, T-1, V): position t predicts token t+1
-        labels = batch["labels"][:, 1:]  # (B, T-1), -100 where no loss is taken
-        mask = labels != -100  # (B, T-1)
-        logp = torch.log_softmax(logits, dim=-1)  # (B, T-1, V)
-        logp_target = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T-1)
+        logp_target, mask = batch["logp"], batch["mask"]  # (B, T-1): position t predicts token t+1
         eps = self.config.label_smoothing
-        per_token = -((1 - eps) * logp_target + eps * logp.mean(-1))  # (B, T-1)
+        per_token = -(1 - eps) * logp_target  # (B, T-1)
+        if eps > 0:
+            per_token = per_token - eps * batch["logp_mean"]
         n_tokens = mask.sum().clamp(min=1)
         loss = (per_token * mask).sum() / n_tokens
         return loss, {{"loss/nll": ((-logp_target * mask).sum() / n_tokens).detach()}}
 '''
 
-TEST = '''import torch
+TEST = '''import math
+
+import torch
 
 from oxrl_{name}.algorithm import {cls}
 
 
 def test_loss_is_nll_without_smoothing():
-    # uniform logits over V=4: -log(1/4) = log 4 on the single labelled token
-    batch = {{"logits": torch.zeros(1, 3, 4), "labels": torch.tensor([[-100, -100, 2]])}}
+    # one labelled token with probability 1/4: -log(1/4) = log 4
+    batch = {{"logp": torch.tensor([[0.0, math.log(0.25)]]), "mask": torch.tensor([[False, True]])}}
     loss, metrics = {cls}().loss(batch)
     assert torch.isclose(loss, torch.log(torch.tensor(4.0)))
 '''

@@ -38,6 +38,22 @@ def teacher_model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("models") / "teacher", hidden_size=128, num_layers=2, seed=7)
 
 
+@pytest.fixture(scope="session")
+def arch_model(tmp_path_factory):
+    """`arch_model(family, seed=0) -> Path`: the family's tiny model directory (tests/archs.py), built once per session."""
+    from archs import build_arch
+
+    root = tmp_path_factory.mktemp("archs")
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(family: str, seed: int = 0) -> Path:
+        if (family, seed) not in built:
+            built[(family, seed)] = build_arch(family, root / f"{family}-s{seed}", seed=seed)
+        return built[(family, seed)]
+
+    return get
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -455,9 +455,20 @@ def test_collate_packing():
     assert "attention_mask" not in batch
 
 
+def sft_loss_of_logits(batch: dict, logits):
+    """SFT's loss from full logits: its per-token inputs (`logp`, `mask`) by token_head's plain maths."""
+    from oxrl_algs_supervised.sft import SFT
+    from oxrl_core.token_head import on_grid, stats_from_logits
+
+    targets = batch["labels"][:, 1:]
+    mask = targets != IGNORE
+    rows, pos = mask.nonzero(as_tuple=True)
+    logp = on_grid(stats_from_logits(logits[rows, pos], targets[rows, pos])["logp"], rows, pos, mask.shape)
+    return SFT().loss({**batch, "logp": logp, "mask": mask})
+
+
 def test_packed_forward_matches_padded_sft_loss(tiny_model_dir, tokenizer):
     """Block-diagonal attention through position_ids: packing must not change the loss."""
-    from oxrl_algs_supervised.sft import SFT
     from oxrl_core.models import load_causal_lm
 
     model = load_causal_lm(str(tiny_model_dir)).eval()
@@ -474,9 +485,9 @@ def test_packed_forward_matches_padded_sft_loss(tiny_model_dir, tokenizer):
             input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False
         ).logits
         logits_leaky = model(input_ids=packed["input_ids"], use_cache=False).logits  # one long causal sequence
-    loss_padded, _ = SFT().loss({**padded, "logits": logits_padded})
-    loss_packed, _ = SFT().loss({**packed, "logits": logits_packed})
-    loss_leaky, _ = SFT().loss({**packed, "logits": logits_leaky})
+    loss_padded, _ = sft_loss_of_logits(padded, logits_padded)
+    loss_packed, _ = sft_loss_of_logits(packed, logits_packed)
+    loss_leaky, _ = sft_loss_of_logits(packed, logits_leaky)
     assert abs(float(loss_padded) - float(loss_packed)) < 1e-5
     # the check has teeth: without per-row positions/masking, rows see each other and the loss moves
     assert abs(float(loss_padded) - float(loss_leaky)) > 1e-4
@@ -485,7 +496,6 @@ def test_packed_forward_matches_padded_sft_loss(tiny_model_dir, tokenizer):
 def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, tokenizer, monkeypatch):
     """data.packing trains with PACKED_SDPA: causal SDPA per packed row instead of the dense block-diagonal
     mask; the loss and the gradients are those of plain sdpa on the same packed batch."""
-    from oxrl_algs_supervised.sft import SFT
     from oxrl_core.models import load_causal_lm
     from oxrl_core.packed_attention import packed_attn_implementation
 
@@ -503,7 +513,7 @@ def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, toke
     for attn in ("sdpa", packed_attn_implementation("sdpa")):
         model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
         calls.clear()
-        loss, _ = SFT().loss({**packed, "logits": model(**inputs, use_cache=False).logits})
+        loss, _ = sft_loss_of_logits(packed, model(**inputs, use_cache=False).logits)
         loss.backward()
         results.append((float(loss.detach()), model.model.layers[0].self_attn.q_proj.weight.grad, list(calls)))
     (loss_dense, grad_dense, calls_dense), (loss_rows, grad_rows, calls_rows) = results

@@ -304,7 +304,9 @@ def test_two_zero3_ranks_follow_the_single_process_sgrpo_trajectory(work, tiny_m
     run = _sgrpo(work, "dp-sgrpo", tiny_model_dir, *DP2)
     _assert_same_trajectory(single, run, keys=("reward/mean", "reward/std", "response/length"), atol=0)
     _assert_same_trajectory(single, run, keys=("loss", "grad_norm", "rollout/logprob_diff"))
-    _assert_close_weights(_weights(single / "final"), _weights(run / "final"))
+    # lr 1e-2 with Adam: a weight whose gradient is rounding noise moves by up to ~lr per step whatever its sign,
+    # so summation order alone (rows per rank, the LM head's token chunks) moves a few by ~1e-4
+    _assert_close_weights(_weights(single / "final"), _weights(run / "final"), atol=5e-4)
 
 
 @requires_deepspeed

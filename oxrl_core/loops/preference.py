@@ -37,9 +37,10 @@ from oxrl_core.evaluation import can_verify, evaluate
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.supervised import MODEL_INPUTS, check_loss, seed_everything
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
-from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
+from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 from oxrl_core.perf import MfuMeter
 from oxrl_core.progress import Reporter
+from oxrl_core.token_head import choose_path, token_stats
 from oxrl_core.tracking import Tracker
 
 REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current iteration
@@ -111,12 +112,11 @@ def _model_inputs(batch: dict) -> dict:
 
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_t log π(y_t | x, y_<t) over each sequence's completion, and its length: (N,), (N,)."""
+    """Σ_t log π(y_t | x, y_<t) over each sequence's completion, and its length: (N,), (N,).
+
+    Only the positions that predict a completion token meet the LM head, chunk by chunk (`token_head`)."""
     rows, pos = batch["pred_index"].t().contiguous()  # (M,), (M,)
-    keep = torch.unique(pos)  # (K,) sorted: the only positions whose logits are computed
-    logits = model(**_model_inputs(batch), use_cache=False, logits_to_keep=keep).logits  # (R, K, V)
-    logits = logits[rows, torch.searchsorted(keep, pos)]  # (M, V)
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, batch["target"].unsqueeze(-1)).squeeze(-1)  # (M,)
+    logp = token_stats(model, _model_inputs(batch), rows, pos, batch["target"])["logp"]  # (M,)
     n, owner = batch["n_seqs"], batch["owner"]
     sums = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, logp)  # (N,)
     counts = torch.bincount(owner, minlength=n).to(logp.dtype)  # (N,)
@@ -301,13 +301,19 @@ def run_preference(trainer, ckpt: Path | None):
         model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     else:
         model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    if packing == "shared" and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
+        packing = True  # decided once: ordinary packing (row by row), each prompt computed twice
+        reporter.info(f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them")
     model = apply_lora(model, cfg.lora, spec.head, resume_from=adapter_ckpt)
     if cfg.lora.enabled:
         reporter.info(trainable_summary(model))
+    if spec.head == "lm":
+        choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
     ref = None
     if algorithm.uses_ref():  # the initial policy (or model.ref), never the checkpoint being resumed
         ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
         ref.requires_grad_(False).eval()
+        choose_path(ref, cfg.train.logits_chunk_size, reporter.info)
     engine = build_engine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=run_dir)
     if ref is not None:
         ref.to(engine.device)

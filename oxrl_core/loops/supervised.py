@@ -31,6 +31,7 @@ from oxrl_core.evaluation import evaluate
 from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
 from oxrl_core.packed_attention import packed_attn_implementation
 from oxrl_core.progress import Reporter
+from oxrl_core.token_head import choose_path, on_grid, token_stats
 from oxrl_core.tracking import Tracker
 
 
@@ -57,6 +58,20 @@ def micro_batch_weight(batch: dict, weighting: str) -> float:
     if weighting == "sequences":
         return float(batch["input_ids"].shape[0])
     return float((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def supervised_tokens(model, teacher, mb: dict, algorithm) -> dict:
+    """The per-token tensors a supervised algorithm reads (see `Algorithm`): ``mask`` (B, T-1), 1 where a label
+    is scored; ``logp`` (B, T-1), log π of that label (0 elsewhere); and as the algorithm asks, ``logp_mean``
+    and, with a teacher, ``kl_teacher`` (B, T-1). Only scored positions meet the LM head (`token_head`)."""
+    targets = mb["labels"][:, 1:]  # (B, T-1): position t predicts token t+1
+    mask = targets != IGNORE  # (B, T-1)
+    rows, pos = mask.nonzero(as_tuple=True)  # (M,), (M,)
+    stats = token_stats(
+        model, {k: mb[k] for k in MODEL_INPUTS if k in mb}, rows, pos, targets[rows, pos],
+        logp_mean=algorithm.uses_logp_mean(), teacher=teacher, kd_temperature=algorithm.distill_temperature(),
+    )
+    return {"mask": mask, **{name: on_grid(value, rows, pos, mask.shape) for name, value in stats.items()}}
 
 
 def _eval_data(cfg, registry, train_source, fmt, tokenizer):
@@ -104,6 +119,7 @@ def run_supervised(trainer, ckpt: Path | None):
     model = apply_lora(model, cfg.lora, resume_from=adapter_ckpt)
     if cfg.lora.enabled:
         reporter.info(trainable_summary(model))
+    choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
     teacher = None
     if spec.needs_teacher:
         teacher = load_causal_lm(cfg.model.teacher, field="model.teacher", attn_implementation=attn)
@@ -113,6 +129,7 @@ def run_supervised(trainer, ckpt: Path | None):
                 f"student's {model.get_output_embeddings().weight.shape[0]}; KD needs a shared tokenizer"
             )
         teacher.requires_grad_(False).eval()
+        choose_path(teacher, cfg.train.logits_chunk_size, reporter.info)
 
     # ---- engine and state
     engine = build_engine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=run_dir)
@@ -166,12 +183,8 @@ def run_supervised(trainer, ckpt: Path | None):
             tokens = sequences = 0
             for mb, weight, (_, padding) in zip(micro, weights, shares):
                 mb = engine.to_device(mb)
-                inputs = {k: mb[k] for k in MODEL_INPUTS if k in mb}
                 with engine.autocast():
-                    batch = {**mb, "logits": model(**inputs, use_cache=False).logits}
-                    if teacher is not None:
-                        with torch.no_grad():
-                            batch["teacher_logits"] = teacher(**inputs, use_cache=False).logits
+                    batch = {**mb, **supervised_tokens(model, teacher, mb, algorithm)}
                     loss, metrics = algorithm.loss(batch)
                 check_loss(loss, step, run_dir)
                 engine.backward(loss * (weight / total_weight))

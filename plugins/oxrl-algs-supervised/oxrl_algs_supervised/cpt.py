@@ -9,8 +9,6 @@ GPT-2/nanoGPT pre-training), so a block may span documents, separated by EOS.
 
 from oxrl_core.interfaces import Algorithm, StrictModel
 
-from oxrl_algs_supervised.sft import masked_token_nll
-
 
 class CPT(Algorithm):
     name = "cpt"
@@ -21,8 +19,8 @@ class CPT(Algorithm):
         """CPT has no hyper-parameters beyond `train.*` and `data.max_length` (the block size)."""
 
     def loss(self, batch):
-        nll, mask = masked_token_nll(batch["logits"], batch["labels"])  # (B, T-1) each; mask only hides padding
+        logp, mask = batch["logp"], batch["mask"]  # (B, T-1) each; mask only hides padding
         n_tokens = mask.sum().clamp(min=1)
         # L = -(1/N) Σ log π(x_{t+1} | x_≤t)
-        loss = nll.sum() / n_tokens
+        loss = -(logp * mask).sum() / n_tokens
         return loss, {"loss/lm": loss.detach(), "perplexity": loss.detach().exp()}

@@ -7,16 +7,14 @@
 p^τ = softmax(logits / T) for teacher (T) and student (S), m = 1 on completion
 tokens, N = Σ m. The T² factor keeps the soft-target gradients on the same
 scale as the hard-target ones when the temperature changes. The teacher comes
-from `model.teacher` and must share the student's vocabulary; the loop gives
-its logits as `teacher_logits` (no gradient).
+from `model.teacher` and must share the student's vocabulary; the loop computes the
+per-position KL at this algorithm's T (`distill_temperature`) as `kl_teacher`, chunk by
+chunk over the vocabulary-sized distributions (no gradient reaches the teacher).
 """
 
-import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import Algorithm, StrictModel
-
-from oxrl_algs_supervised.sft import masked_token_nll
 
 
 class KD(Algorithm):
@@ -29,17 +27,17 @@ class KD(Algorithm):
         alpha: float = Field(0.5, ge=0.0, le=1.0, description="α: weight of the hard-label cross-entropy")
         temperature: float = Field(2.0, gt=0.0, description="T: softens both distributions in the KL term")
 
+    def distill_temperature(self) -> float:
+        return self.config.temperature
+
     def loss(self, batch):
         alpha, T = self.config.alpha, self.config.temperature
-        nll, mask = masked_token_nll(batch["logits"], batch["labels"])  # (B, T-1), (B, T-1)
+        logp, mask = batch["logp"], batch["mask"]  # (B, T-1), (B, T-1)
         n_tokens = mask.sum().clamp(min=1)
-        ce = nll.sum() / n_tokens
+        ce = -(logp * mask).sum() / n_tokens
 
-        logp_student = torch.log_softmax(batch["logits"][:, :-1].float() / T, dim=-1)  # (B, T-1, V)
-        # the teacher is a fixed target: no gradient reaches it, even if its logits carry a graph
-        logp_teacher = torch.log_softmax(batch["teacher_logits"][:, :-1].detach().float() / T, dim=-1)  # (B, T-1, V)
-        # KL(p_T ‖ p_S) per position = Σ_v p_T (log p_T − log p_S)
-        kl_per_token = (logp_teacher.exp() * (logp_teacher - logp_student)).sum(-1)  # (B, T-1)
+        # KL(p_T ‖ p_S) per position = Σ_v p_T (log p_T − log p_S), at temperature T
+        kl_per_token = batch["kl_teacher"]  # (B, T-1)
         kl = (kl_per_token * mask).sum() / n_tokens
 
         # L = α·CE + (1 − α)·T²·KL

@@ -8,26 +8,9 @@ weights micro-batches by their token share), not per sequence, as in TRL and
 OpenRLHF.
 """
 
-import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import Algorithm, StrictModel
-
-IGNORE = -100
-
-
-def masked_token_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token negative log-likelihood of next tokens, and the loss mask.
-
-    logits (B, T, V), labels (B, T) with -100 where no loss is taken -> nll (B, T-1), mask (B, T-1).
-    Position t predicts token t+1, so logits drop their last position and labels their first.
-    """
-    logits = logits[:, :-1].float()  # (B, T-1, V)
-    targets = labels[:, 1:]  # (B, T-1)
-    mask = targets != IGNORE  # (B, T-1)
-    logp = torch.log_softmax(logits, dim=-1)  # (B, T-1, V)
-    logp_target = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, T-1)
-    return -logp_target * mask, mask
 
 
 class SFT(Algorithm):
@@ -40,16 +23,18 @@ class SFT(Algorithm):
 
         label_smoothing: float = Field(0.0, ge=0.0, lt=1.0, description="ε: mass spread uniformly over the vocabulary")
 
+    def uses_logp_mean(self) -> bool:
+        return self.config.label_smoothing > 0
+
     def loss(self, batch):
-        nll, mask = masked_token_nll(batch["logits"], batch["labels"])  # (B, T-1), (B, T-1)
+        logp, mask = batch["logp"], batch["mask"]  # (B, T-1) each: log π(y_t), 1 on completion tokens
         n_tokens = mask.sum().clamp(min=1)
         # L = -(1/N) Σ m · log π(y)
-        loss_nll = nll.sum() / n_tokens
+        loss_nll = -(logp * mask).sum() / n_tokens
         loss = loss_nll
         eps = self.config.label_smoothing
         if eps > 0:
             # label smoothing: L = (1-ε)·NLL + ε·(1/N) Σ m · (-(1/V) Σ_v log π(v))
-            logp = torch.log_softmax(batch["logits"][:, :-1].float(), dim=-1)  # (B, T-1, V)
-            uniform = -(logp.mean(-1) * mask).sum() / n_tokens
+            uniform = -(batch["logp_mean"] * mask).sum() / n_tokens
             loss = (1 - eps) * loss_nll + eps * uniform
         return loss, {"loss/nll": loss_nll.detach()}

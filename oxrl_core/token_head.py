@@ -1,0 +1,393 @@
+"""Per-token quantities of the language-model head, chunk by chunk over tokens (no (tokens, V) fp32 tensor).
+
+A loss reads a few numbers at each position it scores: log π(y_t) of the target token, the
+entropy H_t, the mean over the vocabulary of log π(v) (label smoothing), the KL from a teacher
+(KD). Computed from the full logits they cost a (tokens, V) float32 tensor and its gradient,
+several times over: 4,000 tokens × 151,936 × 4 bytes = 2.4 GB each. Here the loop runs the
+backbone once, gathers the last hidden states of the scored positions only, and for each chunk
+of N of them
+
+    z = transform(lm_head(h))               the model's own output transform (logit scale, soft-capping)
+    z = z / temperature                     RL: the distribution the rollout sampled from
+    log π(v) = z_v − logsumexp(z)           float32; then the quantities below, (N,) each
+
+inside non-reentrant activation checkpointing, so backward recomputes one chunk's logits at a
+time and the gradient through the softmax is written in place (`_SoftmaxStats`): the peak is a
+few (N, V) chunks instead of several (tokens, V) tensors, and the gradients are those of the
+plain computation.
+
+Two paths, chosen once per model at setup by `choose_path` (``train.logits_chunk_size``):
+  chunked  the above (the default);
+  plain    the model's own forward and full logits, then the same maths with autograd
+           (`stats_from_logits`): ``train.logits_chunk_size: 0``, and the fallback when a probe
+           at setup finds that the chunked head does not reproduce ``model(...).logits``
+           (an architecture with an output transform this module does not know).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+#: relative tolerance of the setup probe (log-probabilities of both paths, fp32, no autocast)
+PROBE_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class HeadPath:
+    """How per-token quantities are computed for one model."""
+
+    chunk_size: int = 0  # tokens per chunk; 0 = the plain path
+    softcap: float | None = None  # z = c·tanh(z / c) (Gemma-2 ``final_logit_softcapping``)
+    scale: float = 1.0  # z = scale · lm_head(h) (Cohere ``logit_scale``, Granite 1/``logits_scaling``, ...)
+    note: str = ""  # why the plain path was chosen
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunk_size > 0
+
+
+PLAIN = HeadPath()
+_PATHS: "weakref.WeakKeyDictionary[torch.nn.Module, HeadPath]" = weakref.WeakKeyDictionary()
+
+
+# ----------------------------------------------------------------------------- the model's parts
+
+
+def _inner(model):
+    """The transformers model under the PEFT and DeepSpeed wrappers (LoRA layers stay in place)."""
+    if type(model).__name__ == "DeepSpeedEngine":
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def backbone_and_head(model):
+    """(backbone, lm_head) of a causal LM: the module whose ``last_hidden_state`` feeds the head, and the head."""
+    inner = _inner(model)
+    head = inner.get_output_embeddings()
+    backbone = getattr(inner, inner.base_model_prefix, None) if inner.base_model_prefix else None
+    if backbone is None or backbone is inner:
+        backbone = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    return backbone, head
+
+
+def output_transform(model) -> tuple[float | None, float]:
+    """(soft-cap, scale) the model's forward applies after ``lm_head``, read from its config (the probe checks them)."""
+    config = _inner(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None) or None
+    scale = getattr(text, "logit_scale", None) or getattr(text, "output_multiplier", None) or getattr(text, "lm_head_multiplier", None)
+    if scale is None and getattr(text, "logits_scaling", None):
+        # Granite and MiniCPM3 divide by it, HyperCLOVA X multiplies
+        scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
+    return softcap, float(scale or 1.0)
+
+
+def choose_path(model, chunk_size: int, log=None) -> HeadPath:
+    """Decide, once, how this model's per-token quantities are computed; `path_of` returns the decision.
+
+    With ``chunk_size > 0`` a probe (a few tokens, fp32, no autocast) compares the chunked head's
+    log-probabilities with ``log_softmax(model(...).logits)``; where they differ, or the model has
+    no backbone/head to call, the plain path is used and ``log`` gets a note saying why."""
+    path = PLAIN
+    if chunk_size > 0:
+        softcap, scale = output_transform(model)
+        path = HeadPath(chunk_size, softcap, scale)
+        backbone, head = backbone_and_head(model)
+        if backbone is None or head is None:
+            path = HeadPath(note="no backbone / output embeddings to call")
+        else:
+            try:
+                diff = _probe(model, path)
+            except Exception as exc:  # noqa: BLE001 - a backbone that cannot be called on its own: the plain path
+                diff, path = float("nan"), HeadPath(note=f"the backbone alone fails on a probe: {type(exc).__name__}: {exc}")
+            if path.chunked and not diff <= PROBE_TOLERANCE:
+                path = HeadPath(note=f"the chunked head differs from the model's logits by {diff:.2e} on a probe")
+        if path.note and log is not None:
+            log(f"[yellow]note:[/yellow] train.logits_chunk_size: full-vocabulary logits for "
+                f"{type(_inner(model)).__name__} ({path.note})")
+    _PATHS[model] = path
+    return path
+
+
+def path_of(model) -> HeadPath:
+    """The path `choose_path` chose for ``model`` (the plain one when none was chosen)."""
+    return _PATHS.get(model, PLAIN)
+
+
+@torch.no_grad()
+def _probe(model, path: HeadPath) -> float:
+    """Largest |Δ log π| (relative to the scale of the log-probabilities) between the two paths on 8 tokens."""
+    backbone, head = backbone_and_head(model)
+    vocab = head.weight.shape[0] if hasattr(head, "weight") else _inner(model).config.get_text_config().vocab_size
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(device.type, enabled=False):
+            expected = torch.log_softmax(model(**inputs, use_cache=False).logits[0].float(), -1)  # (8, V)
+            z = _transform(head(backbone(**inputs, use_cache=False).last_hidden_state[0]), path)  # (8, V)
+            got = torch.log_softmax(z, -1)
+    finally:
+        model.train(was_training)
+    return float((got - expected).abs().max() / expected.abs().max().clamp(min=1.0))
+
+
+def _transform(raw: torch.Tensor, path: HeadPath, reuse: bool = False) -> torch.Tensor:
+    """The model's output transform in float32: a new tensor, or ``raw`` itself when ``reuse`` and there is
+    nothing to do (float32, no transform): the caller may then overwrite ``raw``."""
+    if path.scale != 1.0:
+        z = raw.float() * path.scale
+    elif raw.dtype != torch.float32:
+        z = raw.float()
+    else:
+        z = raw if reuse and not path.softcap else raw.clone()
+    if path.softcap:
+        z.div_(path.softcap).tanh_().mul_(path.softcap)  # z = c·tanh(z / c)
+    return z
+
+
+# ----------------------------------------------------------------------------- the maths, plain
+
+
+def stats_from_logits(logits, targets, temperature: float = 0.0, entropy: bool = False, logp_mean: bool = False,
+                      teacher_logits=None, kd_temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """The per-token quantities from full logits with autograd (the plain path, and the reference).
+
+    logits (M, V) as the model returns them, targets (M,) ->
+      logp (M,)        log π(y) at ``temperature`` (> 0: logits / temperature; 0: the raw ones)
+      entropy (M,)     H = −Σ_v π(v) log π(v), same distribution
+      logp_mean (M,)   (1/V) Σ_v log π(v), same distribution (label smoothing)
+      kl_teacher (M,)  KL(p_T^τ ‖ p_S^τ) = Σ_v p_T^τ(v) (log p_T^τ(v) − log p_S^τ(v)), τ = ``kd_temperature``
+    """
+    z = logits.float()  # (M, V)
+    if temperature > 0:
+        z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)  # (M, V)
+    out = {"logp": logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)}
+    if entropy:
+        out["entropy"] = -(logp_all.exp() * logp_all).sum(-1)
+    if logp_mean:
+        out["logp_mean"] = logp_all.mean(-1)
+    if teacher_logits is not None:
+        logp_student = torch.log_softmax(logits.float() / kd_temperature, dim=-1)  # (M, V)
+        logp_teacher = torch.log_softmax(teacher_logits.detach().float() / kd_temperature, dim=-1)  # (M, V)
+        out["kl_teacher"] = (logp_teacher.exp() * (logp_teacher - logp_student)).sum(-1)
+    return out
+
+
+# ----------------------------------------------------------------------------- the maths, one chunk
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_v a_v b_v per row, (N, V) × (N, V) -> (N,), without an (N, V) temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _log_softmax_parts(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp (N,), e = exp(z − max) (N, V), Σ e (N,)) -> lse and p = e / Σ e written into e."""
+    top = z.amax(-1, keepdim=True)  # (N, 1)
+    p = torch.sub(z, top).exp_()  # (N, V)
+    total = p.sum(-1, keepdim=True)  # (N, 1)
+    p.div_(total)
+    return (top + total.log()).squeeze(-1), p
+
+
+class _SoftmaxStats(torch.autograd.Function):
+    """logp, entropy, logp_mean, kl_teacher (N,) of one chunk of logits, with the gradient written by hand.
+
+    z = transform(raw)/t, log π = z − lse(z):
+      ∂ log π(y) / ∂z = e_y − π          ∂ mean_v log π(v) / ∂z = 1/V − π
+      ∂ H / ∂z        = −π (log π + H)   ∂ KL(q ‖ π^τ) / ∂(raw-side z) = (π^τ − q) / τ
+    then through the transform: ∂z/∂raw = scale · (1 − tanh²) / t. Saved: ``raw`` and per-token
+    scalars; backward needs two (N, V) float32 buffers beside ``raw`` (three with a teacher).
+    """
+
+    @staticmethod
+    def forward(ctx, raw, targets, teacher_raw, path: HeadPath, temperature: float, entropy: bool, logp_mean: bool, kd_temperature: float):
+        ctx.set_materialize_grads(False)
+        rescaled = (temperature > 0 and temperature != 1.0) or teacher_raw is not None
+        z = _transform(raw, path, reuse=not rescaled)  # (N, V); ``raw`` itself when it is only read
+        if temperature > 0 and temperature != 1.0:
+            z.div_(temperature)
+        lse, p = _log_softmax_parts(z)  # (N,), (N, V)
+        logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (N,)
+        ent = (lse - _dot(p, z)) if entropy else None  # H = lse − Σ π z
+        mean = (z.mean(-1) - lse) if logp_mean else None
+        del p
+        kl = lse_kd = None
+        if teacher_raw is not None:
+            z.mul_(temperature if temperature > 0 else 1.0).div_(kd_temperature)  # the student's z / τ
+            lse_kd, _ = _log_softmax_parts(z)
+            log_q = _transform(teacher_raw, path).div_(kd_temperature)  # (N, V)
+            lse_q, q = _log_softmax_parts(log_q)
+            log_q.sub_(lse_q.unsqueeze(-1))
+            # KL = Σ q log q − Σ q (z_S − lse_S)
+            kl = _dot(q, log_q) - _dot(q, z) + lse_kd
+        ctx.save_for_backward(raw, targets, teacher_raw, lse, ent if ent is not None else lse, lse_kd if lse_kd is not None else lse)
+        ctx.path, ctx.temperature, ctx.kd_temperature = path, temperature, kd_temperature
+        return logp, ent, mean, kl
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy, g_mean, g_kl):
+        raw, targets, teacher_raw, lse, ent, lse_kd = ctx.saved_tensors
+        path, t, tau = ctx.path, (ctx.temperature if ctx.temperature > 0 else 1.0), ctx.kd_temperature
+        N, V = raw.shape
+        zeros = torch.zeros(N, device=raw.device)
+        g_logp = zeros if g_logp is None else g_logp.float()
+        g_mean = zeros if g_mean is None else g_mean.float()
+        # ``raw`` (recomputed for this backward) is overwritten when nothing below reads it again
+        z = _transform(raw, path, reuse=teacher_raw is None)  # (N, V)
+        if t != 1.0:
+            z.div_(t)
+        log_p = z.sub_(lse.unsqueeze(-1))  # (N, V) log π, in place
+        grad = log_p.exp()  # (N, V) π, becomes the gradient
+        coef = (g_logp + g_mean).unsqueeze(-1)  # (N, 1)
+        if g_entropy is not None:
+            # −π (g_H (log π + H) + g_logp + g_mean)
+            log_p.add_(ent.unsqueeze(-1)).mul_(g_entropy.float().unsqueeze(-1)).add_(coef)
+            grad.mul_(log_p).neg_()
+        else:
+            grad.mul_(coef).neg_()  # −π (g_logp + g_mean)
+        del log_p, z
+        grad[torch.arange(N, device=raw.device), targets] += g_logp  # + g_logp e_y
+        grad.add_((g_mean / V).unsqueeze(-1))  # + g_mean / V
+        grad.div_(t)
+        if g_kl is not None and teacher_raw is not None:
+            # + g_KL (π^τ − q) / τ
+            z_kd = _transform(raw, path).div_(tau)
+            p_kd = z_kd.sub_(lse_kd.unsqueeze(-1)).exp_()  # (N, V)
+            grad.addcmul_(p_kd, (g_kl.float() / tau).unsqueeze(-1))
+            del p_kd, z_kd
+            z_q = _transform(teacher_raw, path).div_(tau)
+            lse_q, q = _log_softmax_parts(z_q)
+            del z_q
+            grad.addcmul_(q, (g_kl.float() / tau).unsqueeze(-1), value=-1.0)
+            del q
+        if path.softcap:
+            # z = c·tanh(s·raw / c): ∂z/∂(s·raw) = 1 − tanh²
+            tanh = (raw.float() * path.scale).div_(path.softcap).tanh_()
+            grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+            del tanh
+        if path.scale != 1.0:
+            grad.mul_(path.scale)
+        return grad.to(raw.dtype), None, None, None, None, None, None, None
+
+
+def _chunk_stats(h, targets, h_teacher, head, teacher_head, path, temperature, entropy, logp_mean, kd_temperature):
+    raw = head(h)  # (N, V) logits of this chunk only
+    teacher_raw = None
+    if h_teacher is not None:
+        with torch.no_grad():
+            teacher_raw = teacher_head(h_teacher)
+    return _SoftmaxStats.apply(raw, targets, teacher_raw, path, temperature, entropy, logp_mean, kd_temperature)
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+
+def _chunk_count(tokens: int, chunk_size: int, head) -> int:
+    """Chunks for ``tokens``; under ZeRO-3 (a partitioned head, several ranks) the most any rank needs, since each
+    call of the head gathers its weight from every rank (the extra chunks are empty)."""
+    count = -(-tokens // chunk_size)
+    weight = getattr(head, "weight", None)
+    if hasattr(weight, "ds_id") and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        most = torch.tensor([count], device=weight.device)
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        count = int(most)
+    return count
+
+
+def head_stats(h, targets, head, path: HeadPath, temperature: float = 0.0, entropy: bool = False, logp_mean: bool = False,
+               h_teacher=None, teacher_head=None, kd_temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """`stats_from_logits` of ``transform(head(h))``, ``path.chunk_size`` rows of ``h`` (M, H) at a time."""
+    head_params = [p for p in head.parameters() if p.requires_grad]
+    recompute = torch.is_grad_enabled() and (h.requires_grad or bool(head_params))
+    parts: list[tuple] = []
+    n = path.chunk_size
+    count = _chunk_count(h.shape[0], n, head)
+    for k in range(count):
+        args = (h[k * n : (k + 1) * n], targets[k * n : (k + 1) * n],
+                None if h_teacher is None else h_teacher[k * n : (k + 1) * n],
+                head, teacher_head, path, temperature, entropy, logp_mean, kd_temperature)
+        # Backward recomputes each chunk's logits instead of keeping them, but the last chunk's: backward needs
+        # those first (one recompute fewer); they are held only while the loss is built (with DPO: the reference's
+        # forward). (No metadata check of the recomputed tensors: ZeRO-3
+        # re-partitions a frozen lm_head weight (LoRA) right after the recompute, which the check would take for a
+        # different tensor; the values are the same — tests/test_deepspeed.py, LoRA under ZeRO-3.)
+        if recompute and k < count - 1:
+            parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False, determinism_check="none"))
+        else:
+            parts.append(_chunk_stats(*args))
+    out = {}
+    names = (("logp", True), ("entropy", entropy), ("logp_mean", logp_mean), ("kl_teacher", h_teacher is not None))
+    for i, (name, wanted) in enumerate(names):
+        if wanted:
+            out[name] = torch.cat([p[i] for p in parts]) if parts else h.new_zeros(0, dtype=torch.float32) * h.sum()
+    return out
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(_inner(model).forward).parameters
+
+
+def token_stats(model, inputs: dict, rows: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor, *,
+                temperature: float = 0.0, entropy: bool = False, logp_mean: bool = False,
+                teacher=None, kd_temperature: float = 1.0, hidden: bool = False) -> dict[str, torch.Tensor]:
+    """Per-token quantities at the scored positions, by the path chosen for ``model`` (`choose_path`).
+
+    inputs: the model's keyword inputs ((R, T) rows, packed or padded); ``rows``, ``pos`` (M,): the
+    positions whose next-token distribution is scored (repeats allowed), ``targets`` (M,) the token
+    scored there. Returns ``logp`` (M,) and, as asked (see `stats_from_logits`), ``entropy``,
+    ``logp_mean``, ``kl_teacher`` (M,) — ``teacher`` given: the KD teacher, run on the same inputs
+    without gradients — and ``hidden`` (R, T, H), the last hidden state (a critic's input).
+    """
+    path = path_of(model)
+    if teacher is not None and not path_of(teacher).chunked:
+        path = PLAIN  # both heads go through the same path
+    if not path.chunked:
+        return _plain_stats(model, inputs, rows, pos, targets, temperature, entropy, logp_mean, teacher, kd_temperature, hidden)
+
+    backbone, head = backbone_and_head(model)
+    last = backbone(**inputs, use_cache=False).last_hidden_state  # (R, T, H)
+    h = last[rows, pos]  # (M, H): only the scored positions meet the head
+    h_teacher, teacher_head = None, None
+    if teacher is not None:
+        teacher_backbone, teacher_head = backbone_and_head(teacher)
+        with torch.no_grad():
+            h_teacher = teacher_backbone(**inputs, use_cache=False).last_hidden_state[rows, pos]  # (M, H_T)
+    out = head_stats(h, targets, head, path, temperature, entropy, logp_mean, h_teacher, teacher_head, kd_temperature)
+    if hidden:
+        out["hidden"] = last
+    return out
+
+
+def _plain_stats(model, inputs, rows, pos, targets, temperature, entropy, logp_mean, teacher, kd_temperature, hidden):
+    """The model's own forward and full logits (only at the scored positions when it takes ``logits_to_keep``)."""
+    keep = torch.unique(pos)  # (K,) sorted
+    extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
+    out = model(**inputs, use_cache=False, output_hidden_states=hidden, **extra)
+    at = torch.searchsorted(keep, pos) if extra else pos
+    logits = out.logits[rows, at]  # (M, V)
+    teacher_logits = None
+    if teacher is not None:
+        with torch.no_grad():
+            extra_t = {"logits_to_keep": keep} if _accepts_logits_to_keep(teacher) else {}
+            teacher_logits = teacher(**inputs, use_cache=False, **extra_t).logits[rows, torch.searchsorted(keep, pos) if extra_t else pos]
+    stats = stats_from_logits(logits, targets, temperature, entropy, logp_mean, teacher_logits, kd_temperature)
+    if hidden:
+        stats["hidden"] = out.hidden_states[-1]
+    return stats
+
+
+def on_grid(values: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """(M,) values at (rows, pos) -> a (B, T) tensor, 0 elsewhere (gradients flow to ``values``)."""
+    return values.new_zeros(shape).index_put((rows, pos), values)

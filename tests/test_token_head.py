@@ -1,0 +1,279 @@
+"""The chunked LM head (`oxrl_core.token_head`): per-token quantities without a (tokens, V) tensor.
+
+* the chunk maths by hand (a 2-token vocabulary), and equal to full-logits autograd — values and
+  gradients of the hidden states and the head's weight and bias — with soft-capping, a logit scale,
+  a temperature and a KD teacher;
+* on real models (every family of the architecture matrix, Gemma-2 with its final soft-capping), under LoRA, and
+  through the loops' functions (padded, packed, shared-prefix rows): equal to the model's own logits;
+* the setup probe falls back to the plain path for a model whose forward transforms its logits in a
+  way the head does not know;
+* the real CLI: SFT and KD runs give the same losses chunked and with ``train.logits_chunk_size=0``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from archs import FAMILIES
+from conftest import oxrl, read_metrics
+from oxrl_core.token_head import HeadPath, choose_path, head_stats, on_grid, path_of, stats_from_logits, token_stats
+
+LN3 = math.log(3)
+
+
+# ----------------------------------------------------------------------------- the chunk maths
+
+
+def test_hand_derived_quantities_of_one_distribution():
+    """logits [0, ln 3] -> π = [1/4, 3/4]; target 1.
+
+    logp = ln(3/4) = −0.287682; H = −(¼ ln ¼ + ¾ ln ¾) = 0.562335; logp_mean = (ln ¼ + ln ¾)/2 = −0.836988.
+    Temperature 0.5: logits [0, 2 ln 3] = [0, ln 9] -> π = [1/10, 9/10], logp = ln 0.9.
+    Teacher [0, 0] at τ = 1: KL([½, ½] ‖ [¼, ¾]) = ½ ln 2 + ½ ln(2/3) = ½ ln(4/3) = 0.143841.
+    """
+    logits, target = torch.tensor([[0.0, LN3]]), torch.tensor([1])
+    out = head_stats(logits, target, torch.nn.Identity(), HeadPath(chunk_size=1), entropy=True, logp_mean=True,
+                     h_teacher=torch.zeros(1, 2), teacher_head=torch.nn.Identity())
+    assert float(out["logp"]) == pytest.approx(math.log(3 / 4), abs=1e-6)
+    assert float(out["entropy"]) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+    assert float(out["logp_mean"]) == pytest.approx((math.log(0.25) + math.log(0.75)) / 2, abs=1e-6)
+    assert float(out["kl_teacher"]) == pytest.approx(0.5 * math.log(4 / 3), abs=1e-6)
+    hot = head_stats(logits, target, torch.nn.Identity(), HeadPath(chunk_size=1), temperature=0.5)
+    assert float(hot["logp"]) == pytest.approx(math.log(0.9), abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "softcap, scale, temperature, teacher",
+    [(None, 1.0, 0.0, False), (3.0, 1.0, 0.7, False), (3.0, 0.5, 0.0, True), (None, 2.0, 1.3, True)],
+)
+def test_chunks_equal_full_logits_values_and_gradients(softcap, scale, temperature, teacher):
+    """13 tokens in chunks of 4 (the last one short) vs log_softmax over the full logits with autograd."""
+    torch.manual_seed(0)
+    M, H, V = 13, 8, 50
+    head, teacher_head = torch.nn.Linear(H, V), torch.nn.Linear(H, V)
+    h, h_teacher, targets = torch.randn(M, H, requires_grad=True), torch.randn(M, H), torch.randint(0, V, (M,))
+    weights = {k: torch.randn(M) for k in ("logp", "entropy", "logp_mean", "kl_teacher")}  # an arbitrary loss
+
+    def transform(x):  # what the model's forward does after lm_head
+        x = x * scale
+        return softcap * torch.tanh(x / softcap) if softcap else x
+
+    def run(stats: dict):
+        head.zero_grad()
+        h.grad = None
+        sum((stats[k] * weights[k]).sum() for k in stats).backward()
+        return {k: v.detach() for k, v in stats.items()}, [h.grad, head.weight.grad, head.bias.grad]
+
+    plain = run(stats_from_logits(transform(head(h)), targets, temperature, True, True,
+                                  transform(teacher_head(h_teacher)) if teacher else None, 2.0))
+    chunked = run(head_stats(h, targets, head, HeadPath(4, softcap, scale), temperature, True, True,
+                             h_teacher if teacher else None, teacher_head, 2.0))
+    assert plain[0].keys() == chunked[0].keys() == ({"logp", "entropy", "logp_mean"} | ({"kl_teacher"} if teacher else set()))
+    for k in plain[0]:
+        assert torch.allclose(plain[0][k], chunked[0][k], atol=1e-5), k
+    for a, b in zip(plain[1], chunked[1]):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert teacher_head.weight.grad is None  # the teacher is a fixed target
+
+
+def test_backward_recomputes_one_chunk_at_a_time():
+    """The head runs once per chunk forward and once more per chunk in backward, but for the last chunk, whose
+    logits backward needs first: no other chunk's logits are kept."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 30)
+    shapes = []
+    head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    h = torch.randn(10, 4, requires_grad=True)
+    out = head_stats(h, torch.randint(0, 30, (10,)), head, HeadPath(chunk_size=4), entropy=True)
+    assert shapes == [(4, 30), (4, 30), (2, 30)]
+    (out["logp"].sum() + out["entropy"].sum()).backward()
+    assert shapes == [(4, 30), (4, 30), (2, 30), (4, 30), (4, 30)]
+
+
+# ----------------------------------------------------------------------------- real models
+
+
+def _padded_rows(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, 11), generator=g)
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, 8:] = 0  # a padded row
+    mask = torch.zeros(2, 10)
+    mask[0, 4:] = 1
+    mask[1, 3:7] = 1
+    return ids, attention_mask, mask
+
+
+def _both_paths(model, fn):
+    """fn() under the plain path, then under the chunked one (chunks of 3): outputs and parameter gradients."""
+    results = []
+    for chunk in (0, 3):
+        path = choose_path(model, chunk)
+        assert path.chunked == bool(chunk), path.note
+        model.zero_grad()
+        out = fn()
+        results.append(([o.detach() for o in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (out_plain, g_plain), (out_chunked, g_chunked) = results
+    for a, b in zip(out_plain, out_chunked):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert g_plain.keys() == g_chunked.keys() and g_plain
+    for name in g_plain:
+        assert torch.allclose(g_plain[name], g_chunked[name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rl_logprobs_equal_the_models_own_logits(arch_model, family):
+    """token_logprobs (temperature 0.8, entropy, completion positions only) chunked = plain, values and gradients,
+    on every family of the matrix (the probe keeps the chunked path on all of them). Gemma-2 soft-caps its
+    final logits at 30: the probe finds it and the head applies it."""
+    from oxrl_core.loops.rl import token_logprobs
+    from oxrl_core.models import load_causal_lm
+
+    model = load_causal_lm(str(arch_model(family)))
+    if family == "gemma2":
+        assert choose_path(model, 3).softcap == 30.0
+    ids, attention_mask, mask = _padded_rows(model.get_output_embeddings().weight.shape[0])
+
+    def fn():
+        logp, entropy, _ = token_logprobs(model, ids, attention_mask, 0.8, where=mask)
+        (logp * torch.linspace(-1, 1, 10) + 0.1 * entropy).mul(mask).sum().backward()
+        return logp, entropy
+
+    _both_paths(model, fn)
+    # and the model's own logits, by hand, at the scored positions
+    with torch.no_grad():
+        logp, entropy, _ = token_logprobs(model, ids, attention_mask, 0.8, where=mask)
+        full = torch.log_softmax(model(input_ids=ids, attention_mask=attention_mask).logits[:, :-1].float() / 0.8, -1)
+    expected = full.gather(-1, ids[:, 1:, None])[..., 0] * mask
+    assert torch.allclose(logp, expected, atol=1e-5)
+
+
+def test_lora_gradients_equal_the_plain_path(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    from oxrl_core.loops.supervised import supervised_tokens
+    from oxrl_algs_supervised.sft import SFT
+    from oxrl_core.models import load_causal_lm
+
+    torch.manual_seed(0)
+    model = get_peft_model(load_causal_lm(str(tiny_model_dir)), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    ids, attention_mask, mask = _padded_rows(model.get_output_embeddings().weight.shape[0])
+    labels = torch.where(torch.cat([torch.zeros(2, 1), mask], 1) > 0, ids, -100)
+    sft = SFT(SFT.Config(label_smoothing=0.1))
+
+    def fn():
+        batch = {"input_ids": ids, "attention_mask": attention_mask, "labels": labels}
+        loss, _ = sft.loss({**batch, **supervised_tokens(model, None, batch, sft)})
+        loss.backward()
+        return (loss,)
+
+    _both_paths(model, fn)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformers(tiny_model_dir, layout):
+    """sequence_logps (padded, packed, shared prompts) and token_logprobs_shared, chunked, against each
+    sequence on its own through plain transformers."""
+    from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
+    from oxrl_core.loops.rl import token_logprobs_shared
+    from oxrl_core.models import load_causal_lm
+    from oxrl_core.packed_attention import packed_attn_implementation
+
+    attn = "sdpa" if layout == "padded" else packed_attn_implementation("sdpa")
+    model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
+    assert choose_path(model, 2).chunked
+    prompts, chosen, rejected = [[5, 9, 11], [7, 8]], [[20, 21, 3], [30, 3]], [[22, 3], [31, 32, 33, 3]]
+    seqs = list(zip(prompts, chosen)) + list(zip(prompts, rejected))
+    batch = (collate_shared_prompts(prompts, chosen, rejected) if layout == "shared"
+             else collate_sequences(seqs, 0, layout == "packed"))
+    with torch.no_grad():
+        sums, _ = sequence_logps(model, batch)
+        for i, (p, c) in enumerate(seqs):
+            ids = torch.tensor([p + c])
+            direct = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[len(p) - 1 :, 0]
+            assert float(sums[i]) == pytest.approx(float(direct.sum()), abs=1e-4)
+        if layout == "shared":  # the RL form: 2 samples of each prompt in one packed row
+            from oxrl_core.loops.rl import token_logprobs
+
+            rows = [p + c for p, c in seqs[:1] + seqs[2:3] + seqs[1:2] + seqs[3:]]  # prompt 0 twice, prompt 1 twice
+            L = max(map(len, rows))
+            mb = {"input_ids": torch.tensor([r + [0] * (L - len(r)) for r in rows]),
+                  "attention_mask": torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows]),
+                  "prompt_len": torch.tensor([3, 3, 2, 2]), "group": torch.tensor([0, 0, 1, 1])}
+            logp, entropy = token_logprobs_shared(model, mb, 0.7)
+            choose_path(model, 0)
+            model.config._attn_implementation = "sdpa"
+            where = torch.zeros(4, L - 1)
+            for i, r in enumerate(rows):
+                where[i, int(mb["prompt_len"][i]) - 1 : len(r) - 1] = 1
+            logp_plain, entropy_plain, _ = token_logprobs(model, mb["input_ids"], mb["attention_mask"], 0.7)
+            assert torch.allclose(logp, logp_plain * where, atol=1e-5)
+            assert torch.allclose(entropy, entropy_plain * where, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the setup probe
+
+
+def test_an_unknown_output_transform_falls_back_to_the_models_logits(tiny_model_dir, monkeypatch):
+    """A forward that scales its logits (a transform the head does not know): the probe sees the difference,
+    the plain path is chosen with a note, and the log-probabilities are those of the scaled logits."""
+    from oxrl_core.models import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    original = model.forward
+
+    def scaled(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+    monkeypatch.setattr(model, "forward", scaled)
+    notes = []
+    path = choose_path(model, 1024, notes.append)
+    assert not path.chunked and path_of(model) is path
+    assert len(notes) == 1 and "logits_chunk_size" in notes[0] and "differs" in notes[0]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    rows, pos = torch.zeros(3, dtype=torch.long), torch.arange(3)
+    with torch.no_grad():
+        logp = token_stats(model, {"input_ids": ids}, rows, pos, ids[0, 1:])["logp"]
+        expected = torch.log_softmax(2.0 * original(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert torch.allclose(logp, expected, atol=1e-6)
+    # an untouched model keeps the chunked path, without a note
+    assert choose_path(load_causal_lm(str(tiny_model_dir)), 1024, notes.append).chunked and len(notes) == 1
+
+
+def test_on_grid_places_values_and_passes_gradients():
+    values = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    grid = on_grid(values, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 3]), (2, 4))
+    assert grid.tolist() == [[0, 0, 1, 0], [2, 0, 0, 3]]
+    grid.sum().backward()
+    assert values.grad.tolist() == [1, 1, 1]
+
+
+# ----------------------------------------------------------------------------- the real CLI
+
+
+@pytest.mark.slow
+def test_cli_sft_and_kd_losses_are_the_same_chunked_and_plain(tmp_path, tiny_model_dir, teacher_model_dir, sft_jsonl):
+    """`oxrl run` (the console script) with the default chunked head, and in process with chunking off."""
+    from test_archs import run_cli
+
+    common = [f"model.name={tiny_model_dir}", f"data.train={sft_jsonl}", "train.max_steps=2", "train.batch_size=2",
+              "train.lr=1e-3"]
+    for alg, extra in (("sft", ["alg.label_smoothing=0.1"]), ("kd", [f"model.teacher={teacher_model_dir}"])):
+        sets = common + extra
+        args = ["run", "--alg", alg, "-q", "-o", str(tmp_path / f"{alg}-chunked")]
+        for s in sets + ["train.logits_chunk_size=3"]:
+            args += ["--set", s]
+        proc = oxrl(*args)
+        assert proc.returncode == 0, proc.stderr
+        chunked = read_metrics(tmp_path / f"{alg}-chunked")
+        plain = run_cli(alg, tmp_path / f"{alg}-plain", *sets, "train.logits_chunk_size=0")
+        for a, b in zip(chunked, plain):
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        if alg == "kd":
+            assert all(r["loss/kl"] > 0 for r in chunked)
