@@ -19,15 +19,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
         A_i = (r_i − mean_g) / (std_g + eps)      (or r_i − mean_g when ``scale`` is False, as Dr. GRPO)
 
     std is the sample standard deviation (Bessel-corrected, as TRL computes it); a group whose
-    rewards are all equal gets A = 0 for every sample (it carries no learning signal).
+    rewards are all equal (max == min) gets exactly A = 0 for every sample (it carries no learning
+    signal) — tested on max == min rather than std > 0, since float32 rounding leaves std ≈ 1e-8 for
+    e.g. eight rewards of 0.1, which std + eps would turn into A ≈ 1e-4.
     """
     r = rewards.view(-1, group_size)  # (P, n)
     mean = r.mean(dim=1, keepdim=True)  # (P, 1)
     centred = r - mean  # (P, n)
     if scale:
         std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # (P, 1)
-        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))  # equal rewards -> 0
-    return centred.reshape(-1)  # (B,)
+        centred = centred / (std + eps)
+    # groups of equal rewards: A = 0 exactly
+    equal = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)  # (P, 1)
+    return torch.where(equal, torch.zeros_like(centred), centred).reshape(-1)  # (B,)
 
 
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:

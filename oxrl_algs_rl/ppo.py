@@ -117,7 +117,8 @@ class PPO(Algorithm):
         # entropy bonus
         entropy = masked_mean(batch["entropy"], mask)
         loss = loss_policy + c.vf_coef * loss_value - c.ent_coef * entropy
-        clipped = (ratio - 1).abs() > c.clip_eps
+        # clipped share: tokens whose clipped term is the active one of the min (zero gradient through ρ)
+        clipped = ((ratio < 1 - c.clip_eps) & (adv < 0)) | ((ratio > 1 + c.clip_eps) & (adv > 0))
         return loss, {
             "loss/policy": loss_policy.detach(),
             "loss/value": loss_value.detach(),

@@ -134,6 +134,25 @@ def eval_(
     out.print(table)
 
 
+@app.command("check-model")
+def check_model(
+    model: str = typer.Argument(..., help="a model directory or hub id"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as one JSON object instead of tables"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow the model's own Python code"),
+):
+    """Check a model before training: architecture, tokenizer, chat template, which oxRL paths apply, problems and fixes.
+    Exits with status 2 when oxRL cannot train the model."""
+    from oxrl_core.check_model import check_model as inspect, render, to_json
+
+    report = inspect(model, trust_remote_code=trust_remote_code)
+    if as_json:
+        print(to_json(report))
+    else:
+        render(report, out)
+    if not report["ok"]:
+        raise typer.Exit(2)
+
+
 @app.command("new-plugin")
 def new_plugin(
     name: str = typer.Argument(..., help="algorithm name, e.g. myalg (package oxrl-myalg)"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -85,6 +85,11 @@ class TrainConfig(StrictModel):
         0, ge=0, description="token-budget batching: the optimiser batch (batch_size × grad_accum_steps rows; RL: each "
         "minibatch) is regrouped into micro-batches of at most this many tokens (padded width × rows, or the sum of "
         "lengths when packed), longest rows first; the gradient is the same, the peak memory bounded (0 = off)",
+    )
+    logits_chunk_size: int = Field(
+        1024, ge=0, description="per-token log-probabilities, entropy and KD's KL computed from the last hidden state "
+        "this many scored tokens at a time (each chunk's logits recomputed in backward), so no (tokens, vocabulary) "
+        "float32 tensor is built; 0 = the model's full logits",
     )
     save_steps: int = Field(0, ge=0, description="checkpoint every N steps (0 = only final/)")
     save_limit: int = Field(0, ge=0, description="keep only the newest N checkpoints (0 = keep all)")
@@ -176,6 +181,12 @@ class RolloutConfig(StrictModel):
         0.0, ge=0,
         description="largest allowed |logprob gap| on the probe, in nats; 0 = by the trainer's precision: "
         "1e-3 in float32, 1.0 under bf16 autocast (bf16 rounding alone reaches ~0.2)",
+    )
+    max_logprob_diff: Optional[float] = Field(
+        None, ge=0,
+        description="mismatch alarm: a step whose rollout/logprob_diff (mean |trainer − rollout| logprob of the "
+        "sampled tokens) exceeds this stops the run, checkpoints kept; unset = by the trainer's precision: "
+        "0.01 nats in float32, 0.25 under bf16/fp16 autocast; 0 = off",
     )
     tis_cap: float = Field(
         0.0, ge=0,

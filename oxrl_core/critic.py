@@ -39,8 +39,11 @@ class Critic(nn.Module):
 
 
 def build_critic(policy, layout: str, load_backbone) -> Critic:
-    """``load_backbone()`` returns a fresh causal LM of the initial policy (used for ``separate``)."""
-    hidden = policy.config.hidden_size
+    """``load_backbone()`` returns a fresh causal LM of the initial policy (used for ``separate``).
+
+    A multimodal-layout checkpoint (e.g. ``Gemma3ForConditionalGeneration``) nests the text model's
+    sizes under its text config, and its decoder (``get_decoder()``) is the language model alone."""
+    hidden = policy.config.get_text_config().hidden_size
     if layout == "shared":
         return Critic(hidden)
     return Critic(hidden, backbone=load_backbone().get_decoder())

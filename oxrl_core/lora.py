@@ -11,6 +11,17 @@ Saving (`checkpoint.save_model`) writes both forms, so nothing downstream needs 
   `AutoModelForCausalLM.from_pretrained(dir)` and vLLM load it directly;
 - ``<dir>/adapter/`` — the PEFT adapter (`PeftModel.from_pretrained(base, dir/"adapter")`).
 
+The saved key set is checked against the base architecture's own (built on the meta device): a
+missing or unexpected key is an error at save time, never a ``final/`` that `from_pretrained`
+silently re-initialises.
+
+``target_modules: all-linear`` (the default) means every ``nn.Linear`` of the language model
+(attention and dense MLP projections), resolved here rather than by PEFT: the output head, a
+vision tower / multimodal projector, MoE routers and the fused MoE expert weights are left out
+(PEFT's own ``all-linear`` wraps fused experts as parameters, and the router of a MoE model). A
+MoE model therefore trains adapters on attention (and any dense/shared-expert MLP) with its
+experts frozen; name the modules explicitly to adapt anything else.
+
 The merge is PEFT's ``merge_adapter()`` / ``unmerge_adapter()`` around the export (no second copy
 of the model), as TRL does before pushing weights to vLLM. Resuming loads the base model named in
 ``model.name`` and the checkpoint's adapter, so training continues on the same parameters.
@@ -19,6 +30,7 @@ of the model), as TRL does before pushing weights to vLLM. Resuming loads the ba
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 ADAPTER_DIR = "adapter"
@@ -32,10 +44,36 @@ def is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def _peft_config(cfg, head: str):
+_ROUTER_NAMES = {"gate", "router", "shared_expert_gate"}  # MoE routing layers (a dense MLP's is `gate_proj`)
+_EXCLUDED_PARTS = {"experts", "vision_tower", "vision_model", "visual", "multi_modal_projector", "audio_tower"}
+
+
+def default_targets(model) -> list[str]:
+    """``all-linear`` as oxRL means it: the full names of the language model's ``nn.Linear`` modules,
+    without the output head, vision/audio towers, MoE routers and experts."""
+    from torch import nn
+
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    inside = {id(m) for m in decoder.modules()}
+    names = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if (
+            isinstance(module, nn.Linear)
+            and id(module) in inside
+            and parts[-1] not in _ROUTER_NAMES
+            and not _EXCLUDED_PARTS.intersection(parts)
+        ):
+            names.append(name)
+    return names
+
+
+def _peft_config(cfg, head: str, model=None):
     from peft import LoraConfig, TaskType
 
     target = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+    if target == "all-linear" and model is not None:
+        target = default_targets(model) or target
     return LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target,
         task_type=TaskType.SEQ_CLS if head == "score" else TaskType.CAUSAL_LM,  # SEQ_CLS keeps `score` trainable
@@ -53,7 +91,7 @@ def apply_lora(model, cfg, head: str = "lm", resume_from: Path | None = None):
     if resume_from is not None:
         return PeftModel.from_pretrained(model, str(Path(resume_from) / ADAPTER_DIR), is_trainable=True)
     try:
-        return get_peft_model(model, _peft_config(cfg, head))
+        return get_peft_model(model, _peft_config(cfg, head, model))
     except ValueError as exc:  # e.g. target modules not found in the model
         raise OxrlError(f"lora.target_modules: {exc}") from None
 
@@ -71,12 +109,38 @@ def merged(model):
         model.unmerge_adapter()
 
 
+_PEFT_INFIX = re.compile(r"\.(?:base_layer|modules_to_save\.[^.]+)(?=\.)")
+
+
 def hf_name(key: str) -> str | None:
-    """A PEFT state-dict key under the base model's own name; None for adapter-only tensors."""
+    """A PEFT state-dict key under the base model's own name; None for adapter-only tensors.
+
+    Every PEFT infix goes, however deep the wrapping (a parameter-wrapped MoE expert is
+    ``experts.base_layer.base_layer.gate_up_proj``)."""
     if "lora_" in key or ".original_module." in key:
         return None
-    key = key.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-    return key
+    return _PEFT_INFIX.sub("", key)
+
+
+def check_keys(base, state: dict) -> None:
+    """An error naming the keys when ``state`` does not match the base architecture's own state dict."""
+    import torch
+
+    from oxrl_core.errors import OxrlError
+
+    with torch.device("meta"):
+        fresh = type(base)._from_config(base.config)
+    expected = set(fresh.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        def show(keys):
+            return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+        raise OxrlError(
+            f"LoRA save: the merged weights do not match {type(base).__name__}'s own keys "
+            f"(missing: {show(missing) or 'none'}; unexpected: {show(unexpected) or 'none'}); "
+            "from_pretrained would re-initialise them. Set lora.target_modules to the layers to adapt."
+        )
 
 
 def merged_state_dict(model) -> dict:
@@ -94,6 +158,7 @@ def save_lora(tmp: Path, model) -> None:
     """Merged HF weights in ``tmp`` and the adapter in ``tmp/adapter``."""
     with merged(model):
         state = merged_state_dict(model)
+    check_keys(model.get_base_model(), state)
     model.get_base_model().save_pretrained(tmp, state_dict=state)
     model.save_pretrained(tmp / ADAPTER_DIR)
 

@@ -112,6 +112,28 @@ def test_seeds_reproduce_and_prompts_get_their_own_streams(engine, tokenizer):
     assert request_seed(123, 0) != request_seed(123, 1) and request_seed(123, 0) == request_seed(123, 0) < 2**63
 
 
+def test_many_seeded_prompts_in_one_call_reproduce(engine, tokenizer):
+    """More prompt tokens in one call than the engine's step budget (4096 on CPU), every request seeded:
+    the held-out evaluation's shape. With chunked prefill vLLM rewound the seeded generators of the
+    split prompts (`CPU Generator does not use offset` on CPU); the backend prefills each prompt whole."""
+    prompts = [tokenizer.encode(f"Question {i}: what is {i} plus {i + 1}? Think about it step by step, please. " * 2)
+               for i in range(80)]
+    assert sum(map(len, prompts)) > 8192
+    sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=11)
+    a, b = engine.generate(prompts, sampling), engine.generate(prompts, sampling)
+    assert tokens(a) == tokens(b)
+    assert len({tuple(c.token_ids) for g in a for c in g}) > 40  # every request its own stream
+
+
+def test_an_engine_exception_is_one_clear_error(engine, prompt_ids, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CPU Generator does not use offset")
+
+    monkeypatch.setattr(engine.llm, "generate", broken)
+    with pytest.raises(OxrlError, match="rollout backend 'vllm': generate failed inside vLLM: RuntimeError: CPU Generator"):
+        engine.generate(prompt_ids, SamplingParams(n=1, max_new_tokens=2, seed=0))
+
+
 def test_finish_reasons_and_eos_kept_like_hf(engine, prompt_ids, tokenizer):
     eos = tokenizer.eos_token_id
     short = engine.generate(prompt_ids, SamplingParams(n=1, max_new_tokens=3, temperature=0.0))
@@ -264,3 +286,21 @@ def test_cli_bad_vllm_option_is_a_clear_error(tmp_path, tiny_model_dir):
                 "--set", "rollout.options.gpu_memory_utilisation=0.5", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "rollout.options.gpu_memory_utilisation" in proc.stderr and "gpu_memory_utilization" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cli_builtin_task_sgrpo_with_vllm_including_the_held_out_evaluation(tmp_path, tiny_model_dir):
+    """`oxrl run --alg sgrpo --set rollout.backend=vllm` on the built-in task, whose held-out evaluation
+    sends every eval prompt at once (it failed there before the first step, issue 14). The tiny model
+    directory stands in for the built-in model to skip its 450-step warm start (the data, rewards and
+    evaluation are the built-in task's)."""
+    run = tmp_path / "run"
+    proc = oxrl("run", "--alg", "sgrpo", "--set", "rollout.backend=vllm", "--set", "train.max_steps=1",
+                "--set", f"model.name={tiny_model_dir}", "-o", str(run), cwd=tmp_path, timeout=1500)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    assert "held-out before training" in out and "before →" in out  # evaluated before and after
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1] and metrics[0]["rollout/logprob_diff"] < 1e-4
+    assert (run / "final" / "config.json").is_file()

@@ -36,10 +36,12 @@ from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.perf import MfuMeter
-from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, packed_attn_implementation
+from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import build_reward, score_batch
-from oxrl_core.sync import check_weight_sync, default_tolerance, probe_sequence, tis_weight
+from oxrl_core.token_head import choose_path, on_grid, token_stats
+from oxrl_core.sync import (check_logprob_diff, check_weight_sync, default_max_logprob_diff, default_tolerance,
+                             probe_sequence, tis_weight)
 from oxrl_core.tracking import Tracker
 
 # ----------------------------------------------------------------------------- prompts and rollouts
@@ -121,17 +123,17 @@ def check_no_padding_holes(batch: dict[str, torch.Tensor]) -> None:
                         "the batch is not trained on")
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hidden: bool = False):
-    """logp (B, L-1) of each next token under logits / temperature, entropy (B, L-1), last hidden state."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=want_hidden)
-    logits = out.logits[:, :-1].float()  # (B, L-1, V)
-    if temperature > 0:
-        logits = logits / temperature  # the distribution the backend sampled from (greedy: the raw one)
-    logp_all = torch.log_softmax(logits, dim=-1)  # (B, L-1, V)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (B, L-1)
-    hidden = out.hidden_states[-1] if want_hidden else None
-    return logp, entropy, hidden
+def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hidden: bool = False, where=None):
+    """logp (B, L-1) of each next token under logits / temperature, entropy (B, L-1), last hidden state (B, L, H).
+
+    Computed where ``where`` (B, L-1) is non-zero (default: every attended next token), 0 elsewhere;
+    only those positions meet the LM head, chunk by chunk (`token_head`)."""
+    where = attention_mask[:, 1:] if where is None else where
+    rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
+    stats = token_stats(model, {"input_ids": input_ids, "attention_mask": attention_mask}, rows, pos,
+                        input_ids[rows, pos + 1], temperature=temperature, entropy=True, hidden=want_hidden)
+    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+    return on_grid(stats["logp"], rows, pos, shape), on_grid(stats["entropy"], rows, pos, shape), stats.get("hidden")
 
 
 def shared_prompt_row(mb: dict) -> dict:
@@ -179,20 +181,13 @@ def token_logprobs_shared(model, mb: dict, temperature: float):
     device = mb["input_ids"].device
     row = shared_prompt_row({k: mb[k].cpu() for k in ("input_ids", "attention_mask", "prompt_len", "group")})
     index = row["index"].to(device)  # (B, L-1)
-    where = index >= 0
-    keep = torch.unique(index[where])  # (K,) sorted
-    out = model(input_ids=row["input_ids"].to(device), position_ids=row["position_ids"].to(device),
-                use_cache=False, logits_to_keep=keep, **{SHARED_PREFIX: row[SHARED_PREFIX]})
-    logits = out.logits[0, torch.searchsorted(keep, index[where])].float()  # (M, V)
-    if temperature > 0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)  # (M, V)
-    targets = mb["input_ids"][:, 1:][where]  # (M,)
-    logp = torch.zeros(where.shape, device=device, dtype=logp_all.dtype)
-    entropy = torch.zeros_like(logp)
-    logp[where] = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy[where] = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    rows, cols = (index >= 0).nonzero(as_tuple=True)  # (M,): the scored tokens, by sample row and column
+    inputs = {"input_ids": row["input_ids"].to(device), "position_ids": row["position_ids"].to(device),
+              SHARED_PREFIX: row[SHARED_PREFIX]}
+    at = index[rows, cols]  # (M,) where in the packed row each is predicted (a prompt's last token: once per sample)
+    stats = token_stats(model, inputs, torch.zeros_like(at), at, mb["input_ids"][rows, cols + 1],
+                        temperature=temperature, entropy=True)
+    return on_grid(stats["logp"], rows, cols, index.shape), on_grid(stats["entropy"], rows, cols, index.shape)
 
 
 def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
@@ -324,13 +319,18 @@ def run_rl(trainer, ckpt: Path | None):
     shared = attn == PACKED_SDPA
     load_from, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
     model = load_causal_lm(load_from, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    if shared and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
+        shared = False  # decided once: padded rows
+        reporter.info(f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); training on padded rows")
     model = apply_lora(model, cfg.lora, resume_from=adapter_ckpt)
     if cfg.lora.enabled:
         reporter.info(trainable_summary(model))
+    choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
     ref = None
     if algorithm.uses_ref():  # the reference is the initial policy (never the checkpoint being resumed)
         ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
         ref.requires_grad_(False).eval()
+        choose_path(ref, cfg.train.logits_chunk_size, reporter.info)
     critic = None
     if spec.needs_critic:
         critic = build_critic(model, getattr(algorithm.config, "critic", "shared"), lambda: load_causal_lm(policy_path))
@@ -510,7 +510,8 @@ def _forward(model, critic, mb: dict, temperature: float, shared: bool = False):
         logp, entropy = token_logprobs_shared(model, mb, temperature)
         return {"logp": logp, "entropy": entropy}
     want_hidden = critic is not None and critic.shared
-    logp, entropy, hidden = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden)
+    # logprobs at the completion tokens only (``mask``): the prompt's positions never meet the LM head
+    logp, entropy, hidden = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"])
     out = {"logp": logp, "entropy": entropy}
     if critic is not None:
         out["values_new"] = critic(hidden, mb["input_ids"], mb["attention_mask"])[:, :-1]  # V(s_t) (B, L-1)
@@ -585,6 +586,10 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     check_finite("logp_old", batch["logp_old"], step, run_dir)
     gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
     sums = {"rollout/logprob_diff": masked_mean(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
+    # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
+    autocast_dtype = getattr(engine, "autocast_dtype", None)
+    limit = default_max_logprob_diff(autocast_dtype) if ro.max_logprob_diff is None else ro.max_logprob_diff
+    check_logprob_diff(sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, latest_checkpoint(run_dir))
     # TIS: w_t = min(π_old / π_rollout, rollout.tis_cap), detached; ones when off
     batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)  # (B, T)
     sums.update(tis_metrics)

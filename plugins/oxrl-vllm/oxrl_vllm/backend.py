@@ -20,7 +20,13 @@ Sampling matches the `hf` backend's contract (`oxrl_core.rollout_hf`):
   the top-p nucleus renormalised (greedy: the raw logits), the same quantity the trainer computes
   (``rollout/logprob_diff`` measures the rest: kernels and precision);
 - ``sampling.seed`` seeds every prompt with its own seed derived from it (vLLM seeds per request,
-  and one seed shared by all prompts would give every prompt the same random stream).
+  and one seed shared by all prompts would give every prompt the same random stream). On CPU the
+  engine runs without chunked prefill: when a step's token budget splits a prompt's prefill, vLLM
+  rewinds that request's generator with ``set_offset``, which torch's CPU generator does not have
+  (``CPU Generator does not use offset``, e.g. the held-out evaluation's many prompts at once).
+  Without chunking each prompt is prefilled whole and waits for the next step when it does not fit,
+  so seeded samples stay reproducible (``max_num_batched_tokens`` is at least ``max_model_len``);
+- an exception inside the engine reaches the user as one `OxrlError` naming the call.
 
 `score` reads vLLM's prompt logprobs (raw logits), for the loop's verified weight sync.
 
@@ -39,6 +45,7 @@ while an adapter push takes 0.010 s against 0.143 s for the merged weights, henc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
@@ -111,6 +118,17 @@ def _install_adapter(worker, lora_id: int, tensors: dict, peft_config: dict, pre
         manager._adapter_manager.remove_adapter(previous_id)
     manager._adapter_manager.add_adapter(adapter)
     return len(manager.list_adapters())
+
+
+@contextlib.contextmanager
+def _engine_errors(call: str):
+    """An exception raised inside vLLM during ``call`` as one `OxrlError` (the CLI prints it without a traceback)."""
+    try:
+        yield
+    except OxrlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the engine raised, the user gets one clear line
+        raise OxrlError(f"rollout backend 'vllm': {call} failed inside vLLM: {type(exc).__name__}: {exc}") from exc
 
 
 class _DropRopeReloadWarning(logging.Filter):
@@ -212,6 +230,9 @@ class VLLMRolloutBackend(RolloutBackend):
             engine_args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
         if options.max_model_len is not None:
             engine_args["max_model_len"] = options.max_model_len
+        if not on_gpu:
+            # a chunked prefill rewinds a seeded request's generator, which the CPU generator cannot do
+            engine_args.setdefault("enable_chunked_prefill", False)
         from oxrl_core.lora import is_peft
 
         adapter = is_peft(model) and (options.lora == "adapter" or (options.lora == "auto" and on_gpu))
@@ -287,8 +308,9 @@ class VLLMRolloutBackend(RolloutBackend):
             self._sampling(sampling, None if sampling.seed is None else request_seed(sampling.seed, i))
             for i in range(len(prompt_token_ids))
         ]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params,
-                               use_tqdm=False, lora_request=self.lora_request)
+        with _engine_errors("generate"):
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params,
+                                   use_tqdm=False, lora_request=self.lora_request)
         groups = [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
         if sampling.temperature == 0:
             groups = [[replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
@@ -312,8 +334,9 @@ class VLLMRolloutBackend(RolloutBackend):
         from vllm import TokensPrompt
 
         params = VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        out = self._llm().generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False,
-                                   lora_request=self.lora_request)[0]
+        with _engine_errors("score"):
+            out = self._llm().generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False,
+                                       lora_request=self.lora_request)[0]
         return [float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
     # ------------------------------------------------------------------ weights
@@ -340,7 +363,8 @@ class VLLMRolloutBackend(RolloutBackend):
         # in process: the trainer's tensors by reference (vLLM copies them into its own, converting dtype);
         # across processes: CPU copies, serialised by vLLM's RPC
         weights = [(name, tensor.detach() if by_reference else tensor.detach().cpu()) for name, tensor in state.items()]
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        with _engine_errors("the weight sync"):
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if not llm.reset_prefix_cache():
             raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
         self.policy_version = policy_version
