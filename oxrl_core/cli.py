@@ -35,12 +35,20 @@ def run(
     set_: list[str] = typer.Option([], "--set", "-s", help="override a config key: --set train.lr=1e-5 (repeatable)"),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="run directory (default runs/<alg>-<timestamp>)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint"),
+    force_config: bool = typer.Option(
+        False, "--force-config", help="with --resume: allow --set/--config to change the model, data or algorithm of the checkpoint"
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output; only the result and errors"),
 ):
-    """Train: oxrl run --alg sft [--config my.yaml] [--set train.lr=1e-5]."""
+    """Train: oxrl run --alg sft [--config my.yaml] [--set train.lr=1e-5].
+
+    Ctrl-C or SIGTERM saves a checkpoint after the step in progress and exits (130 / 143); again: at once."""
     from oxrl_core.trainer import Trainer
 
-    trainer = Trainer(alg=alg, config=config, overrides=set_, output_dir=output_dir, resume=resume, quiet=quiet)
+    if force_config and not resume:
+        raise OxrlError("--force-config applies to --resume only (it allows changing a resumed checkpoint's model, data or algorithm)")
+    trainer = Trainer(alg=alg, config=config, overrides=set_, output_dir=output_dir, resume=resume, quiet=quiet,
+                      force_config=force_config)
     trainer.train()
 
 
@@ -53,14 +61,18 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
     rows = registry.rows()
     if as_json:
         errors = [{"plugin": e.plugin, "package": e.package, "version": e.version, "error": e.error} for e in registry.errors]
-        out.print_json(json.dumps({"plugins": rows, "errors": errors}))
+        out.print_json(json.dumps({"plugins": rows, "errors": errors, "clashes": registry.clash_rows()}))
         return
     table = Table(title="oxRL plugins")
     for column in ("kind", "name", "package", "version"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["kind"], row["name"], row["package"], row["version"])
+        name = f"[yellow]{escape(row['name'])} (ambiguous)[/yellow]" if row["ambiguous"] else escape(row["name"])
+        table.add_row(row["kind"], name, row["package"], row["version"])
     out.print(table)
+    for clash in registry.clash_rows():
+        err.print(f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",
+                  highlight=False, soft_wrap=True)
     for e in registry.errors:
         err.print(f"[red]failed to load[/red] plugin '{escape(e.plugin)}' ({escape(e.package)} {e.version}): {escape(e.error)}", highlight=False, soft_wrap=True)
 
@@ -78,9 +90,13 @@ def doctor():
         table.add_row(name, "[green]ok[/green]" if ok else "[yellow]missing[/yellow]", detail)
     registry = discover()
     counts = {kind: len(names) for kind, names in registry.entries.items()}
-    table.add_row("plugins", "[green]ok[/green]" if not registry.errors else "[red]errors[/red]",
+    clashes = registry.clash_rows()
+    table.add_row("plugins", "[green]ok[/green]" if not (registry.errors or clashes) else "[red]errors[/red]",
                   ", ".join(f"{n} {k}s" for k, n in counts.items()))
     out.print(table)
+    for clash in clashes:
+        out.print(f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",
+                  highlight=False, soft_wrap=True)
     for e in registry.errors:
         out.print(f"[red]plugin '{escape(e.plugin)}'[/red] ({escape(e.package)} {e.version}) failed to load: {escape(e.error)}", highlight=False, soft_wrap=True)
 
@@ -159,18 +175,30 @@ def new_plugin(
     directory: Path = typer.Option(Path("."), "--dir", help="where to create oxrl-<name>/"),
 ):
     """Scaffold a third-party algorithm plugin package that installs and runs."""
-    from oxrl_core.scaffold import create
+    from oxrl_core.scaffold import create, name_taken
 
     root = create(name, directory)
-    out.print(f"created {root}\n  pip install -e {root}\n  oxrl run --alg {name} --set train.max_steps=20", highlight=False)
+    warning = name_taken(name)
+    if warning:
+        err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
+    alg = f"oxrl-{name}:{name}" if warning else name
+    out.print(f"created {root}\n  pip install -e {root}\n  oxrl run --alg {alg} --set train.max_steps=20", highlight=False)
 
 
 def main() -> None:
+    """The console script. Ctrl-C / SIGTERM are oxRL's own (`lifecycle`), not the CLI framework's: click would
+    catch a KeyboardInterrupt and exit 1; a run saves a checkpoint first and exits 130 / 143."""
+    from oxrl_core import lifecycle
+
     try:
-        app()
+        with lifecycle.handle_signals(lifecycle.stop_at_once):
+            app()
     except OxrlError as exc:
         err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
+    except (lifecycle.Interrupted, lifecycle.StopNow) as exc:
+        err.print(escape(str(exc)), highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_status)
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)

@@ -78,7 +78,7 @@ class DataConfig(StrictModel):
 
 class TrainConfig(StrictModel):
     max_steps: int = Field(100, gt=0, description="optimiser steps")
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (finite, > 0)")
     batch_size: int = Field(8, gt=0, description="rows per micro-batch")
     grad_accum_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
     max_tokens_per_micro_batch: int = Field(
@@ -91,9 +91,18 @@ class TrainConfig(StrictModel):
         "this many scored tokens at a time (each chunk's logits recomputed in backward), so no (tokens, vocabulary) "
         "float32 tensor is built; 0 = the model's full logits",
     )
-    save_steps: int = Field(0, ge=0, description="checkpoint every N steps (0 = only final/)")
-    save_limit: int = Field(0, ge=0, description="keep only the newest N checkpoints (0 = keep all)")
-    seed: int = 42
+    save_steps: int = Field(
+        500, ge=0, description="checkpoint every N steps, or every train.save_minutes, whichever comes first "
+        "(0 = not by steps); Ctrl-C / SIGTERM always save one"
+    )
+    save_minutes: float = Field(30.0, ge=0, description="checkpoint when this many minutes passed since the last one (0 = not by time)")
+    save_total_limit: int = Field(
+        2, ge=0, description="keep only the newest N checkpoints (0 = keep all); the old name train.save_limit is accepted"
+    )
+    seed: int = Field(
+        42, ge=0, lt=2**32, description="0 <= seed < 2^32 (what every random generator oxRL seeds accepts, with room "
+        "for the per-step seeds derived from it)",
+    )
     warmup_steps: int = Field(0, ge=0)
     lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
     weight_decay: float = Field(0.0, ge=0)
@@ -104,6 +113,15 @@ class TrainConfig(StrictModel):
     precompute_ref_logps: bool = Field(
         False, description="preference: reference log-probabilities of every pair once before training, then free the reference model"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_save_limit(cls, data: Any) -> Any:
+        """``train.save_limit`` (the key's old name) still works; it wins over ``save_total_limit`` because oxRL
+        itself only ever writes the new name (a resumed run's saved config has it, a --set may bring the old)."""
+        if isinstance(data, dict) and "save_limit" in data:
+            data = {k: v for k, v in data.items() if k != "save_limit"} | {"save_total_limit": data["save_limit"]}
+        return data
 
 
 class EngineConfig(StrictModel):
@@ -192,6 +210,16 @@ class RolloutConfig(StrictModel):
         0.0, ge=0,
         description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is "
         "weighted by min(π_old/π_rollout, tis_cap) against the rollout engine's numerics; 0 = off, e.g. 2",
+    )
+    max_reward_error_share: float = Field(
+        0.5, ge=0, le=1,
+        description="a step whose share of samples the reward failed on (raised, timed out or returned a non-number: "
+        "reward/error_share) is above this counts toward stopping the run; 1 = never stop",
+    )
+    reward_error_steps: int = Field(
+        3, ge=0,
+        description="stop the run (checkpoints kept) after this many steps in a row over max_reward_error_share; "
+        "0 = never stop",
     )
 
     @field_validator("tis_cap")

@@ -1,12 +1,17 @@
 """The data layer: sources -> validated rows -> token ids -> batches.
 
 Sources (``data.train`` / ``data.eval``): a local ``.jsonl``/``.json``/``.parquet``
-file, a directory written by ``datasets.save_to_disk``, a dataset plugin name, or
+file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``), a directory written by ``datasets.save_to_disk``, a dataset plugin name, or
 a hub id (through ``datasets.load_dataset``); or a mapping ``{source, ratio, ...}``
 whose other keys are the dataset plugin's options; or a list of those, mixed by
 their ratios (`MixturePlan`). Every row is checked against the format the
 algorithm consumes (DESIGN §5); a bad row is an `OxrlError` naming the file, the
-row number (1-based; the line number for JSONL) and the field.
+row number (1-based; the line number for JSONL) and the field. A byte that is not
+UTF-8 names the file, the line and the byte offset; an OS error while looking a source up
+or reading it (a name too long, an I/O error) names the field and the path. Rows are
+checked completely when the data loads, never first when a row is batched or sampled:
+a prompt or completion that encodes to no tokens is refused, and preference pairs whose
+chosen equals rejected are dropped with a note (`Tokenised.notes`).
 
 Tokenisation convention: the prompt goes through the chat template with the
 generation prompt when the tokenizer has one (plain text otherwise); a
@@ -17,9 +22,12 @@ labels on every token.
 
 from __future__ import annotations
 
+import errno
 import json
+import lzma
 import random
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +64,84 @@ class Source:
 # ----------------------------------------------------------------------------- loading
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    with path.open(encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise OxrlError(f"{path}: row {lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-            if not isinstance(row, dict):
-                raise OxrlError(f"{path}: row {lineno}: expected a JSON object, got {type(row).__name__}")
-            row["_row"] = lineno
-            rows.append(row)
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _decode(path: Path, data: bytes, lineno: int = 1, offset: int = 0) -> str:
+    """``data`` (one line, or a whole file, starting at line ``lineno`` and byte ``offset`` of the file) as
+    UTF-8 text; a BOM at the start of the file is dropped. A byte that is not UTF-8 is an `OxrlError`
+    naming the file, its 1-based line and its byte offset, with the fix."""
+    body = data[len(UTF8_BOM):] if offset == 0 and data.startswith(UTF8_BOM) else data
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        pos = len(data) - len(body) + exc.start  # the bad byte's position in `data`
+        line = lineno + data.count(b"\n", 0, pos)
+        column = pos - (data.rfind(b"\n", 0, pos) + 1) + 1
+        raise OxrlError(
+            f"{path}: line {line}: byte 0x{data[pos]:02x} at byte offset {offset + pos} (column {column}) is not "
+            f"valid UTF-8 ({exc.reason}); data files must be UTF-8: re-encode the file "
+            f"(e.g. `iconv -f latin1 -t utf-8`) or fix that line"
+        ) from None
+
+
+def _unreadable(path: Path, exc: OSError, field: str) -> OxrlError:
+    """An OS error while reading a data file (no permission, an I/O error, ...) as one line naming the file."""
+    reason = getattr(exc, "strerror", None) or f"{type(exc).__name__}: {exc}"
+    return OxrlError(f"{field}: cannot read {path}: {reason}")
+
+
+#: compressed JSON/JSONL files read line by line like plain ones (``.zst`` needs `datasets`' reader)
+DECOMPRESS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+
+
+def _open_bytes(path: Path):
+    """``path`` opened for binary reading, decompressed on the fly when its suffix says so."""
+    module = DECOMPRESS.get(path.suffix.lower())
+    if module is None:
+        return path.open("rb")
+    import importlib
+
+    return importlib.import_module(module).open(path, "rb")
+
+
+def _read_jsonl(path: Path, field: str = "data.train") -> list[dict]:
+    """Rows of a JSONL file (plain, or ``.gz``/``.bz2``/``.xz``), each tagged ``_row`` = its 1-based line
+    number (blank lines skipped).
+
+    Lines are read as bytes and decoded one by one, so a byte that is not UTF-8 is reported with its
+    line and byte offset (in the decompressed text) instead of Python's UnicodeDecodeError from
+    somewhere in a buffered read."""
+    rows, offset = [], 0
+    try:
+        with _open_bytes(path) as handle:
+            for lineno, raw in enumerate(handle, start=1):
+                line = _decode(path, raw, lineno, offset)
+                offset += len(raw)
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise OxrlError(f"{path}: row {lineno}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+                if not isinstance(row, dict):
+                    raise OxrlError(f"{path}: row {lineno}: expected a JSON object, got {type(row).__name__}")
+                row["_row"] = lineno
+                rows.append(row)
+    except (OSError, EOFError, lzma.LZMAError) as exc:  # also a truncated or corrupt compressed stream
+        raise _unreadable(path, exc, field) from None
     return rows
 
 
-def _read_json(path: Path) -> list[dict]:
+def _read_json(path: Path, field: str = "data.train") -> list[dict]:
+    """Rows of a JSON file: a list of objects, or ``{"<name>": [...]}``; a bad byte is reported like JSONL's."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with _open_bytes(path) as handle:
+            raw = handle.read()
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        raise _unreadable(path, exc, field) from None
+    try:
+        data = json.loads(_decode(path, raw))
     except json.JSONDecodeError as exc:
         raise OxrlError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
@@ -90,14 +156,18 @@ def _read_json(path: Path) -> list[dict]:
     return rows
 
 
-def _read_parquet(path: Path) -> list[dict]:
+def _read_parquet(path: Path, field: str = "data.train") -> list[dict]:
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(path)
+        rows = table.to_pylist()
+    except UnicodeDecodeError as exc:  # a string column holding bytes that are not UTF-8
+        raise OxrlError(f"{path}: a string column holds bytes that are not valid UTF-8 ({exc.reason}); "
+                        "write the file with UTF-8 strings") from None
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise OxrlError(f"{path}: cannot read Parquet: {exc}") from None
-    return [{**row, "_row": i} for i, row in enumerate(table.to_pylist(), start=1)]
+    return [{**row, "_row": i} for i, row in enumerate(rows, start=1)]
 
 
 def _from_hf(ds, origin: str, split: str) -> list[dict]:
@@ -112,22 +182,51 @@ def _from_hf(ds, origin: str, split: str) -> list[dict]:
     return [{**row, "_row": i} for i, row in enumerate(ds, start=1)]
 
 
+def data_suffix(path: Path) -> str:
+    """``.jsonl`` for ``x.jsonl`` and ``x.jsonl.gz``: the format, whatever the compression."""
+    suffixes = [x.lower() for x in path.suffixes[-2:]]
+    return suffixes[0] if len(suffixes) == 2 and suffixes[1] in DECOMPRESS else path.suffix.lower()
+
+
+def read_data_file(path: Path, field: str = "data.train") -> list[dict]:
+    """Every row of a JSONL / JSON (also ``.gz``/``.bz2``/``.xz``) or Parquet file, numbered from 1."""
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+    suffix = data_suffix(path)
+    if suffix not in readers or (suffix == ".parquet" and path.suffix.lower() in DECOMPRESS):
+        raise OxrlError(f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or path.name}' "
+                        f"(use {', '.join(FILE_SUFFIXES)}, JSON/JSONL also compressed as .gz, .bz2 or .xz)")
+    return readers[suffix](path, field)
+
+
+def path_kind(spec: str, field: str, expected: str = "a data file or directory, a dataset plugin name or a hub id") -> str | None:
+    """``"file"``, ``"dir"`` or None (nothing there) for a source or model string that may be a path.
+
+    Any OS error while looking (a name longer than the file system allows, no permission on a parent
+    directory, ...) is an `OxrlError` naming ``field`` and the path, instead of an OSError traceback:
+    the string is then no usable path, and not a plugin name or hub id either."""
+    try:
+        path = Path(spec).expanduser()
+        return "file" if path.is_file() else "dir" if path.is_dir() else None
+    except (OSError, ValueError) as exc:  # ValueError: an embedded NUL byte
+        shown = spec if len(spec) <= 80 else f"{spec[:60]}...{spec[-12:]} ({len(spec)} characters)"
+        reason = getattr(exc, "strerror", None) or str(exc)
+        hint = " (the file system allows at most 255 bytes per name)" if getattr(exc, "errno", None) == errno.ENAMETOOLONG else ""
+        raise OxrlError(f"{field}: '{shown}' cannot be used as a path: {reason}{hint}; give {expected}") from None
+
+
 def load_source(spec: str, split: str, registry=None, options: dict | None = None, field: str = "data.train") -> Source:
     """Resolve one source string to rows; ``options`` go to a dataset plugin's ``Config``."""
     path = Path(spec).expanduser()
-    is_plugin = not path.exists() and registry is not None and spec in registry.entries["dataset"]
+    kind = path_kind(spec, field)
+    is_plugin = kind is None and registry is not None and registry.has("dataset", spec)
     if options and not is_plugin:
         raise OxrlError(
             f"{field}.{next(iter(options))}: options apply to dataset plugins only, and '{spec}' is not one "
             "(a file, a directory or a hub id takes just `source` and `ratio`)"
         )
-    if path.is_file():
-        suffix = path.suffix.lower()
-        readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
-        if suffix not in readers:
-            raise OxrlError(f"{path}: unsupported data file type '{suffix}' (use {', '.join(FILE_SUFFIXES)})")
-        return Source(readers[suffix](path), str(path))
-    if path.is_dir():
+    if kind == "file":
+        return Source(read_data_file(path, field), str(path))
+    if kind == "dir":
         try:
             from datasets import load_from_disk
 
@@ -152,7 +251,7 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
 
             close = difflib.get_close_matches(spec, registry.names("dataset"), n=1)
             hint = f" Did you mean dataset '{close[0]}'?" if close else ""
-        raise OxrlError(f"data source not found: '{spec}' is neither a file nor a dataset plugin.{hint}")
+        raise OxrlError(f"{field}: data source not found: '{spec}' is neither a file nor a dataset plugin.{hint}")
     try:  # a hub id such as "openai/gsm8k"
         from datasets import load_dataset
 
@@ -167,12 +266,8 @@ def build_dataset(registry, name: str, options: dict, field: str):
     from pydantic import ValidationError
 
     from oxrl_core.config import format_validation_error
-    from oxrl_core.errors import PluginError
-    from oxrl_core.interfaces import Dataset
 
-    cls = registry.load("dataset", name)
-    if not (isinstance(cls, type) and issubclass(cls, Dataset)):
-        raise PluginError(f"dataset '{name}': {cls!r} is not an oxrl_core.Dataset subclass")
+    cls = registry.load_checked("dataset", name)  # a Dataset subclass that keeps the interface
     try:
         config = cls.Config.model_validate(options)
     except ValidationError as exc:
@@ -199,6 +294,28 @@ def source_specs(value, field: str) -> list[tuple[str, float, dict, str]]:
             source, ratio = data.pop("source"), float(data.pop("ratio", 1.0))
             specs.append((source, ratio, data, label))
     return specs
+
+
+def sources_argument(value: list | tuple) -> list:
+    """The Python API's ``Trainer(data=[...])``: a list of sources (paths, plugin names, ``{source, ratio}``)
+    to mix, as ``data.train`` takes them. A list of rows is refused with what to do instead: rows
+    belong in a file, so that the run's config.yaml names its data and ``--resume`` finds it again."""
+    if not value:
+        raise OxrlError("data=[]: the list of sources is empty")
+    sources = []
+    for i, item in enumerate(value):
+        if isinstance(item, (str, Path)):
+            sources.append(str(item))
+        elif isinstance(item, dict) and "source" in item:
+            sources.append({**item, "source": str(item["source"])})
+        else:
+            shown = type(item).__name__ if not isinstance(item, dict) else f"a row with keys {sorted(item)[:5]}"
+            raise OxrlError(
+                f"data[{i}]: expected a data source (a path, a dataset plugin name or {{source, ratio}}), got {shown}. "
+                "To train on rows held in Python, write them to a JSONL file (one JSON object per line) and pass its "
+                "path: data='train.jsonl'"
+            )
+    return sources
 
 
 def _part_name(spec: str, taken: set[str]) -> str:
@@ -240,7 +357,7 @@ def eval_source(data_cfg, registry, train_source: Source) -> Source | None:
     plugin_specs = [
         (spec, options, label)
         for spec, _, options, label in source_specs(data_cfg.train, "data.train")
-        if not Path(spec).expanduser().exists() and registry is not None and spec in registry.entries["dataset"]
+        if path_kind(spec, label) is None and registry is not None and registry.has("dataset", spec)
     ]
     held_out = [s for s in (load_source(spec, "eval", registry, options, label) for spec, options, label in plugin_specs) if s.rows]
     if not held_out:
@@ -290,8 +407,9 @@ REQUIRED = {
     "preference": ("prompt", "chosen", "rejected"),
     "unpaired": ("prompt", "completion", "label"),
 }
-#: completions that must not be empty (compared or judged, an empty one says nothing)
-COMPLETIONS = {"preference": ("chosen", "rejected"), "unpaired": ("completion",)}
+#: completions that must not be empty (compared or judged, an empty one says nothing; an empty SFT
+#: response teaches the model to answer nothing, which is almost always a broken field mapping)
+COMPLETIONS = {"preference": ("chosen", "rejected"), "unpaired": ("completion",), "prompt_response": ("response",)}
 
 
 def _check_messages(value, where: str, field: str) -> None:
@@ -302,9 +420,14 @@ def _check_messages(value, where: str, field: str) -> None:
             raise OxrlError(f"{where}: field '{field}[{j}]' must be an object with string 'role' and 'content'")
 
 
+def row_where(row: dict, origin: str) -> str:
+    """``file: row N`` (1-based; the line number for JSONL) for messages about one row."""
+    return f"{row.get('_origin', origin)}: row {row.get('_row', '?')}"
+
+
 def normalise_row(row: dict, fmt: str, origin: str) -> dict:
     """Check `row` against `fmt`; return it with `prompt` (str or messages) and the format's fields."""
-    where = f"{row.get('_origin', origin)}: row {row.get('_row', '?')}"
+    where = row_where(row, origin)
     if fmt == "prompt_response" and "messages" in row and "prompt" not in row:
         msgs = row["messages"]
         _check_messages(msgs, where, "messages")
@@ -351,17 +474,63 @@ def encode_completion(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
+def encode_row_prompt(tokenizer, row: dict, origin: str) -> list[int]:
+    """`encode_prompt` of a checked row; a prompt of 0 tokens is an error naming the file and row.
+
+    It happens with a tokenizer that has no chat template and adds no BOS (GPT-2/NeoX-style base
+    models) and an empty prompt. Nothing would condition the first completion token: a rollout cannot
+    start, and packed attention indexes an empty segment. So it is refused when the data loads,
+    not when the row is sampled."""
+    ids = encode_prompt(tokenizer, row["prompt"])
+    if not ids:
+        raise OxrlError(
+            f"{row_where(row, origin)}: field 'prompt' encodes to no tokens (it is empty, and this tokenizer has no chat "
+            "template and adds no BOS token); give the row a prompt or remove it (plain text without a prompt is "
+            "the CPT format: {\"text\": ...})"
+        )
+    return ids
+
+
+def encode_row_completion(tokenizer, row: dict, field: str, origin: str) -> list[int]:
+    """`encode_completion` of ``row[field]``; text that encodes to no tokens (before EOS) is an error."""
+    ids = encode_completion(tokenizer, row[field])
+    if len(ids) < 2:
+        raise OxrlError(f"{row_where(row, origin)}: field '{field}' encodes to no tokens with this tokenizer "
+                        f"({row[field]!r}); give it text the tokenizer can represent or remove the row")
+    return ids
+
+
+def rows_text(where: list[tuple[str, object]], limit: int = 5) -> str:
+    """``a.jsonl rows 3, 5, 9, ...`` for (file, row) pairs: the first ``limit`` rows, grouped by file."""
+    by_file: dict[str, list[str]] = {}
+    for origin, row in where[:limit]:
+        by_file.setdefault(origin, []).append(str(row))
+    more = ", ..." if len(where) > limit else ""
+    return "; ".join(f"{origin} row{'s' if len(rows) > 1 else ''} {', '.join(rows)}" for origin, rows in by_file.items()) + more
+
+
 @dataclass
 class Tokenised:
     examples: list[dict]  # {"input_ids": [...], "labels": [...]}
-    dropped: int = 0
+    dropped: int = 0  # rows whose prompt leaves no room for a completion token in data.max_length
+    identical: list[tuple[str, object]] = dataclass_field(default_factory=list)  # (file, row) of pairs with chosen == rejected
+
+    def notes(self, max_length: int) -> list[str]:
+        """One line per kind of dropped row, for the run's start-up output."""
+        notes = []
+        if self.dropped:
+            notes.append(f"{self.dropped} rows dropped: their prompt fills data.max_length={max_length}")
+        if self.identical:
+            notes.append(f"{len(self.identical)} preference pairs dropped: chosen equals rejected (after truncation "
+                         f"to data.max_length={max_length}), nothing to prefer: {rows_text(self.identical)}")
+        return notes
 
 
-def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int) -> Tokenised:
+def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int, origin: str = "") -> Tokenised:
     examples, dropped = [], 0
     for row in rows:
-        prompt_ids = encode_prompt(tokenizer, row["prompt"])
-        completion_ids = encode_completion(tokenizer, row["response"])
+        prompt_ids = encode_row_prompt(tokenizer, row, origin)
+        completion_ids = encode_row_completion(tokenizer, row, "response", origin)
         input_ids = (prompt_ids + completion_ids)[:max_length]
         if len(input_ids) <= len(prompt_ids):
             dropped += 1  # nothing of the completion fits
@@ -382,57 +551,77 @@ def tokenise_text_packed(rows: list[dict], tokenizer, max_length: int) -> Tokeni
     return Tokenised([{"input_ids": b, "labels": list(b)} for b in blocks])
 
 
-def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int) -> Tokenised:
+def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int, origin: str = "") -> Tokenised:
     """Preference-loop examples: ``prompt_ids`` plus completion ids that each end with EOS.
 
     ``preference`` -> ``chosen_ids``, ``rejected_ids``; ``unpaired`` -> ``completion_ids``,
     ``label``; ``prompt_response`` (self-play) -> ``chosen_ids`` (the rejected one is generated).
     A completion is cut so that prompt + completion fits ``max_length``; a row whose prompt
-    leaves no room for a completion token is dropped.
+    leaves no room for a completion token is dropped. A pair whose chosen and rejected are the
+    same tokens after that cut is dropped and listed in ``identical``: its loss has no gradient
+    towards either side (DPO's stays at log 2), so training on it only dilutes the batch.
     """
     fields = {"preference": ("chosen", "rejected"), "unpaired": ("completion",), "prompt_response": ("response",)}[fmt]
-    examples, dropped = [], 0
+    examples, dropped, identical = [], 0, []
     for row in rows:
-        prompt_ids = encode_prompt(tokenizer, row["prompt"])
+        prompt_ids = encode_row_prompt(tokenizer, row, origin)
         room = max_length - len(prompt_ids)
         if room < 1:
             dropped += 1
             continue
         ex = {"prompt_ids": prompt_ids, "_row": row.get("_row")}
-        for field in fields:
-            key = "chosen_ids" if field == "response" else f"{field}_ids"
-            ex[key] = encode_completion(tokenizer, row[field])[:room]
+        for name in fields:
+            key = "chosen_ids" if name == "response" else f"{name}_ids"
+            ex[key] = encode_row_completion(tokenizer, row, name, origin)[:room]
+        if fmt == "preference" and ex["chosen_ids"] == ex["rejected_ids"]:
+            identical.append((row.get("_origin", origin), row.get("_row", "?")))
+            continue
         if fmt == "unpaired":
             ex["label"] = row["label"]
         examples.append(ex)
-    return Tokenised(examples, dropped)
+    return Tokenised(examples, dropped, identical)
 
 
 def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int, self_play: bool = False) -> Tokenised:
     """Validated, tokenised examples; each carries ``_source`` (its part of a mixture; 0 otherwise).
 
-    The parts of a mixture are tokenised one by one, so CPT blocks never span two sources.
+    Every row check happens here, when the data loads: the fields (`normalise_row`), a prompt or a
+    completion that encodes to no tokens, pairs with nothing to prefer. The parts of a mixture are
+    tokenised one by one, so CPT blocks never span two sources.
     """
     if not source.rows:
         raise OxrlError(f"{source.origin}: no rows")
     by_part: dict[int, list[dict]] = {}
     for r in source.rows:
         by_part.setdefault(r.get("_source", 0), []).append(normalise_row(r, fmt, source.origin))
-    examples, dropped = [], 0
+    examples, dropped, identical = [], 0, []
     for part, rows in by_part.items():
         if fmt in ("preference", "unpaired") or self_play:
-            out = tokenise_preference(rows, fmt, tokenizer, max_length)
+            out = tokenise_preference(rows, fmt, tokenizer, max_length, source.origin)
         elif fmt == "prompt_response":
-            out = tokenise_prompt_response(rows, tokenizer, max_length)
+            out = tokenise_prompt_response(rows, tokenizer, max_length, source.origin)
         elif fmt == "text":
             out = tokenise_text_packed(rows, tokenizer, max_length)
         else:
             raise OxrlError(f"the supervised and preference loops cannot train on '{fmt}' rows")
         if not out.examples:
-            raise OxrlError(f"{rows[0].get('_origin', source.origin)}: every row was longer than data.max_length={max_length} in its prompt")
+            raise _nothing_left(rows[0].get("_origin", source.origin), out, max_length)
         examples += [{**ex, "_source": part} for ex in out.examples]
         dropped += out.dropped
-    return Tokenised(examples, dropped)
+        identical += out.identical
+    return Tokenised(examples, dropped, identical)
+
+
+def _nothing_left(origin: str, out: Tokenised, max_length: int) -> OxrlError:
+    """Why a source has no usable row left, and what to change."""
+    if not out.identical:
+        return OxrlError(f"{origin}: every row was longer than data.max_length={max_length} in its prompt")
+    same = f"{len(out.identical)} pairs have chosen equal to rejected (after truncation to data.max_length={max_length}: "
+    reasons = [f"{same}{rows_text(out.identical)})"]
+    if out.dropped:
+        reasons.append(f"{out.dropped} prompts fill data.max_length")
+    return OxrlError(f"{origin}: no usable preference pair: {'; '.join(reasons)}. Check the chosen/rejected fields "
+                     f"(a pair needs two different answers), or raise data.max_length if they differ only past it")
 
 
 # ----------------------------------------------------------------------------- batching

@@ -46,11 +46,12 @@ def evaluate_model(
     import torch
 
     from oxrl_core.config import RolloutConfig, RunConfig
-    from oxrl_core.data import encode_prompt, load_data, normalise_row
+    from oxrl_core.data import encode_row_prompt, load_data, normalise_row
     from oxrl_core.interfaces import SamplingParams
     from oxrl_core.models import load_causal_lm, load_tokenizer
     from oxrl_core.plugins import registry as get_registry
     from oxrl_core.rewards import build_reward, score_batch
+    from oxrl_core.rollout_hf import check_generation_length
 
     registry = get_registry()
     temperature = (0.0 if n == 1 else 1.0) if temperature is None else temperature
@@ -68,12 +69,13 @@ def evaluate_model(
     scorer = build_reward(config, registry, dataset=source.dataset, source="--reward")
 
     tokenizer = load_tokenizer(model, field="--model")
+    prompt_ids = [encode_row_prompt(tokenizer, r, source.origin) for r in rows]  # before the weights load
     policy = load_causal_lm(model, field="--model")
     policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    check_generation_length(policy, max(map(len, prompt_ids)), max_new_tokens, "--max-new-tokens")
     rollout = RolloutConfig(backend=backend, n=n, max_new_tokens=max_new_tokens, temperature=temperature)
     generator = registry.load("rollout_backend", backend).build(policy, tokenizer, model, rollout)
 
-    prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
     sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     texts, lengths = [], []
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from oxrl_core.data import IGNORE, collate, encode_prompt
+from oxrl_core.rollout_hf import check_generation_length
 
 
 @torch.no_grad()
@@ -31,6 +32,7 @@ def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int, bat
     for start in range(0, len(prompts), batch_size):
         ids = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
         width = max(map(len, ids))
+        check_generation_length(model, width, max_new_tokens)
         input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids], device=device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
         gen = model.generate(

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 if TYPE_CHECKING:  # torch stays out of discovery
     import torch
@@ -21,9 +21,20 @@ DataFormat = Literal["prompt", "prompt_response", "text", "preference", "unpaire
 
 
 class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors."""
+    """Base for every config section: unknown keys are errors, and so is a float that is NaN or infinite
+    (``train.lr=.inf``): a non-finite hyper-parameter only shows up later as NaN weights. Plugin configs
+    subclass this, so their floats are checked the same way."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _fits_in_64_bits(cls, value: Any) -> Any:
+        """An integer field (any section, any plugin) must fit in 64 bits: torch, numpy and the OS take no
+        more, and a larger one (``train.max_steps=1e30`` as an int) would fail deep inside them."""
+        if type(value) is int and not -(2**63) <= value < 2**63:
+            raise ValueError("must fit in a signed 64-bit integer (|value| < 2^63)")
+        return value
 
 
 class Algorithm(ABC):

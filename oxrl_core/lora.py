@@ -154,11 +154,14 @@ def merged_state_dict(model) -> dict:
     return out
 
 
-def save_lora(tmp: Path, model) -> None:
-    """Merged HF weights in ``tmp`` and the adapter in ``tmp/adapter``."""
+def save_lora(tmp: Path, model, check=None) -> None:
+    """Merged HF weights in ``tmp`` and the adapter in ``tmp/adapter``; ``check(state)`` may refuse the
+    merged weights before anything is written (checkpoint.check_finite)."""
     with merged(model):
         state = merged_state_dict(model)
     check_keys(model.get_base_model(), state)
+    if check is not None:
+        check(state)
     model.get_base_model().save_pretrained(tmp, state_dict=state)
     model.save_pretrained(tmp / ADAPTER_DIR)
 

@@ -6,6 +6,9 @@ from pathlib import Path
 
 from oxrl_core.errors import OxrlError
 
+#: what a model field takes, for the message when a value cannot even be looked up as a path
+MODEL_EXPECTED = "a model directory or a hub id"
+
 
 def resolve_model_path(name: str) -> str:
     if not name:
@@ -26,9 +29,92 @@ def initial_policy_path(name: str, log=None) -> str:
 
 
 def _check_local_dir(path: str, field: str) -> None:
-    """A name that is clearly a path (not a hub id) must exist; say so instead of a hub error."""
-    if not Path(path).exists() and (path.startswith((".", "/", "~")) or path.count("/") > 1):
+    """A name that is clearly a path (not a hub id) must exist; say so instead of a hub error.
+    A name the OS cannot even look up (longer than its file-name limit, ...) is an error naming ``field``."""
+    from oxrl_core.data import path_kind
+
+    if path_kind(path, field, MODEL_EXPECTED) is None and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise OxrlError(f"{field}: model directory not found: {path}")
+
+
+#: files that hold a tokenizer (any one is enough for `AutoTokenizer`)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json")
+
+
+def _listing(root: Path) -> str:
+    names = sorted(p.name for p in root.iterdir())
+    return "it is empty" if not names else f"it holds {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}"
+
+
+def weight_files(root: Path, field: str) -> list[Path]:
+    """The weight files a model directory's loader will read: the shards an index lists (each must be
+    there), else ``*.safetensors``, else ``pytorch_model*.bin``; none is an error saying so."""
+    import json
+
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = root / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+                raise OxrlError(f"{field}: {index} is corrupt ({type(exc).__name__}: {exc}); re-save or re-download the model") from None
+            missing = [name for name in shards if not (root / name).is_file()]
+            if missing:
+                raise OxrlError(f"{field}: {index_name} in {root} lists {len(missing)} weight file(s) that are not there "
+                                f"({', '.join(missing[:3])}); the download or copy is incomplete")
+            return [root / name for name in shards]
+    found = sorted(root.glob("*.safetensors")) or sorted(root.glob("pytorch_model*.bin"))
+    if not found:
+        raise OxrlError(f"{field}: no weights in {root} (no model.safetensors, sharded *.safetensors with their index, "
+                        f"or pytorch_model.bin; {_listing(root)}); point {field} at a complete model directory")
+    return found
+
+
+def _check_safetensors(path: Path, field: str) -> None:
+    """Read a .safetensors file's header: a truncated or garbled file fails here with the real cause
+    (cheap: the header only, the tensors are memory-mapped, not read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file cannot be what it says
+        size = path.stat().st_size if path.exists() else 0
+        raise OxrlError(f"{field}: {path.name} in {path.parent} is corrupt or truncated ({size} bytes): "
+                        f"{' '.join(str(exc).split())}; re-save or re-download the model") from None
+
+
+def check_model_dir(root: Path, field: str) -> None:
+    """A local model directory holds what loading needs: config.json and complete, readable weights.
+
+    Catches the cases transformers reports as something else: an empty directory (its tokenizer
+    error asks to install sentencepiece or tiktoken), a truncated ``model.safetensors`` (an error
+    deep in the loader), a shard the index lists but the copy lacks. A PEFT adapter directory
+    (``adapter_config.json``, no config.json) is left to transformers."""
+    if (root / "adapter_config.json").is_file() and not (root / "config.json").exists():
+        return
+    if not (root / "config.json").is_file():
+        raise OxrlError(f"{field}: no config.json in {root}, so it is not a Hugging Face model directory ({_listing(root)}); "
+                        f"point {field} at the directory that holds config.json and the weights (e.g. a run's final/)")
+    for path in weight_files(root, field):
+        if path.suffix == ".safetensors":
+            _check_safetensors(path, field)
+
+
+def check_model_path(name: str, field: str = "model.name") -> None:
+    """What can be checked of a model before it loads: a path that exists, and for a local directory
+    its config and complete, readable weights (`check_model_dir`). A hub id passes (the hub decides).
+    Cheap (safetensors headers only), so `Trainer` runs it before the run directory exists."""
+    from oxrl_core.data import path_kind
+
+    if not name:
+        return
+    _check_local_dir(name, field)
+    kind = path_kind(name, field, MODEL_EXPECTED)
+    if kind == "file":
+        raise OxrlError(f"{field}: '{name}' is a file; give the model directory (the one holding config.json)")
+    if kind == "dir":
+        check_model_dir(Path(name).expanduser(), field)
 
 
 def _quiet_transformers() -> None:
@@ -48,7 +134,11 @@ def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool
 
     _quiet_transformers()
     path = resolve_model_path(name)
-    _check_local_dir(path, field)
+    check_model_path(path, field)
+    local = Path(path).expanduser()
+    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) and not list(local.glob("*.tiktoken")):
+        raise OxrlError(f"{field}: no tokenizer files in {local} (none of {', '.join(TOKENIZER_FILES)}); "
+                        "copy the base model's tokenizer files into it (tokenizer.save_pretrained)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - missing dir, offline hub, bad files: one message
@@ -60,20 +150,75 @@ def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool
     return tokenizer
 
 
+def _untied(model, keys) -> set[str]:
+    """``keys`` less those whose parameter is tied to one that loaded (e.g. an LM head sharing the
+    input embedding under ``tie_word_embeddings``: absent from the checkpoint on purpose, not random)."""
+    keys = set(keys)
+    names_by_storage: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_by_storage.setdefault(param.data_ptr(), set()).add(name)
+    tied = {k for names in names_by_storage.values() if names - keys for k in names & keys}
+    return keys - tied
+
+
+def _examples(keys) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:4]) + (f", ... ({len(keys)} in all)" if len(keys) > 4 else "")
+
+
+def check_loading(model, info: dict, path: str, field: str, new_ok: tuple[str, ...] = (), unused_ok: tuple[str, ...] = ()) -> tuple[list, list]:
+    """Refuse weights that do not match the class they load into (transformers would initialise the
+    missing ones at random and drop the unexpected ones, with a warning oxRL silences).
+
+    ``new_ok`` / ``unused_ok``: key prefixes that may be missing (a fresh head the run trains, e.g. a
+    reward model's ``score``) or unused (a causal LM's ``lm_head`` under a score head). Returns the
+    (missing, unused) keys that were allowed, for the caller's note."""
+    missing = _untied(model, info.get("missing_keys") or ())
+    unexpected = set(info.get("unexpected_keys") or ())
+    mismatched = [m[0] if isinstance(m, (tuple, list)) else m for m in info.get("mismatched_keys") or ()]
+    new = sorted(k for k in missing if k.startswith(new_ok)) if new_ok else []
+    unused = sorted(k for k in unexpected if k.startswith(unused_ok)) if unused_ok else []
+    missing, unexpected = missing - set(new), unexpected - set(unused)
+    if not (missing or unexpected or mismatched):
+        return new, unused
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} weight(s) of {type(model).__name__} are missing from the checkpoint and would start "
+                        f"random ({_examples(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weight(s) in the checkpoint have no place in it ({_examples(unexpected)})")
+    if mismatched:
+        problems.append(f"{len(mismatched)} weight(s) have another shape ({_examples(mismatched)})")
+    hint = "use a checkpoint of the architecture its config.json names, saved with all its weights"
+    if any(k.startswith("score.") for k in unexpected) and any("lm_head" in k for k in missing):
+        hint = (f"'{path}' is a reward model (a sequence-classification head, no LM head); {field} needs a causal LM "
+                "such as the policy's final/ or its base model")
+    raise OxrlError(f"{field}: the weights in '{path}' do not match the model: {'; '.join(problems)}; {hint}")
+
+
 def load_causal_lm(name: str, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False):
+    """A causal LM in fp32; a checkpoint whose weights do not fit the class is refused (`check_loading`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     path = resolve_model_path(name)
-    _check_local_dir(path, field)
+    check_model_path(path, field)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
     except Exception as exc:  # noqa: BLE001
         raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
+    check_loading(model, info, path, field)
     return model
+
+
+def _note(message: str) -> None:
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
 
 
 def count_parameters(model) -> int:
@@ -81,7 +226,8 @@ def count_parameters(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def load_score_model(name: str, pad_token_id: int, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False):
+def load_score_model(name: str, pad_token_id: int, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                     log=None):
     """A sequence-classification model with one output (a reward model), e.g. from a causal-LM
     checkpoint (the scalar head ``score`` then starts fresh, seeded by the run's seed)."""
     import torch
@@ -89,14 +235,19 @@ def load_score_model(name: str, pad_token_id: int, field: str = "model.name", at
 
     _quiet_transformers()
     path = resolve_model_path(name)
-    _check_local_dir(path, field)
+    check_model_path(path, field)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+            output_loading_info=True,
         )
     except Exception as exc:  # noqa: BLE001
         raise OxrlError(f"{field}: cannot load a sequence-classification model from '{path}': {type(exc).__name__}: {exc}") from None
     if not isinstance(getattr(model, "score", None), torch.nn.Module):
         raise OxrlError(f"{field}: '{path}' has no per-token `score` head (a decoder reward model is expected)")
+    new, unused = check_loading(model, info, path, field, new_ok=("score.",), unused_ok=("lm_head.",))
+    if new:
+        (log or _note)(f"note: {field}: '{path}' has no reward head; a new `score` head ({', '.join(new)}) starts from "
+                       f"random values seeded by train.seed{' and its LM head is not used' if unused else ''}")
     model.config.pad_token_id = pad_token_id
     return model

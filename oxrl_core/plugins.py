@@ -5,6 +5,15 @@ try/except: a plugin that fails to import or to register is recorded as a
 `LoadError` and the others carry on. Names are resolved lazily: registration
 stores an import path, and the target is imported when a run asks for it.
 
+Two packages that register one name (a third-party ``sft``) make that name ambiguous: neither
+wins silently by the order of entry points. `oxrl plugins` lists both, and a run that asks for the
+name is refused until the user chooses — ``package:name`` (``--alg oxrl-algs-supervised:sft``; an
+entry-point name works in place of the package) or the ``OXRL_PLUGINS`` allow-list.
+
+A class a run asks for is checked against its interface (`check_contract`) before any model loads:
+a missing ``loss()``, ``family`` or (with rollouts) ``advantages()`` is one message naming the
+package, not a traceback after the rollouts.
+
 Environment:
   OXRL_PLUGINS          comma-separated allow-list of entry-point or package names
   OXRL_STRICT_PLUGINS=1 any load error is fatal (for CI)
@@ -16,6 +25,7 @@ import difflib
 import importlib
 from pathlib import Path
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -43,6 +53,12 @@ class Registration:
     plugin: str  # entry-point name
     package: str
     version: str
+
+    def origin(self) -> str:
+        """Where it comes from, for messages: ``oxrl-mine 0.1 (entry point 'mine', target 'oxrl_mine:Cls')``."""
+        target = self.target if isinstance(self.target, str) else getattr(self.target, "__qualname__", repr(self.target))
+        version = f" {self.version}" if self.version and self.version not in ("-", "?") else ""
+        return f"{self.package}{version} (entry point '{self.plugin}', target '{target}')"
 
     def load(self) -> Any:
         if not isinstance(self.target, str):
@@ -92,25 +108,79 @@ class LoadError:
     loaded: bool = False
 
 
+def _norm(package: str) -> str:
+    """A distribution name as pip compares them (PEP 503): ``oxrl_algs.Supervised`` == ``oxrl-algs-supervised``."""
+    return re.sub(r"[-_.]+", "-", package).lower()
+
+
+#: where a user names each kind, for the message that asks them to choose
+FIELDS = {"algorithm": "--alg", "reward": "reward.name", "dataset": "data.train", "rollout_backend": "rollout.backend"}
+
+
 @dataclass
 class Registry:
     entries: dict[str, dict[str, Registration]] = field(default_factory=lambda: {k: {} for k in KINDS})
     errors: list[LoadError] = field(default_factory=list)
     manager: pluggy.PluginManager | None = None
+    #: kind -> name -> every registration of a name that more than one package registered (in discovery order)
+    clashes: dict[str, dict[str, list[Registration]]] = field(default_factory=lambda: {k: {} for k in KINDS})
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])
 
+    def add(self, reg: Registration) -> None:
+        """File a registration; a second package registering a taken name makes the name ambiguous."""
+        existing = self.entries[reg.kind].get(reg.name)
+        if existing is None:
+            self.entries[reg.kind][reg.name] = reg
+            return
+        if (existing.package, existing.plugin) == (reg.package, reg.plugin):
+            raise PluginError(f"{reg.kind} '{reg.name}' is registered twice by {reg.package} (entry point '{reg.plugin}')")
+        self.clashes[reg.kind].setdefault(reg.name, [existing]).append(reg)
+
+    def prefer(self, reg: Registration) -> None:
+        """An explicit choice (the Python API handing over a class): it is the name's only registration."""
+        self.clashes[reg.kind].pop(reg.name, None)
+        self.entries[reg.kind][reg.name] = reg
+
+    def clash_rows(self) -> list[dict]:
+        """One dict per ambiguous name, for `oxrl plugins`: kind, name, the packages and how to pick each."""
+        return [
+            {"kind": kind, "name": name, "packages": [r.package for r in regs],
+             "choose": [f"{r.package}:{name}" for r in regs]}
+            for kind in KINDS
+            for name, regs in sorted(self.clashes[kind].items())
+        ]
+
+    def describe_clash(self, kind: str, name: str) -> str:
+        """Why ``name`` is ambiguous and the two ways to choose."""
+        regs = self.clashes[kind][name]
+        who = " and ".join(r.origin() for r in regs)
+        picks = " or ".join(f"'{r.package}:{name}'" for r in regs)
+        return (
+            f"{kind.replace('_', ' ')} '{name}' is registered by {len(regs)} packages: {who}. "
+            f"Choose one by naming it with its package ({FIELDS[kind]} {picks}), or load only the one you want "
+            f"with the OXRL_PLUGINS allow-list (comma-separated package or entry-point names; it loads only those), "
+            f"or uninstall the other"
+        )
+
     def get(self, kind: str, name: str) -> Registration:
         """The registration for `name`, or a PluginError that explains why there is none.
 
-        A name of the form ``path/to/file.py:Class`` or ``package.module:Class`` needs no entry
-        point: it is imported directly (for quick experiments, like verl's custom reward path).
+        ``package:name`` (or ``entry-point:name``) picks one package's registration, the way to choose
+        between packages that registered the same name. Otherwise a name of the form
+        ``path/to/file.py:Class`` or ``package.module:Class`` needs no entry point: it is imported
+        directly (for quick experiments, like verl's custom reward path).
         """
+        if name in self.clashes[kind]:
+            raise PluginError(self.describe_clash(kind, name))
         found = self.entries[kind].get(name)
         if found is not None:
             return found
         if ":" in name:
+            chosen = self._by_package(kind, *name.rsplit(":", 1))
+            if chosen is not None:
+                return chosen
             module_name, _, attr = name.partition(":")
             if module_name.endswith(".py") and not Path(module_name).is_file():
                 raise PluginError(f"{kind.replace('_', ' ')} '{name}': file not found: {module_name}")
@@ -128,15 +198,33 @@ class Registry:
         listing = f" Installed: {', '.join(known)}." if known else f" No {label} plugins are installed."
         raise PluginError(f"unknown {label} '{name}'.{hint}{listing} (see `oxrl plugins`)")
 
+    def has(self, kind: str, name: str) -> bool:
+        """Whether ``name`` is registered (ambiguous or not), or is a ``package:name`` that picks a registration."""
+        return name in self.entries[kind] or (":" in name and self._by_package(kind, *name.rsplit(":", 1)) is not None)
+
+    def _by_package(self, kind: str, package: str, name: str) -> Registration | None:
+        """``name`` as registered by ``package`` (a distribution or entry-point name), if it did."""
+        regs = self.clashes[kind].get(name) or [r for r in [self.entries[kind].get(name)] if r is not None]
+        return next((r for r in regs if _norm(r.package) == _norm(package) or r.plugin == package), None)
+
     def load(self, kind: str, name: str) -> Any:
         return self.get(kind, name).load()
 
+    def load_checked(self, kind: str, name: str) -> Any:
+        """`load`, then `check_contract`: what a run uses, so a broken plugin class fails before any model loads."""
+        reg = self.get(kind, name)
+        obj = reg.load()
+        check_contract(kind, obj, reg)
+        return obj
+
     def rows(self) -> list[dict]:
-        """One dict per registration, for `oxrl plugins`."""
+        """One dict per registration (each of an ambiguous name's, marked ``ambiguous``), for `oxrl plugins`."""
         return [
-            {"kind": r.kind, "name": r.name, "package": r.package, "version": r.version, "plugin": r.plugin}
+            {"kind": r.kind, "name": r.name, "package": r.package, "version": r.version, "plugin": r.plugin,
+             "ambiguous": r.name in self.clashes[kind]}
             for kind in KINDS
-            for r in sorted(self.entries[kind].values(), key=lambda r: r.name)
+            for first in sorted(self.entries[kind].values(), key=lambda r: r.name)
+            for r in self.clashes[kind].get(first.name, [first])
         ]
 
 
@@ -208,19 +296,10 @@ def _collect(pm, registry: Registry, obj, plugin: str, package: str, version: st
 
             impl.function(register)
     for reg in pending:
-        existing = registry.entries[reg.kind].get(reg.name)
-        if existing is not None:
-            registry.errors.append(
-                LoadError(
-                    plugin,
-                    package,
-                    version,
-                    f"{reg.kind} '{reg.name}' is already registered by {existing.package}; ignored",
-                    loaded=True,
-                )
-            )
-            continue
-        registry.entries[reg.kind][reg.name] = reg
+        try:
+            registry.add(reg)
+        except PluginError as exc:  # the same name twice from one plugin: the first one counts
+            registry.errors.append(LoadError(plugin, package, version, str(exc), loaded=True))
 
 
 _REGISTRY: Registry | None = None
@@ -238,3 +317,88 @@ def reset() -> None:
     """Forget the discovered plugins (tests, or after installing a package)."""
     global _REGISTRY
     _REGISTRY = None
+
+
+# ----------------------------------------------------------------------------- interface contracts
+
+
+def check_contract(kind: str, obj: Any, reg: Registration) -> None:
+    """Refuse a plugin class that breaks its interface (`oxrl_core.interfaces`), naming the package and every
+    problem. Checked when a run loads it, before any model: otherwise a missing ``loss()`` is an abstract-class
+    TypeError, a missing ``family`` an AttributeError, and a missing ``advantages()`` surfaces only after the
+    models have loaded and the first rollout has run."""
+    from oxrl_core import interfaces
+
+    base = {"algorithm": interfaces.Algorithm, "reward": interfaces.Reward, "dataset": interfaces.Dataset,
+            "rollout_backend": interfaces.RolloutBackend}[kind]
+    label = kind.replace("_", " ")
+    if not (isinstance(obj, type) and issubclass(obj, base)):
+        raise PluginError(f"{label} '{reg.name}' from {reg.origin()}: {obj!r} is not an oxrl_core.{base.__name__} subclass")
+    problems = _abstract(obj) + _config_problems(obj) + _CHECKS[kind](obj)
+    if problems:
+        raise PluginError(
+            f"{label} '{reg.name}' from {reg.origin()} breaks the oxrl_core.{base.__name__} interface: "
+            + "; ".join(problems) + f". Fix the class {obj.__module__}.{obj.__qualname__} (see `help(oxrl_core.{base.__name__})`)"
+        )
+
+
+def _abstract(cls: type) -> list[str]:
+    return [f"it does not define {name}()" for name in sorted(getattr(cls, "__abstractmethods__", ()))]
+
+
+def _config_problems(cls: type) -> list[str]:
+    from oxrl_core.interfaces import StrictModel
+
+    config = getattr(cls, "Config", None)
+    if isinstance(config, type) and issubclass(config, StrictModel):
+        return []
+    return [f"Config = {config!r} must be a subclass of oxrl_core.interfaces.StrictModel (so a typo in its options is an error)"]
+
+
+def _one_of(cls: type, attr: str, allowed: tuple, required: bool = True) -> list[str]:
+    """``cls.attr`` must be one of ``allowed`` (a missing attribute: a problem when ``required``)."""
+    if not hasattr(cls, attr):
+        return [f"it has no `{attr}` (one of {', '.join(map(repr, allowed))})"] if required else []
+    value = getattr(cls, attr)
+    if isinstance(value, bool) != isinstance(allowed[0], bool) or value not in allowed:
+        return [f"{attr} = {value!r} must be one of {', '.join(map(repr, allowed))}"]
+    return []
+
+
+def _algorithm_problems(cls: type) -> list[str]:
+    from typing import get_args
+
+    from oxrl_core.interfaces import Algorithm, DataFormat, Family
+
+    problems = _one_of(cls, "family", get_args(Family)) + _one_of(cls, "data_format", get_args(DataFormat))
+    for flag in ("needs_ref", "needs_rollouts", "needs_teacher", "needs_critic", "loss_on_groups", "self_play"):
+        problems += _one_of(cls, flag, (True, False))
+    problems += _one_of(cls, "loss_weighting", ("tokens", "sequences")) + _one_of(cls, "head", ("lm", "score"))
+    if not (type(cls.min_group_size) is int and cls.min_group_size >= 1):
+        problems.append(f"min_group_size = {cls.min_group_size!r} must be an integer >= 1")
+    if not isinstance(cls.default_reward, str):
+        problems.append(f"default_reward = {cls.default_reward!r} must be a reward name (a string)")
+    if getattr(cls, "needs_rollouts", False) is True and cls.advantages is Algorithm.advantages:
+        problems.append("needs_rollouts = True but it does not define advantages() (the RL loop calls it on every rollout batch)")
+    return problems
+
+
+def _reward_problems(cls: type) -> list[str]:
+    timeout = getattr(cls, "timeout_s", None)
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    return [] if ok else [f"timeout_s = {timeout!r} must be a number of seconds > 0"]
+
+
+def _dataset_problems(cls: type) -> list[str]:
+    from typing import get_args
+
+    from oxrl_core.interfaces import DataFormat
+
+    formats = getattr(cls, "formats", None)
+    if isinstance(formats, (tuple, list)) and formats and all(f in get_args(DataFormat) for f in formats):
+        return []
+    return [f"formats = {formats!r} must be a non-empty tuple of {', '.join(map(repr, get_args(DataFormat)))}"]
+
+
+_CHECKS = {"algorithm": _algorithm_problems, "reward": _reward_problems, "dataset": _dataset_problems,
+           "rollout_backend": lambda cls: []}

@@ -10,6 +10,13 @@ never stop a run:
 - a result of the wrong length     -> every row scores 0                       (reward/errors)
 - a value that is not a finite number (NaN, inf, None, "x") -> that row scores 0 (reward/errors)
 
+Failures are summarised, never logged row by row (a reward with a typo'd field fails on every
+sample: a thousand lines a step would bury everything else): `RewardFailures` counts them and
+keeps the first (its row, prompt and exception), one line per call or per step says so, and
+``reward/error_share`` is the failed share of the rows. `RewardWatch` stops a run whose share
+stays above ``rollout.max_reward_error_share`` for ``rollout.reward_error_steps`` steps in a row:
+all-zero rewards train nothing, and a run that "finishes" on them wastes its whole budget.
+
 The reward runs on a daemon worker thread whose result arrives through a
 `concurrent.futures.Future`; at the limit we stop waiting. Python cannot kill a thread, so a
 reward stuck in pure Python keeps that thread busy in the background (a daemon thread, so it
@@ -24,6 +31,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("oxrl.rewards")
@@ -62,47 +70,148 @@ def _finite(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def score_batch(reward, prompts: list, completions: list[str], examples: list[dict]) -> tuple[list[float], dict[str, float]]:
+def row_number(examples: list, i: int) -> int:
+    """The number a message gives the i-th row of a batch: its 1-based row in its data file (``_row``, what
+    `oxrl score` writes and editors show as the line), else its 1-based place in the batch; never 0-based."""
+    row = examples[i] if i < len(examples) else None
+    number = row.get("_row") if isinstance(row, dict) else None
+    return number if isinstance(number, int) else i + 1
+
+
+def prompt_snippet(prompt: Any, width: int = 60) -> str:
+    """A prompt as a message quotes it: its text (a chat prompt's last message), cut to ``width``."""
+    if isinstance(prompt, list) and prompt:
+        last = prompt[-1]
+        prompt = last.get("content", last) if isinstance(last, dict) else last
+    text = " ".join(str(prompt).split())
+    return repr(text if len(text) <= width else text[: width - 1] + "…")
+
+
+@dataclass
+class RewardFailures:
+    """The failures of one reward over some rows (a call, a step, a file), summarised for one line.
+
+    Counts rows that raised or returned a non-number (``errors``) and rows that timed out
+    (``timeouts``), and keeps the first failure whole: its row (1-based, see `row_number`), a
+    snippet of its prompt and the exception, which is what a user needs to find a typo'd field.
+    """
+
+    reward: str
+    rows: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    first_error: str = ""
+    first_row: int | None = None
+    first_prompt: str = ""
+    #: the first few failed rows' numbers, for the summary line
+    failed_rows: list[int] = field(default_factory=list)
+
+    SHOWN_ROWS = 5
+
+    @property
+    def failed(self) -> int:
+        return self.errors + self.timeouts
+
+    @property
+    def share(self) -> float:
+        """The failed share of the rows (``reward/error_share``); 0 for no rows."""
+        return self.failed / self.rows if self.rows else 0.0
+
+    def note(self, row: int, prompt: Any, error: str) -> None:
+        """Remember one failed row (the counts are kept by the caller)."""
+        if self.first_row is None:
+            self.first_row, self.first_prompt, self.first_error = row, prompt_snippet(prompt), error
+        if len(self.failed_rows) < self.SHOWN_ROWS and row not in self.failed_rows:  # a prompt's n samples: one row
+            self.failed_rows.append(row)
+
+    def merge(self, other: "RewardFailures") -> "RewardFailures":
+        """Add ``other``'s rows and failures (another call, or another rank's share of a step)."""
+        self.rows += other.rows
+        self.errors += other.errors
+        self.timeouts += other.timeouts
+        if self.first_row is None and other.first_row is not None:
+            self.first_row, self.first_prompt, self.first_error = other.first_row, other.first_prompt, other.first_error
+        for row in other.failed_rows:
+            if len(self.failed_rows) < self.SHOWN_ROWS and row not in self.failed_rows:
+                self.failed_rows.append(row)
+        return self
+
+    def first(self) -> str:
+        """The first failure: ``row 3 (prompt '...'): KeyError: 'answr'``."""
+        return f"row {self.first_row} (prompt {self.first_prompt}): {self.first_error}"
+
+    def describe(self) -> str:
+        """One line for all of them (empty when nothing failed)."""
+        if not self.failed:
+            return ""
+        rows = ", ".join(map(str, self.failed_rows)) + (", …" if self.failed > len(self.failed_rows) else "")
+        kinds = f"{self.errors} raised or returned a non-number, {self.timeouts} timed out" if self.errors and self.timeouts else (
+            "timed out" if self.timeouts else "raised or returned a non-number")
+        return (
+            f"reward '{self.reward}' failed on row {self.first_row}: {self.first_error} (prompt {self.first_prompt}); "
+            f"{self.failed} of {self.rows} samples failed ({self.share:.0%}, {kinds}; rows {rows}) and score 0"
+        )
+
+
+def score_batch(
+    reward, prompts: list, completions: list[str], examples: list[dict], failures: RewardFailures | None = None
+) -> tuple[list[float], dict[str, float]]:
     """Score a batch with ``reward`` under its ``timeout_s``; never raises for reward failures.
 
     Returns one float per completion and ``reward/mean``, ``reward/std`` (population std over
-    all rows, failed rows included as 0), ``reward/errors`` and ``reward/timeouts`` (row counts).
+    all rows, failed rows included as 0), ``reward/errors`` and ``reward/timeouts`` (row counts)
+    and ``reward/error_share`` (their share of the rows). The failures are added to ``failures``
+    when given (the caller reports them, e.g. once per step); otherwise one line is logged here.
     """
     n = len(completions)
     if len(prompts) != n or len(examples) != n:  # the caller's bug, not the reward's
         raise ValueError(f"score_batch: {len(prompts)} prompts, {n} completions, {len(examples)} examples")
     name = getattr(reward, "name", type(reward).__name__)
-    limit_s = float(getattr(reward, "timeout_s", 30.0))
+    seen = RewardFailures(name, rows=n)
+    scores = _score(reward, prompts, completions, examples, seen)
+    if failures is not None:
+        failures.merge(seen)
+    elif seen.failed:
+        log.warning("%s", seen.describe())
+    return _summary(scores, errors=seen.errors, timeouts=seen.timeouts)
 
+
+def _score(reward, prompts: list, completions: list[str], examples: list[dict], seen: RewardFailures) -> list[float]:
+    """The scores, every failure counted and noted in ``seen``."""
+    n = len(completions)
+    limit_s = float(getattr(reward, "timeout_s", 30.0))
     try:
         result = _call(reward, prompts, completions, examples, limit_s)
     except _Timeout:
-        log.warning("reward '%s' timed out after %.3gs on %d rows; they score 0", name, limit_s, n)
-        return _summary([0.0] * n, errors=0, timeouts=n)
-    except Exception as exc:  # noqa: BLE001 - retried row by row, so one bad row costs only itself
-        log.warning("reward '%s' raised %s: %s; retrying row by row", name, type(exc).__name__, exc)
-        return _summary(*_row_by_row(reward, name, prompts, completions, examples, limit_s))
+        seen.timeouts = n
+        for i in range(n):
+            seen.note(row_number(examples, i), prompts[i], f"timed out (the call on {n} rows ran past {limit_s:g}s)")
+        return [0.0] * n
+    except Exception:  # noqa: BLE001 - retried row by row, so one bad row costs only itself
+        return _row_by_row(reward, prompts, completions, examples, limit_s, seen)
 
     values = _as_list(result)
     if values is None or len(values) != n:
         got = len(values) if values is not None else type(result).__name__
-        log.warning("reward '%s' returned %s values for %d rows; they score 0", name, got, n)
-        return _summary([0.0] * n, errors=n, timeouts=0)
-    scores, errors = [], 0
+        seen.errors = n
+        for i in range(n):
+            seen.note(row_number(examples, i), prompts[i], f"returned {got} values for {n} rows")
+        return [0.0] * n
+    scores = []
     for i, value in enumerate(values):
         number = _finite(value)
         if number is None:
-            log.warning("reward '%s' returned %r for row %d; it scores 0", name, value, i)
-            errors += 1
+            seen.errors += 1
+            seen.note(row_number(examples, i), prompts[i], f"returned {value!r}, not a finite number")
         scores.append(0.0 if number is None else number)
-    return _summary(scores, errors=errors, timeouts=0)
+    return scores
 
 
-def _row_by_row(reward, name: str, prompts, completions, examples, limit_s: float) -> tuple[list[float], int, int]:
-    """Score each row alone, all within one more ``limit_s``: (scores, errors, timeouts)."""
+def _row_by_row(reward, prompts, completions, examples, limit_s: float, seen: RewardFailures) -> list[float]:
+    """Score each row alone, all within one more ``limit_s``; failures go to ``seen``."""
     deadline = time.monotonic() + limit_s
     n = len(completions)
-    scores, errors = [], 0
+    scores: list[float] = []
     for i in range(n):
         try:
             row = slice(i, i + 1)
@@ -111,14 +220,16 @@ def _row_by_row(reward, name: str, prompts, completions, examples, limit_s: floa
             if number is None:
                 raise ValueError(f"returned {values!r} for one row")
         except _Timeout:
-            log.warning("reward '%s' timed out on row %d; it and the %d rows after it score 0", name, i, n - i - 1)
-            return scores + [0.0] * (n - i), errors, n - i
+            seen.timeouts += n - i
+            for k in range(i, n):
+                seen.note(row_number(examples, k), prompts[k], f"timed out (rows retried one by one ran past {limit_s:g}s)")
+            return scores + [0.0] * (n - i)
         except Exception as exc:  # noqa: BLE001 - counted, never raised
-            log.warning("reward '%s' failed on row %d: %s: %s; it scores 0", name, i, type(exc).__name__, exc)
-            errors += 1
+            seen.errors += 1
+            seen.note(row_number(examples, i), prompts[i], f"{type(exc).__name__}: {exc}")
             number = 0.0
         scores.append(number)
-    return scores, errors, 0
+    return scores
 
 
 def _as_list(result: Any) -> list | None:
@@ -134,7 +245,50 @@ def _summary(scores: list[float], errors: int, timeouts: int) -> tuple[list[floa
     n = len(scores)
     mean = sum(scores) / n if n else 0.0
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / n) if n else 0.0
-    return scores, {"reward/mean": mean, "reward/std": std, "reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+    return scores, {
+        "reward/mean": mean, "reward/std": std, "reward/errors": float(errors), "reward/timeouts": float(timeouts),
+        "reward/error_share": (errors + timeouts) / n if n else 0.0,
+    }
+
+
+class RewardWatch:
+    """Stops a run whose reward keeps failing: a failed share of the rows above ``max_share`` for
+    ``steps`` steps in a row (``rollout.max_reward_error_share``, ``rollout.reward_error_steps``).
+
+    Each step's failures make one warning line. A run on rewards that are mostly 0 because the
+    reward raises learns nothing, so it stops before it trains on them — naming the reward, the
+    exception, a sample row and the newest complete checkpoint — rather than reporting "done".
+    ``steps = 0`` or ``max_share = 1`` (a share never exceeds 1) never stops.
+    """
+
+    def __init__(self, max_share: float, steps: int):
+        self.max_share, self.steps, self.streak = max_share, steps, 0
+
+    def after_scoring(self, step: int, failures: RewardFailures, run_dir) -> None:
+        if failures.failed:
+            log.warning("step %d: %s", step, failures.describe())
+        if not self.steps or failures.share <= self.max_share:
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.streak >= self.steps:
+            raise self.stop(step, failures, run_dir)
+
+    def stop(self, step: int, failures: RewardFailures, run_dir):
+        from oxrl_core.checkpoint import latest_checkpoint
+        from oxrl_core.errors import OxrlError
+
+        last = latest_checkpoint(run_dir) if run_dir is not None else None
+        streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"
+        keep = f"last complete checkpoint: {last}; after the fix resume with: oxrl run --resume -o {run_dir}" if last else (
+            "no checkpoint was saved yet")
+        return OxrlError(
+            f"step {step}: reward '{failures.reward}' failed on {failures.failed} of {failures.rows} samples "
+            f"({failures.share:.0%}) — over rollout.max_reward_error_share={self.max_share:g} in {streak}; "
+            f"first failure on {failures.first()}. The run stops before training on zero rewards ({keep}). "
+            f"Fix the reward or the data field it reads (check with: oxrl score --reward {failures.reward} --data FILE), "
+            f"or set rollout.max_reward_error_share=1 to train on anyway"
+        )
 
 
 # ----------------------------------------------------------------------------- building the run's reward
@@ -159,8 +313,7 @@ def build_reward(config, registry, default_name: str = "", dataset=None, source:
     ``reward.*`` keys other than ``name``/``timeout_s`` are validated by the reward's ``Config``.
     """
     from oxrl_core.config import validate_reward_section
-    from oxrl_core.errors import OxrlError, PluginError
-    from oxrl_core.interfaces import Reward
+    from oxrl_core.errors import OxrlError
 
     name = config.reward.name or default_name
     if not name:
@@ -177,9 +330,7 @@ def build_reward(config, registry, default_name: str = "", dataset=None, source:
             "no reward: set reward.name (see `oxrl plugins` for installed rewards), or train on a dataset "
             "plugin that can check answers (e.g. data.train=arith)"
         )
-    cls = registry.load("reward", name)
-    if not (isinstance(cls, type) and issubclass(cls, Reward)):
-        raise PluginError(f"reward '{name}': {cls!r} is not an oxrl_core.Reward subclass")
+    cls = registry.load_checked("reward", name)  # a Reward subclass that keeps the interface
     options = validate_reward_section(config, cls.Config, source)
     try:
         reward = cls(options)

@@ -92,9 +92,12 @@ class RolloutActors(RolloutBackend):
         if owns_ray:
             import logging
 
+            from oxrl_core.lifecycle import kept_signal_handlers
+
             try:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
-                ray.init(address=ray_address or "local", include_dashboard=False, log_to_driver=False,
-                         logging_level=logging.ERROR, runtime_env={"env_vars": _env_for_actors()})
+                with kept_signal_handlers():  # Ray's own would abort on SIGTERM instead of saving a checkpoint
+                    ray.init(address=ray_address or "local", include_dashboard=False, log_to_driver=False,
+                             logging_level=logging.ERROR, runtime_env={"env_vars": _env_for_actors()})
             except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
                 raise OxrlError(f"rollout.actors: could not start or join a Ray cluster: {type(exc).__name__}: {exc}") from None
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0

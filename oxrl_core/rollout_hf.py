@@ -15,6 +15,37 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
 
 
+def context_length(model) -> int | None:
+    """The most positions the model was built for (``max_position_embeddings`` or its older names), or None
+    when its config does not say (a model with no such limit, e.g. a pure state-space model)."""
+    config = getattr(model, "config", model)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_generation_length(model, longest_prompt: int, max_new_tokens: int, field: str = "rollout.max_new_tokens") -> None:
+    """Refuse, before anything is generated, a prompt + completion longer than the model's context.
+
+    Past its positions a model samples garbage (or indexes out of its position table), and the hf backend
+    would size its KV cache for the whole length: a huge ``max_new_tokens`` once asked ~32 GB for a tiny
+    model. The message names the field, the model's limit and the largest value that fits."""
+    limit = context_length(model)
+    if limit is None or longest_prompt + max_new_tokens <= limit:
+        return
+    room = limit - longest_prompt
+    fix = (f"set {field} <= {room}" if room > 0 else
+           "shorten the prompts (data.max_length) or use a model with a longer context")
+    raise OxrlError(
+        f"{field}={max_new_tokens} does not fit the model's context: the longest prompt has {longest_prompt} tokens "
+        f"and the model has {limit} positions (max_position_embeddings), so at most {max(room, 0)} new tokens fit; {fix}"
+    )
+
+
 class HFRolloutBackend(RolloutBackend):
     """Samples with ``model.generate`` (KV cache, left padding, attention mask).
 
@@ -93,6 +124,7 @@ class HFRolloutBackend(RolloutBackend):
     def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, device) -> list[Completion]:
         """``sampling.n`` samples of each prompt, in one ``generate`` call over P·n left-padded rows."""
         width = max(map(len, prompts))
+        check_generation_length(self.model, width, sampling.max_new_tokens)  # before any buffer is sized
         prompt_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)  # (P, W)
         prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (P, W)
         # each prompt repeated n times, its samples contiguous (greedy generate takes no num_return_sequences > 1)
@@ -210,8 +242,13 @@ class PreallocatedLayer(DynamicLayer):
     ``update`` writes the new positions in place and returns the filled prefix, so decoding T tokens
     copies each position once instead of re-concatenating the whole cache T times (transformers'
     ``DynamicLayer`` does ``torch.cat`` per token). Everything that reads ``keys``/``values`` sees the
-    same tensors as with ``DynamicLayer``. Growing past ``capacity`` falls back to concatenation.
+    same tensors as with ``DynamicLayer``. The buffer starts at the prompt plus `FIRST_STRETCH` positions
+    and doubles when full (amortised: each position is copied O(1) times), never beyond ``capacity``
+    unless a caller writes past it.
     """
+
+    #: positions past the prompt allocated at first; the buffer doubles from there
+    FIRST_STRETCH = 128
 
     def __init__(self, capacity: int):
         super().__init__()
@@ -220,17 +257,21 @@ class PreallocatedLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        batch, heads, _, _ = key_states.shape
-        self._keys = key_states.new_empty(batch, heads, self.capacity, key_states.shape[-1])  # (B, H, capacity, D)
-        self._values = value_states.new_empty(batch, heads, self.capacity, value_states.shape[-1])
+        batch, heads, filled, _ = key_states.shape
+        # sized to what is used: the prompt plus a first stretch of decoding, doubled as generation goes on
+        # (at most `capacity`); a run whose samples stop after 3 tokens never pays for max_new_tokens
+        size = min(self.capacity, filled + self.FIRST_STRETCH) if self.capacity > filled else filled
+        self._keys = key_states.new_empty(batch, heads, size, key_states.shape[-1])  # (B, H, size, D)
+        self._values = value_states.new_empty(batch, heads, size, value_states.shape[-1])
         self.length = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
-        if end > self._keys.shape[-2]:  # past the planned length: grow (rare; generate stops at capacity)
-            grow = end - self._keys.shape[-2]
+        if end > self._keys.shape[-2]:  # past the buffer: double it (up to the planned capacity, beyond only if asked)
+            size = self._keys.shape[-2]
+            grow = max(end, min(2 * size, self.capacity)) - size
             self._keys = torch.cat([self._keys, self._keys.new_empty(*self._keys.shape[:2], grow, self._keys.shape[-1])], dim=-2)
             self._values = torch.cat([self._values, self._values.new_empty(*self._values.shape[:2], grow, self._values.shape[-1])], dim=-2)
         self._keys[:, :, self.length : end] = key_states

@@ -120,3 +120,25 @@ def create(name: str, parent: Path) -> Path:
     (package / "algorithm.py").write_text(ALGORITHM.format(**fields))
     (root / "tests" / f"test_{name}.py").write_text(TEST.format(**fields))
     return root
+
+
+def name_taken(name: str) -> str:
+    """A warning when an installed package already registers algorithm ``name`` (empty when it is free).
+
+    Not a refusal: the scaffold is a starting point and may be renamed. But installed as it is, the name
+    becomes ambiguous — every run would have to choose with ``--alg oxrl-NAME:NAME`` — so the warning says
+    who has it and suggests a free name.
+    """
+    from oxrl_core.plugins import discover
+
+    registry = discover()
+    taken = [r for r in registry.rows() if r["kind"] == "algorithm" and r["name"] == name]
+    if not taken:
+        return ""
+    owners = " and ".join(f"{r['package']} {r['version']}" for r in taken)
+    free = next(c for c in (f"my_{name}", *(f"{name}{i}" for i in range(2, 1000))) if c not in registry.entries["algorithm"])
+    return (
+        f"algorithm '{name}' is already registered by {owners}: installed as it is, `--alg {name}` becomes ambiguous "
+        f"and runs must choose with `--alg oxrl-{name}:{name}`. Consider a free name, e.g. `oxrl new-plugin {free}`"
+    )
+

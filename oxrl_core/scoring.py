@@ -35,7 +35,10 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
     """Score every row of ``data`` with ``reward``; write the rows and return the summary."""
     rows, origin = read_rows(Path(data))
     scorer = build(reward, overrides)
-    totals = {"rows": 0, "score_sum": 0.0, "errors": 0, "timeouts": 0}
+    from oxrl_core.rewards import RewardFailures
+
+    failures = RewardFailures(scorer.name)  # summarised once for the file, not a line per row or chunk
+    totals = {"rows": 0, "score_sum": 0.0, "errors": 0, "timeouts": 0, "failures": failures}
     if output is not None:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
     sink = open(output, "w", encoding="utf-8") if output is not None else sys.stdout
@@ -48,6 +51,10 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
     finally:
         if output is not None:
             sink.close()
+    if failures.failed:
+        import logging
+
+        logging.getLogger("oxrl.rewards").warning("%s", failures.describe())
     n = totals["rows"]
     summary = {"rows": n, "mean": totals["score_sum"] / n if n else 0.0, "errors": totals["errors"], "timeouts": totals["timeouts"]}
     if console is not None:
@@ -62,11 +69,11 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
 
 def read_rows(path: Path) -> tuple[list[dict], str]:
     """The rows of a data file, each with a string ``completion`` (else an error naming file, row and field)."""
-    from oxrl_core.data import load_source
+    from oxrl_core.data import load_source, path_kind
 
-    if not path.is_file():
+    if path_kind(str(path), "--data") != "file":
         raise OxrlError(f"{path}: file not found (--data takes a JSONL, JSON or Parquet file)")
-    source = load_source(str(path), "train")
+    source = load_source(str(path), "train", field="--data")
     for row in source.rows:
         completion = row.get("completion")
         if not isinstance(completion, str):
@@ -129,7 +136,7 @@ def score_chunk(reward, rows: list[dict], totals: dict) -> list[dict]:
 
     recorder = _Recorder(reward)
     prompts = [row.get("prompt", "") for row in rows]
-    scores, metrics = score_batch(recorder, prompts, [row["completion"] for row in rows], rows)
+    scores, metrics = score_batch(recorder, prompts, [row["completion"] for row in rows], rows, totals.get("failures"))
     timeouts = int(metrics["reward/timeouts"])  # score_batch's timeouts are always the last rows
     results = []
     for k, (row, score) in enumerate(zip(rows, scores)):

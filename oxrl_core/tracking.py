@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
+from oxrl_core.atomic import write_error, write_text_atomic
 from oxrl_core.errors import OxrlError
 
 
@@ -22,24 +24,69 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 class JsonlSink:
-    """One JSON object per optimiser step. On resume, lines past the checkpoint are dropped."""
+    """One JSON object per optimiser step, appended (metrics.jsonl is never rewritten during a run).
+
+    On resume, lines past the checkpoint are dropped, and so is a torn line (a kill or a full disk in the
+    middle of an append), with a note: a partial line never stops a resume. An append that fails (disk
+    full, I/O error) is cut back to the last whole line and stops the run with one message.
+    """
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
+            write_text_atomic(path, "".join(line + "\n" for line in _kept_lines(path, resume_step)))
         elif resume_step is None:
-            path.write_text("")
+            write_text_atomic(path, "")
         self.handle = path.open("a")
 
     def log(self, step: int, metrics: dict) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        self.handle.write(json.dumps({"step": step, **clean}) + "\n")
-        self.handle.flush()
+        start = self.handle.tell()
+        try:
+            self.handle.write(json.dumps({"step": step, **clean}) + "\n")
+            self.handle.flush()
+        except OSError as exc:
+            self._cut_back(start)
+            from oxrl_core.checkpoint import latest_checkpoint
+
+            last = latest_checkpoint(self.path.parent)
+            intact = f"the last complete checkpoint {last} is intact" if last else "no checkpoint was written yet"
+            raise write_error(self.path, exc, intact=intact, resume_dir=self.path.parent if last else None) from None
+
+    def _cut_back(self, size: int) -> None:
+        """Drop a partial line a failed append left (best effort: the disk may refuse even this)."""
+        try:
+            self.handle.close()
+        except OSError:
+            pass  # close flushes the buffered rest of the line, which fails again on a full disk
+        try:
+            os.truncate(self.path, size)
+        except OSError:
+            pass  # the resume drops a torn last line anyway
 
     def close(self) -> None:
-        self.handle.close()
+        if not self.handle.closed:
+            self.handle.close()
+
+
+def _kept_lines(path: Path, resume_step: int) -> list[str]:
+    """metrics.jsonl's lines up to `resume_step`; unreadable lines (a torn last append) dropped with a note."""
+    kept, torn = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            torn.append(number)
+            continue
+        if step <= resume_step:
+            kept.append(line)
+    if torn:
+        print(f"note: {path}: dropped {len(torn)} unreadable line(s) (line {', '.join(map(str, torn))}; a write cut "
+              "short by a kill or a full disk)", file=sys.stderr, flush=True)
+    return kept
 
 
 class TensorBoardSink:

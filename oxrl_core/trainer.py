@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,9 +15,10 @@ from typing import Any
 
 from rich.console import Console
 
-from oxrl_core import plugins
+from oxrl_core import lifecycle, plugins
 from oxrl_core.config import TINY_PREF_DEFAULTS, TINY_RL_DEFAULTS, RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
-from oxrl_core.errors import OxrlError, PluginError
+from oxrl_core.atomic import write_text_atomic
+from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
 
 
@@ -49,12 +51,71 @@ def _dir_name(alg: str) -> str:
 
 
 def load_algorithm(name: str, registry=None) -> type[Algorithm]:
+    """The algorithm class ``name`` names, checked against the Algorithm interface before any model loads."""
     registry = registry or plugins.registry()
-    cls = registry.load("algorithm", name)
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        reg = registry.get("algorithm", name)
-        raise PluginError(f"algorithm '{name}' from {reg.package}: {reg.target!r} is not an oxrl_core.Algorithm subclass")
-    return cls
+    return registry.load_checked("algorithm", name)
+
+
+#: config keys that say what a checkpoint is (the model, the data and its order, the method): --resume keeps them
+IDENTITY_KEYS = (
+    "algorithm", "model.name", "model.ref", "model.teacher", "data.train", "data.max_length", "data.group_by_length",
+    "train.batch_size", "train.grad_accum_steps", "train.seed", "lora",
+)
+
+
+def _dotted(config: dict, key: str) -> Any:
+    for part in key.split("."):
+        if not isinstance(config, dict):
+            return None
+        config = config.get(part)
+    return config
+
+
+def _saved_config(run_dir: Path) -> dict | None:
+    """The config a --resume continues under: ``<run>/config.yaml``, else the copy in the newest checkpoint;
+    with neither but a checkpoint to resume, a refusal (the defaults would silently train something else)."""
+    if (run_dir / "config.yaml").is_file():
+        return read_yaml(run_dir / "config.yaml")
+    from oxrl_core.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    if ckpt is None:
+        return None
+    if (ckpt / lifecycle.CONFIG_FILE).is_file():
+        Console(stderr=True, soft_wrap=True).print(f"note: {run_dir / 'config.yaml'} is missing; using the copy stored in {ckpt}", highlight=False)
+        return read_yaml(ckpt / lifecycle.CONFIG_FILE)
+    raise OxrlError(f"--resume: {run_dir / 'config.yaml'} is missing and {ckpt} stores no copy; pass the run's config "
+                    f"with --config FILE")
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """Create the run directory, or say in one line why it cannot be (a file is in the way, no permission...)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise OxrlError(f"--output-dir {run_dir}: this is a file, not a directory; choose another path (or remove the file)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".oxrl-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(run_dir) else ""
+        raise OxrlError(f"--output-dir {run_dir}: cannot create or write the run directory: {exc.strerror or exc}{where}; "
+                        f"choose a path you can write to") from None
+
+
+def _logged_steps(run_dir: Path) -> int:
+    """How many steps metrics.jsonl records (non-blank lines; a torn last line counts, it was a step begun)."""
+    try:
+        return sum(1 for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """Whether any step was done in `run_dir`: a metrics line, a checkpoint (even a half one) or final/."""
+    checkpoints = run_dir / "checkpoints"
+    return (_logged_steps(run_dir) > 0 or (run_dir / "final").exists()
+            or (checkpoints.is_dir() and any(checkpoints.iterdir())))
 
 
 class Trainer:
@@ -71,22 +132,28 @@ class Trainer:
         output_dir: str | Path | None = None,
         resume: bool = False,
         quiet: bool = False,
+        force_config: bool = False,
         **sections: Any,
     ):
         self.resume = resume
+        self.force_config = force_config
         self.quiet = quiet
         named: dict[str, Any] = {}
         for section, value, key in (("model", model, "name"), ("data", data, "train")):
             if isinstance(value, dict):  # model={"name": ..., "ref": ...}: the whole section
                 named[section] = value
+            elif section == "data" and isinstance(value, (list, tuple)):  # sources to mix (rows are refused)
+                from oxrl_core.data import sources_argument
+
+                named[section] = {key: sources_argument(value)}
             elif value is not None:
                 named[section] = {key: str(value)}
         sets = _section_overrides(named) + _section_overrides(sections) + list(overrides or [])
         self.registry = plugins.registry()
         if isinstance(alg, type) and issubclass(alg, Algorithm):  # the Python API may pass a class
-            self.registry.entries["algorithm"][alg.name] = plugins.Registration(
+            self.registry.prefer(plugins.Registration(
                 "algorithm", alg.name, alg, plugin=alg.name, package=alg.__module__, version=""
-            )
+            ))
             alg = alg.name
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
@@ -103,6 +170,7 @@ class Trainer:
         from oxrl_core.engines import check_engine
 
         check_engine(self.config, self.algorithm_cls.family, self.algorithm_cls.needs_rollouts)
+        self._preflight()
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.run_dir = Path("runs") / f"{_dir_name(self.config.algorithm)}-{stamp}"
@@ -122,37 +190,156 @@ class Trainer:
             run_dir = runs[-1]
         else:
             return None, None
-        if resume and not config and (run_dir / "config.yaml").is_file():
-            return run_dir, read_yaml(run_dir / "config.yaml")
+        if resume and not config:
+            return run_dir, _saved_config(run_dir)
         return run_dir, None
 
+    def _preflight(self) -> None:
+        """What can fail cheaply is checked before the run directory exists, so a bad start leaves no directory
+        behind: trackers, local model paths, data files, the rollout backend and reward plugins."""
+        cfg = self.config
+        for flag, module, install in (("tensorboard", "torch.utils.tensorboard", "pip install 'oxrl[tracking]'"),
+                                      ("mlflow", "mlflow", "pip install 'oxrl[tracking]'"), ("wandb", "wandb", "pip install wandb")):
+            if getattr(cfg.logging, flag):
+                try:
+                    __import__(module)
+                except ImportError as exc:
+                    raise OxrlError(f"logging.{flag}: the {flag} package is not installed ({exc}); {install}, "
+                                    f"or set logging.{flag}=false") from None
+        from oxrl_core.models import check_model_path
+
+        for field_name in ("name", "ref", "teacher"):
+            if getattr(cfg.model, field_name):  # exists, config + readable weights; a name too long is one line
+                check_model_path(getattr(cfg.model, field_name), f"model.{field_name}")
+        from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs
+
+        for field_name in ("train", "eval"):
+            for spec, _, _, label in source_specs(getattr(cfg.data, field_name), f"data.{field_name}"):
+                path = Path(spec).expanduser()
+                missing = bool(spec) and path_kind(spec, label) is None  # an OS error (name too long...) names the field
+                if missing and (path.suffix.lower() in FILE_SUFFIXES or spec.startswith((".", "/", "~"))):
+                    raise OxrlError(f"{label}: data file not found: {spec}")
+                if missing and self.registry.has("dataset", spec):  # an ambiguous or broken dataset plugin
+                    self.registry.load_checked("dataset", spec)
+        if self.algorithm_cls.needs_rollouts:
+            self.registry.load_checked("rollout_backend", cfg.rollout.backend)  # its class checked too
+            if cfg.reward.name:
+                self.registry.load_checked("reward", cfg.reward.name)
+
     def train(self) -> RunResult:
-        from oxrl_core.checkpoint import check_engine_matches, clean_partial, latest_checkpoint
+        """Lock the run directory, decide where the run starts (step 0, a checkpoint, or nothing to do) and run it.
+
+        Ctrl-C / SIGTERM during the loop save a checkpoint and end with `lifecycle.Interrupted`."""
+        run_dir = self.run_dir
+        lifecycle.STATE.reset(run_dir)
+        with lifecycle.handle_signals():
+            if not self.resume:
+                self._refuse_existing_run()  # before the lock, whose holder record a refused run should not rewrite
+            _make_run_dir(run_dir)
+            with lifecycle.RunLock(run_dir):
+                done = self._completed() if self.resume else None
+                if done is not None:
+                    return done
+                ckpt = self._resume_point() if self.resume else self._fresh_start()  # (a fresh start: None)
+                write_text_atomic(run_dir / "config.yaml", dump_yaml(self.config))
+                stop_file = run_dir / lifecycle.STOP_FILE  # a data-parallel run's stop request (see launcher)
+                stop_file.unlink(missing_ok=True)
+                try:
+                    if self.config.engine.world_size > 1:  # one Ray actor per rank, each running `run_loop`
+                        from oxrl_core.launcher import launch
+
+                        return lifecycle.finished(launch(self, ckpt))
+                    return lifecycle.finished(self.run_loop(ckpt))
+                finally:
+                    stop_file.unlink(missing_ok=True)
+
+    def _completed(self) -> RunResult | None:
+        """--resume of a run that already reached train.max_steps: nothing to do."""
+        summary, run_dir = self.run_dir / "summary.json", self.run_dir
+        if not (summary.is_file() and (run_dir / "final").is_dir()):
+            return None
+        try:
+            done = json.loads(summary.read_text())
+        except (OSError, ValueError):
+            return None  # unreadable: judged by the checkpoints below
+        if done.get("steps", 0) < self.config.train.max_steps:
+            return None
+        Console(stderr=True, soft_wrap=True).print(f"{run_dir} is already complete ({done['steps']} steps); nothing to resume", highlight=False)
+        return RunResult(run_dir, run_dir / "final", done["steps"], [], done.get("eval_before", {}), done.get("eval_after", {}))
+
+    def _fresh_start(self) -> None:
+        """A new run: refused where steps were done already; a directory where none was done is reused."""
+        from oxrl_core.checkpoint import clean_partial
 
         run_dir = self.run_dir
-        ckpt = None
-        if self.resume:
-            summary = run_dir / "summary.json"
-            if summary.is_file() and (run_dir / "final").is_dir():
-                done = json.loads(summary.read_text())
-                if done.get("steps", 0) >= self.config.train.max_steps:
-                    Console(stderr=True, soft_wrap=True).print(f"{run_dir} is already complete ({done['steps']} steps); nothing to resume")
-                    return RunResult(run_dir, run_dir / "final", done["steps"], [], done.get("eval_before", {}), done.get("eval_after", {}))
-            clean_partial(run_dir)
-            ckpt = latest_checkpoint(run_dir)
-        elif any((run_dir / name).exists() for name in ("metrics.jsonl", "checkpoints", "final")):
-            raise OxrlError(f"output directory {run_dir} already holds a run; pass --resume to continue it or choose another --output-dir")
-        if ckpt is not None:
-            from oxrl_core.engines import engine_record
+        self._refuse_existing_run()  # again under the lock: another run may have started in between
+        if (run_dir / "config.yaml").exists() or (run_dir / "metrics.jsonl").exists():
+            self._note(f"reusing {run_dir}: an earlier start there did no step")
+        clean_partial(run_dir)
 
-            check_engine_matches(ckpt, engine_record(self.config.engine))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_yaml(self.config))
-        if self.config.engine.world_size > 1:  # one Ray actor per rank, each running `run_loop`
-            from oxrl_core.launcher import launch
+    def _refuse_existing_run(self) -> None:
+        if self.run_dir.is_dir() and _holds_a_run(self.run_dir):
+            lifecycle.RunLock(self.run_dir).refuse_if_in_use()  # the more useful message while another run is on
+            raise OxrlError(f"output directory {self.run_dir} already holds a run; pass --resume to continue it or choose another --output-dir")
 
-            return launch(self, ckpt)
-        return self.run_loop(ckpt)
+    def _resume_point(self) -> Path | None:
+        """The checkpoint --resume continues from, after checking it belongs to this config; or a refusal that
+        says why nothing can be resumed. Never a silent restart from step 0 over logged steps or final/."""
+        from oxrl_core.checkpoint import STEP_DIR, check_engine_matches, clean_partial, latest_checkpoint
+        from oxrl_core.engines import engine_record
+
+        run_dir = self.run_dir
+        clean_partial(run_dir)
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            steps = _logged_steps(run_dir)
+            if (run_dir / "final").is_dir():
+                raise OxrlError(
+                    f"--resume: {run_dir} finished ({steps or 'all'} steps) without keeping a checkpoint, so there is no "
+                    f"optimizer state to continue from (final/ holds only the weights). To train further, start a new run "
+                    f"from those weights: oxrl run --alg {self.config.algorithm} --set model.name={run_dir / 'final'} "
+                    f"-o NEW_DIR (train.save_steps / train.save_minutes keep checkpoints)"
+                )
+            if steps:
+                raise OxrlError(
+                    f"--resume: {run_dir} logged {steps} steps but holds no checkpoint to continue from (it stopped before "
+                    f"the first one); resuming would start over at step 0 and overwrite its metrics.jsonl. Start again with "
+                    f"another --output-dir, or delete {run_dir} and run without --resume"
+                )
+            self._note(f"--resume: {run_dir} has no step done yet; starting from step 0")
+            return None
+        step = int(STEP_DIR.match(ckpt.name).group(1))
+        if self.config.train.max_steps < step:
+            raise OxrlError(f"--resume: train.max_steps={self.config.train.max_steps} is below step {step} of {ckpt}; "
+                            f"set train.max_steps to at least {step + 1} to train further")
+        self._check_identity(ckpt)
+        check_engine_matches(ckpt, engine_record(self.config.engine))
+        return ckpt
+
+    def _check_identity(self, ckpt: Path) -> None:
+        """A resumed run must continue the run the checkpoint came from: the keys that say what was trained on
+        what (`IDENTITY_KEYS`) may not change unless --force-config; others (max_steps, logging, lr...) may."""
+        saved_file = ckpt / lifecycle.CONFIG_FILE if (ckpt / lifecycle.CONFIG_FILE).is_file() else self.run_dir / "config.yaml"
+        if not saved_file.is_file():
+            return
+        saved, now = read_yaml(saved_file), self.config.model_dump(mode="json")
+        changed = [(key, _dotted(saved, key), _dotted(now, key)) for key in IDENTITY_KEYS
+                   if _dotted(saved, key) is not None and _dotted(saved, key) != _dotted(now, key)]
+        if not changed:
+            return
+        listing = "; ".join(f"{key}: {old!r} → {new!r}" for key, old, new in changed)
+        if self.force_config:
+            Console(stderr=True, soft_wrap=True).print(f"[yellow]note:[/yellow] --force-config: resuming {ckpt} with {listing}", highlight=False)
+            return
+        raise OxrlError(
+            f"--resume: this command changes what {ckpt} was trained as ({listing}). Drop those --set / --config "
+            f"changes to continue the run; or start a new run from its weights with another --output-dir "
+            f"(--set model.name={ckpt}); or pass --force-config to resume with the changes anyway"
+        )
+
+    def _note(self, message: str) -> None:
+        if not self.quiet:
+            Console(stderr=True, soft_wrap=True).print(message, highlight=False)
 
     def run_loop(self, ckpt: Path | None) -> RunResult:
         """The algorithm family's loop, in this process (one rank of a data-parallel run, or the whole run)."""

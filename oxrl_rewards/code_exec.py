@@ -37,6 +37,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from oxrl_core.interfaces import Reward, StrictModel
+from oxrl_core.rewards import row_number
 
 from oxrl_rewards._common import MissingFieldError
 from oxrl_rewards.sandbox import Limits, RunResult, Sandbox, SandboxError
@@ -158,15 +159,15 @@ class CodeReward(Reward):
             try:
                 kind, cases = read_test_cases(example, self.name)
             except MissingFieldError as exc:
-                log.warning("reward '%s': row %d: %s; it scores 0", self.name, i, exc)
+                log.warning("reward '%s': row %s: %s; it scores 0", self.name, row_number(examples, i), exc)
                 row.update(status="bad_example", error=str(exc))
                 continue
             code = extract_code(completion)
             row["total"] = len(cases)
             if kind == "tests":
-                jobs.append(_Job(i, code, tests=cases))
+                jobs.append(_Job(i, code, tests=cases, label=row_number(examples, i)))
             else:
-                jobs.extend(_Job(i, code, stdin=stdin, expected=expected) for stdin, expected in cases)
+                jobs.extend(_Job(i, code, stdin=stdin, expected=expected, label=row_number(examples, i)) for stdin, expected in cases)
         return rows, jobs
 
     def _run_all(self, jobs: list[_Job]) -> list[RunResult]:
@@ -179,7 +180,7 @@ class CodeReward(Reward):
             try:
                 return self.sandbox.run(job.code, tests=job.tests, stdin=job.stdin)
             except SandboxError as exc:  # the sandbox failed, not the program: the row is an error
-                log.warning("reward '%s': row %d: %s", self.name, job.row, exc)
+                log.warning("reward '%s': row %s: %s", self.name, job.label, exc)
                 return RunResult(status="sandbox_error", exit_code=None, stderr=str(exc))
 
         with ThreadPoolExecutor(max_workers=min(self.workers, max(len(jobs), 1)), thread_name_prefix="code-reward") as pool:
@@ -195,6 +196,7 @@ class _Job:
     tests: list[str] | None = None
     stdin: str = ""
     expected: str = ""
+    label: int = 0  #: the row's number in messages (1-based, its data file's row when known)
 
 
 def _add_run(row: dict, job: _Job, result: RunResult) -> None:

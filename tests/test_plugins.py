@@ -415,6 +415,7 @@ def test_help_works():
 
 def test_in_process_plugin_registering_a_class_and_a_duplicate(monkeypatch):
     from oxrl_core import Algorithm, hookimpl
+    from oxrl_core.errors import PluginError
     from oxrl_core.plugins import discover
     from oxrl_core.trainer import load_algorithm
     from oxrl_algs_supervised.sft import SFT
@@ -440,19 +441,21 @@ def test_in_process_plugin_registering_a_class_and_a_duplicate(monkeypatch):
 
     registry = discover(extra_plugins={"mine": Mine(), "second": Second()})
 
-    assert registry.load("algorithm", "direct") is Direct
-    assert load_algorithm("direct", registry) is Direct
-    (row,) = [r for r in registry.rows() if r["name"] == "direct"]
-    assert row["plugin"] == "mine" and row["package"] == "(in-process)"
+    # A name two plugins register is ambiguous (neither wins by discovery order): a lookup says who has it
+    # and how to choose; `package:name` or `entry-point:name` picks one (issue 15, item 15).
+    for name, who in (("sft", "oxrl-algs-supervised"), ("direct", "(in-process)")):
+        with pytest.raises(PluginError, match=f"algorithm '{name}' is registered by 2 packages: .*{who}.*OXRL_PLUGINS"):
+            registry.get("algorithm", name)
+    assert registry.load("algorithm", "mine:direct") is Direct and registry.load("algorithm", "second:direct") is SFT
+    assert load_algorithm("mine:direct", registry) is Direct
+    rows = [r for r in registry.rows() if r["name"] == "direct"]
+    assert [(r["plugin"], r["package"], r["ambiguous"]) for r in rows] == [("mine", "(in-process)", True), ("second", "(in-process)", True)]
 
-    # The first registration wins; each duplicate is an error naming who had it first.
-    sft = registry.get("algorithm", "sft")
-    assert sft.package == "oxrl-algs-supervised"
-    assert load_algorithm("sft", registry) is SFT
-    dupes = {(e.plugin, e.error) for e in registry.errors}
-    assert ("mine", "algorithm 'sft' is already registered by oxrl-algs-supervised; ignored") in dupes, registry.errors
-    assert ("second", "algorithm 'direct' is already registered by (in-process); ignored") in dupes, registry.errors
-    assert len(registry.errors) == 2, registry.errors
+    assert registry.get("algorithm", "oxrl-algs-supervised:sft").package == "oxrl-algs-supervised"
+    assert registry.get("algorithm", "oxrl_algs_supervised:sft").package == "oxrl-algs-supervised"  # pip's name rules
+    assert load_algorithm("oxrl-algs-supervised:sft", registry) is SFT and load_algorithm("mine:sft", registry) is Direct
+    assert {(c["kind"], c["name"]) for c in registry.clash_rows()} == {("algorithm", "sft"), ("algorithm", "direct")}
+    assert registry.errors == [], registry.errors  # a clash is not a load error: both plugins loaded
 
 
 def test_in_process_misspelled_hook_and_bad_register_call(monkeypatch):

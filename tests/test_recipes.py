@@ -3,7 +3,6 @@ tiny model and the local fixtures (shaped like the real rows) are swapped in —
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 from conftest import ROOT, oxrl, read_metrics

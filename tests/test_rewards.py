@@ -232,7 +232,8 @@ def batch(n: int) -> tuple[list, list, list]:
 def test_score_batch_passes_good_scores_through_with_mean_and_std():
     values, metrics = score_batch(Constant(), *batch(4))
     assert values == [1.0, 2.0, 3.0, 4.0]
-    assert metrics == {"reward/mean": 2.5, "reward/std": pytest.approx(math.sqrt(1.25)), "reward/errors": 0.0, "reward/timeouts": 0.0}
+    assert metrics == {"reward/mean": 2.5, "reward/std": pytest.approx(math.sqrt(1.25)), "reward/errors": 0.0, "reward/timeouts": 0.0,
+                       "reward/error_share": 0.0}
 
 
 def test_score_batch_counts_an_exception_as_errors():
@@ -277,4 +278,5 @@ def test_score_batch_non_finite_and_wrong_length_results(returned, expected, err
 
 
 def test_score_batch_on_an_empty_batch():
-    assert score_batch(Constant(), [], [], []) == ([], {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 0.0, "reward/timeouts": 0.0})
+    assert score_batch(Constant(), [], [], []) == ([], {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 0.0, "reward/timeouts": 0.0,
+                                                        "reward/error_share": 0.0})

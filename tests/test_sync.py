@@ -358,9 +358,16 @@ def test_a_skipped_weight_sync_stops_the_run_and_keeps_the_last_checkpoint(tmp_p
     assert (run / "checkpoints" / "step-1" / "trainer_state.json").is_file()
     assert not (run / "checkpoints" / "step-2").exists() and not (run / "final").exists()
     assert [m["step"] for m in read_metrics(run)] == [1]
-    # the versions moved on, so strict on-policy alone does not notice: without the check the run goes on
+    # the versions moved on, so strict on-policy alone does not notice: without the sync check the
+    # trainer-vs-rollout logprob alarm is the second line of defence ...
     proc = rl_run(tmp_path, tiny_model_dir, "--alg", "cispo", "--set", backend, "--set", "train.max_steps=3",
                   "--set", "rollout.sync_check=false", "-q", "-o", str(tmp_path / "unchecked"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "rollout/logprob_diff" in proc.stderr and "stale weights" in proc.stderr
+    # ... and with both turned off the run goes on, training on stale samples
+    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "cispo", "--set", backend, "--set", "train.max_steps=3",
+                  "--set", "rollout.sync_check=false", "--set", "rollout.max_logprob_diff=0", "-q",
+                  "-o", str(tmp_path / "unguarded"))
     assert proc.returncode == 0, proc.stderr
 
 

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.checkpoint import load_training_state, save_checkpoint, save_model
+from oxrl_core.atomic import write_text_atomic
+from oxrl_core.checkpoint import load_training_state, save_model
+from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
 from oxrl_core.distributed import is_main, reduce_metrics, shard, world_size
@@ -270,8 +272,8 @@ def run_preference(trainer, ckpt: Path | None):
     pad_id = tokenizer.pad_token_id
     train_source = load_data(cfg.data.train, "train", trainer.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
-    if train.dropped:
-        reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
+    for note in train.notes(cfg.data.max_length):  # too-long prompts, pairs with chosen == rejected
+        reporter.info(f"[yellow]note:[/yellow] {note}")
     held_out = eval_source(cfg.data, trainer.registry, train_source)
     eval_examples, eval_rows, eval_dataset = [], [], None
     if held_out is not None:
@@ -298,7 +300,8 @@ def run_preference(trainer, ckpt: Path | None):
         packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
     start, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
     if spec.head == "score":
-        model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+        model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code,
+                                 log=reporter.info)
     else:
         model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     if packing == "shared" and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
@@ -339,10 +342,11 @@ def run_preference(trainer, ckpt: Path | None):
     lengths = [len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids") for ex in train.examples]
     plan = make_plan(train_source, [ex["_source"] for ex in train.examples], lengths, cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
     accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
+    saver = Checkpointer(run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp))  # (extra_files: below)
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
         f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} "
-        f"({len(train.examples)} rows) · run dir {run_dir}"
+        f"({len(train.examples)} rows) · run dir {run_dir} · {saver.describe()}"
     )
 
     def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
@@ -368,6 +372,7 @@ def run_preference(trainer, ckpt: Path | None):
     mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
     train_start = time.perf_counter()
     reporter.start(max_steps, start_step)
+    saver.start(start_step)
     try:
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
@@ -429,11 +434,7 @@ def run_preference(trainer, ckpt: Path | None):
             tracker.log(step, record)
             records.append({"step": step, **record})
             reporter.step(step, max_steps, record)
-            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step != max_steps:
-                save_checkpoint(
-                    run_dir, step, model, tokenizer, engine,
-                    {"data_position": position, "eval_before": eval_before}, keep=cfg.train.save_limit, extra=extra_files,
-                )
+            saver.after_step(step, {"data_position": position, "eval_before": eval_before})
     finally:
         reporter.stop()
         tracker.close()
@@ -449,7 +450,7 @@ def run_preference(trainer, ckpt: Path | None):
         "eval_after": eval_after,
     }
     if is_main():
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     for key, label in (("eval/rewards/accuracies", "held-out pair accuracy"), ("eval/accuracy", "held-out accuracy")):
         if key in eval_after:
             reporter.result(f"{label}: {eval_before.get(key, math.nan):.3f} before → {eval_after[key]:.3f} after")

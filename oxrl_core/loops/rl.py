@@ -25,20 +25,23 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
+from oxrl_core.atomic import write_text_atomic
+from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
+from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.critic import build_critic
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
-from oxrl_core.data import encode_prompt, eval_source, load_data, make_plan, normalise_row, token_budget_batches
+from oxrl_core.data import encode_row_prompt, eval_source, load_data, make_plan, normalise_row, token_budget_batches
 from oxrl_core.distributed import all_gather_object, broadcast_object, gather_rows, is_main, rank, reduce_metrics, shard, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
+from oxrl_core.rollout_hf import check_generation_length
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.perf import MfuMeter
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 from oxrl_core.progress import Reporter
-from oxrl_core.rewards import build_reward, score_batch
+from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward, score_batch
 from oxrl_core.token_head import choose_path, on_grid, token_stats
 from oxrl_core.sync import (check_logprob_diff, check_weight_sync, default_max_logprob_diff, default_tolerance,
                              probe_sequence, tis_weight)
@@ -54,7 +57,7 @@ def prepare_prompts(source, tokenizer, max_length: int) -> tuple[list[dict], lis
     rows, ids, dropped = [], [], 0
     for row in source.rows:
         row = normalise_row(row, "prompt", source.origin)
-        prompt_ids = encode_prompt(tokenizer, row["prompt"])
+        prompt_ids = encode_row_prompt(tokenizer, row, source.origin)  # 0 tokens: refused here, naming file and row
         if len(prompt_ids) >= max_length:
             dropped += 1
             continue
@@ -72,9 +75,9 @@ def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend:
     """
     for p, group in enumerate(groups):
         if len(group) != n:
-            raise OxrlError(f"rollout backend '{backend}': prompt {p} got {len(group)} completions, expected {n}")
+            raise OxrlError(f"rollout backend '{backend}': prompt {p + 1} of the batch got {len(group)} completions, expected {n}")
         for s, c in enumerate(group):
-            where = f"rollout backend '{backend}': prompt {p}, sample {s}"
+            where = f"rollout backend '{backend}': prompt {p + 1} of the batch, sample {s + 1}"  # 1-based, as rows are
             if not c.token_ids or len(c.token_ids) > max_new_tokens:
                 raise OxrlError(f"{where}: {len(c.token_ids)} tokens (expected 1..{max_new_tokens})")
             if len(c.logprobs) != len(c.token_ids):
@@ -236,14 +239,20 @@ def generate_sharded(backend, engine, prompts: list[list[int]], sampling: Sampli
     return [group for part in all_gather_object(local) for group in part]
 
 
-def score_sharded(reward, prompts: list, texts: list[str], rows: list[dict]) -> tuple[list[float], dict[str, float]]:
+def score_sharded(reward, prompts: list, texts: list[str], rows: list[dict],
+                  failures: RewardFailures) -> tuple[list[float], dict[str, float]]:
     """`score_batch` of this rank's block of samples; the scores gathered on every rank and the metrics
-    recomputed over the whole batch (mean, population std; errors and timeouts are row counts)."""
+    recomputed over the whole batch (mean, population std; errors and timeouts are row counts); every
+    rank's failures added to ``failures``."""
     if world_size() == 1:
-        return score_batch(reward, prompts, texts, rows)
+        return score_batch(reward, prompts, texts, rows, failures)
     per_rank = len(texts) // world_size()
     mine = slice(rank() * per_rank, (rank() + 1) * per_rank)
-    parts = all_gather_object(score_batch(reward, prompts[mine], texts[mine], rows[mine]))
+    local = RewardFailures(failures.reward)
+    parts = all_gather_object((*score_batch(reward, prompts[mine], texts[mine], rows[mine], local), local))
+    for _, _, part_failures in parts:
+        failures.merge(part_failures)
+    parts = [(part, m) for part, m, _ in parts]
     scores = [s for part, _ in parts for s in part]
     metrics = {k: sum(m[k] * len(part) for part, m in parts) / len(scores) for k in parts[0][1]}  # row-weighted means
     mean = sum(scores) / len(scores)
@@ -307,7 +316,7 @@ def run_rl(trainer, ckpt: Path | None):
     reward = build_reward(cfg, trainer.registry, spec.default_reward, train_source.dataset)
     if ro.n < spec.min_group_size:
         raise OxrlError(f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}")
-    backend_cls = trainer.registry.load("rollout_backend", ro.backend)
+    backend_cls = trainer.registry.load_checked("rollout_backend", ro.backend)
     backend_cls.parse_options(ro)  # rollout.options: a typo fails before any model loads
 
     # ---- models
@@ -336,6 +345,7 @@ def run_rl(trainer, ckpt: Path | None):
         critic = build_critic(model, getattr(algorithm.config, "critic", "shared"), lambda: load_causal_lm(policy_path))
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
+    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens)  # fits the context?
     engine = build_engine(
         model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing,
         extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches, run_dir=run_dir,
@@ -385,10 +395,11 @@ def run_rl(trainer, ckpt: Path | None):
         raise
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
     plan = make_plan(train_source, [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids], cfg.train.batch_size, cfg.train.seed, False)
+    saver = Checkpointer(run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp))  # (extra_files: below)
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
         f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} ({len(rows)} prompts) · "
-        f"reward {getattr(reward, 'name', type(reward).__name__)} · {cfg.train.batch_size}×{ro.n} samples/step · run dir {run_dir}"
+        f"reward {getattr(reward, 'name', type(reward).__name__)} · {cfg.train.batch_size}×{ro.n} samples/step · run dir {run_dir} · {saver.describe()}"
     )
 
     def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
@@ -406,8 +417,10 @@ def run_rl(trainer, ckpt: Path | None):
     device = engine.device
     mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
     records: list[dict] = []
+    reward_watch = RewardWatch(ro.max_reward_error_share, ro.reward_error_steps)
     train_start = time.perf_counter()
     reporter.start(cfg.train.max_steps, start_step)
+    saver.start(start_step)
     try:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
             t_step = time.perf_counter()
@@ -430,8 +443,10 @@ def run_rl(trainer, ckpt: Path | None):
             t0 = time.perf_counter()
             sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            scores, reward_metrics = score_sharded(reward, [r["prompt"] for r in sample_rows], texts, sample_rows)
+            failures = RewardFailures(getattr(reward, "name", type(reward).__name__))
+            scores, reward_metrics = score_sharded(reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures)
             reward_s = time.perf_counter() - t0
+            reward_watch.after_scoring(step, failures, run_dir)  # one line per step; stops a reward that keeps failing
 
             # 3. the rollout batch, on the trainer's device
             t0 = time.perf_counter()
@@ -443,6 +458,7 @@ def run_rl(trainer, ckpt: Path | None):
             batch["group"] = torch.arange(len(completions), device=device) // ro.n  # (B,) the prompt of each sample
             batch["prompt_len"] = torch.tensor([len(prompt_ids[i]) for i in picks for _ in range(ro.n)], device=device)  # (B,)
             check_finite("rewards", batch["rewards"], step, run_dir)
+            lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do, not the next one
             record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir, shared,
                              cfg.train.max_tokens_per_micro_batch)
             version += 1
@@ -460,7 +476,7 @@ def run_rl(trainer, ckpt: Path | None):
                 "response/length": sum(lengths) / len(lengths),
                 "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
                 "policy/version": float(min(versions)),
-                "lr": engine.lr,
+                "lr": lr,
                 "perf/gen_s": gen_s,
                 "perf/reward_s": reward_s,
                 "perf/train_s": train_s,
@@ -476,9 +492,7 @@ def run_rl(trainer, ckpt: Path | None):
             tracker.log(step, record)
             records.append({"step": step, **record})
             reporter.step(step, cfg.train.max_steps, record)
-            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step != cfg.train.max_steps:
-                save_checkpoint(run_dir, step, model, tokenizer, engine, {"data_position": step, "eval_before": eval_before},
-                                keep=cfg.train.save_limit, extra=extra_files)
+            saver.after_step(step, {"data_position": step, "eval_before": eval_before})
     finally:
         reporter.stop()
         tracker.close()
@@ -496,7 +510,7 @@ def run_rl(trainer, ckpt: Path | None):
         "eval_after": eval_after,
     }
     if is_main():
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     if eval_after:
         reporter.result("held-out: " + ", ".join(
             f"{k} {eval_before.get(k, math.nan):.3f} before → {v:.3f} after" for k, v in eval_after.items()

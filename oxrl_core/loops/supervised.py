@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_checkpoint, save_model
+from oxrl_core.atomic import write_text_atomic
+from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
+from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
 from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard, world_size
@@ -143,10 +145,11 @@ def run_supervised(trainer, ckpt: Path | None):
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
 
     accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
+    saver = Checkpointer(run_dir, cfg, model, tokenizer, engine)  # train.save_steps / save_minutes / Ctrl-C
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama'} "
         f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} "
-        f"({len(train.examples)} examples) · run dir {run_dir}"
+        f"({len(train.examples)} examples) · run dir {run_dir} · {saver.describe()}"
     )
 
     def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
@@ -166,6 +169,7 @@ def run_supervised(trainer, ckpt: Path | None):
     train_start = time.perf_counter()
     mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
     reporter.start(max_steps, start_step)
+    saver.start(start_step)
     try:
         for step in range(start_step + 1, max_steps + 1):
             t0 = time.perf_counter()
@@ -217,11 +221,7 @@ def run_supervised(trainer, ckpt: Path | None):
             tracker.log(step, record)
             records.append({"step": step, **record})
             reporter.step(step, max_steps, record)
-            if cfg.train.save_steps and step % cfg.train.save_steps == 0 and step != max_steps:
-                save_checkpoint(
-                    run_dir, step, model, tokenizer, engine,
-                    {"data_position": position, "eval_before": eval_before}, keep=cfg.train.save_limit,
-                )
+            saver.after_step(step, {"data_position": position, "eval_before": eval_before})
     finally:
         reporter.stop()
         tracker.close()
@@ -239,7 +239,7 @@ def run_supervised(trainer, ckpt: Path | None):
         "eval_after": eval_after,
     }
     if is_main():
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     if "eval/accuracy" in eval_after:
         before = eval_before.get("eval/accuracy", math.nan)
         reporter.result(f"held-out accuracy: {before:.3f} before → {eval_after['eval/accuracy']:.3f} after")

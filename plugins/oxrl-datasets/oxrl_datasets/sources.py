@@ -4,8 +4,8 @@ Every plugin of this package is a `SourceDataset`: its ``Config`` (a `SourceConf
 the data is, and its ``map_row`` turns one source row into one oxRL row. ``rows(split)`` reads
 the split and maps every row. The source, in this order:
 
-- ``path`` is a file: ``.jsonl``/``.json``/``.parquet`` (read by `oxrl_core.data.load_source`),
-  or ``.jsonl.gz``/``.json.gz``/... (read by `datasets`' json builder). It is the train split.
+- ``path`` is a file: ``.jsonl``/``.json``/``.parquet``, or ``.jsonl.gz``/``.json.bz2``/``.jsonl.xz``
+  (read by `oxrl_core.data.read_data_file`; ``.zst`` by `datasets`' json builder). It is the train split.
 - ``path`` is a directory written by ``datasets.save_to_disk``: a ``DatasetDict``'s splits are
   picked by name (``train_split``, ``eval_split``); a single ``Dataset`` is the train split.
 - ``path`` is any other directory, e.g. a hub snapshot (``huggingface-cli download ID
@@ -43,7 +43,6 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Dataset
 
 SPLITS = ("train", "eval")
-COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 # ----------------------------------------------------------------------------- the options
 
@@ -156,20 +155,22 @@ def pick_split(ds_dict, split_name: str, dataset: str, origin: str, split: str):
 
 
 def read_file(path: Path, dataset: str, option: str) -> Part:
-    """One JSONL/JSON/Parquet file (or compressed JSON/JSONL), every row of it."""
-    if not path.is_file():
-        raise OxrlError(f"dataset '{dataset}': {option} not found: {path}")
-    if path.suffix.lower() in COMPRESSED and Path(path.stem).suffix.lower() in (".jsonl", ".json"):
+    """One JSONL/JSON/Parquet file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``; ``.zst`` through `datasets`),
+    every row of it. A bad byte, bad JSON or an unreadable file is an `OxrlError` naming the file and line."""
+    from oxrl_core.data import path_kind, read_data_file
+
+    label = f"dataset '{dataset}': {option}"
+    if path_kind(str(path), label) != "file":
+        raise OxrlError(f"{label} not found: {path}")
+    if path.suffix.lower() == ".zst" and Path(path.stem).suffix.lower() in (".jsonl", ".json"):
         import datasets
 
         try:
             ds = datasets.load_dataset("json", data_files=str(path), split="train")
         except Exception as exc:  # noqa: BLE001 - a bad file is reported with its path
-            raise OxrlError(f"dataset '{dataset}': cannot read {path}: {type(exc).__name__}: {exc}") from None
+            raise OxrlError(f"{label}: cannot read {path}: {type(exc).__name__}: {exc}") from None
         return Part(str(path), numbered(ds))
-    from oxrl_core.data import load_source
-
-    return Part(str(path), load_source(str(path), "train").rows)
+    return Part(str(path), read_data_file(path, label))
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -273,10 +274,13 @@ def read_split(dataset: str, config: SourceConfig, split: str, subsets: list[str
         if not config.hub_id:
             raise OxrlError(f"dataset '{dataset}': set `path` (a local copy) or `hub_id`")
         return [read_hub(config, dataset, split_name, s, columns) for s in subsets] if split_name else []
+    from oxrl_core.data import path_kind
+
     path = Path(config.path).expanduser()
-    if path.is_file():
+    kind = path_kind(config.path, f"dataset '{dataset}': path")
+    if kind == "file":
         return [read_file(path, dataset, "path")] if split == "train" else []
-    if not path.is_dir():
+    if kind != "dir":
         raise OxrlError(f"dataset '{dataset}': path not found: {config.path}")
     if is_saved_dataset(path):
         return read_saved(path, dataset, split, split_name, columns)
