@@ -113,18 +113,20 @@ def build_rows(tokenizer, n: int, seed: int, prompt_len=(60, 250), completion_le
     rows = []
     for k in range(n):
         base = base_rows[k % len(base_rows)]
-        expr, answer = base["prompt"][len("What is "):-1], int(base["answer"])
+        expr, answer = base["prompt"][len("What is ") : -1], int(base["answer"])
         wrong = answer + rng.choice((-1, 1)) * rng.randint(1, 9)
         prompt = [{"role": "system", "content": ""}, {"role": "user", "content": base["prompt"]}]
         need = rng.randint(*prompt_len) - len(encode_prompt(tokenizer, prompt))
         if need < 0:
             raise RuntimeError(f"prompt too long for the minimum length {prompt_len[0]}")
         prompt[0]["content"] = _arith(rng, need, "Context: ")
-        rows.append({
-            "prompt": prompt,
-            "chosen": _answer(rng, expr, answer, rng.randint(*completion_len)),
-            "rejected": _answer(rng, expr, wrong, rng.randint(*completion_len)),
-        })
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": _answer(rng, expr, answer, rng.randint(*completion_len)),
+                "rejected": _answer(rng, expr, wrong, rng.randint(*completion_len)),
+            }
+        )
     return rows
 
 
@@ -170,14 +172,24 @@ def pair_tokens(ex: dict) -> int:
 
 def _result(step_s: list[float], step_tokens: list[int], losses: list[float], grad_norms: list[float], **extra) -> dict:
     seconds = sum(step_s)
-    return {"steps_per_s": len(step_s) / seconds, "tokens_per_s": sum(step_tokens) / seconds, "seconds": seconds,
-            "step_s": step_s, "step_tokens": step_tokens, "losses": losses, "grad_norms": grad_norms, **extra}
+    return {
+        "steps_per_s": len(step_s) / seconds,
+        "tokens_per_s": sum(step_tokens) / seconds,
+        "seconds": seconds,
+        "step_s": step_s,
+        "step_tokens": step_tokens,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        **extra,
+    }
 
 
 # ----------------------------------------------------------------------------- (a) oxrl CLI
 
 
-def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: bool, tag: str, step_tokens: list[int]) -> dict:
+def run_oxrl(
+    args, model_dir: Path, data_file: Path, workdir: Path, packing: bool, tag: str, step_tokens: list[int]
+) -> dict:
     out_dir = workdir / f"oxrl-{tag}"
     shutil.rmtree(out_dir, ignore_errors=True)
     sets = {
@@ -202,7 +214,12 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: boo
     cmd = oxrl_command() + ["run", "--alg", "dpo", "--quiet", "--output-dir", str(out_dir)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -211,14 +228,21 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: boo
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     measured = [r for r in records if r["step"] > args.warmup]
     assert len(measured) == len(step_tokens)
-    return _result([r["perf/step_s"] for r in measured], step_tokens,
-                   [r["loss"] for r in records], [r["grad_norm"] for r in records], wall_s=wall)
+    return _result(
+        [r["perf/step_s"] for r in measured],
+        step_tokens,
+        [r["loss"] for r in records],
+        [r["grad_norm"] for r in records],
+        wall_s=wall,
+    )
 
 
 # ----------------------------------------------------------------------------- (b) TRL
 
 
-def run_trl(args, model_dir: Path, rows: list[dict], examples: list[dict], batches: list[list[int]], workdir: Path) -> dict:
+def run_trl(
+    args, model_dir: Path, rows: list[dict], examples: list[dict], batches: list[list[int]], workdir: Path
+) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -229,12 +253,16 @@ def run_trl(args, model_dir: Path, rows: list[dict], examples: list[dict], batch
     torch.manual_seed(args.seed)
     order = [i for idx in batches for i in idx]  # read sequentially: TRL's batch k is oxrl's micro-batch k
     # conversational rows: TRL's chat-template tokenisation then matches oxrl's (asserted below)
-    dataset = Dataset.from_list([
-        {"prompt": rows[i]["prompt"],
-         "chosen": [{"role": "assistant", "content": rows[i]["chosen"]}],
-         "rejected": [{"role": "assistant", "content": rows[i]["rejected"]}]}
-        for i in order
-    ])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": rows[i]["prompt"],
+                "chosen": [{"role": "assistant", "content": rows[i]["chosen"]}],
+                "rejected": [{"role": "assistant", "content": rows[i]["rejected"]}],
+            }
+            for i in order
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     config = DPOConfig(
@@ -285,8 +313,9 @@ def run_trl(args, model_dir: Path, rows: list[dict], examples: list[dict], batch
                 self.grad_norms.append(float(logs.get("grad_norm", math.nan)))
 
     clock = Clock()
-    trainer = DPOTrainer(model=model, ref_model=None, args=config, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[clock])
+    trainer = DPOTrainer(
+        model=model, ref_model=None, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
+    )
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
     assert trainer.ref_model is not None and trainer.ref_model is not trainer.model  # its own copy, per-step ref logps
@@ -297,10 +326,10 @@ def run_trl(args, model_dir: Path, rows: list[dict], examples: list[dict], batch
         for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
             assert list(theirs[j][key]) == examples[i][key], (j, key)
     trainer.train()
-    step_s = [e - b for b, e in zip(clock.begins, clock.ends)][args.warmup:]
+    step_s = [e - b for b, e in zip(clock.begins, clock.ends)][args.warmup :]
     ends = [clock.start] + clock.ends
-    e2e_s = [ends[k + 1] - ends[k] for k in range(len(clock.ends))][args.warmup:]
-    step_tokens = [sum(pair_tokens(examples[i]) for i in idx) for idx in batches[args.warmup:]]
+    e2e_s = [ends[k + 1] - ends[k] for k in range(len(clock.ends))][args.warmup :]
+    step_tokens = [sum(pair_tokens(examples[i]) for i in idx) for idx in batches[args.warmup :]]
     assert len(step_s) == len(step_tokens) == args.steps
     return _result(step_s, step_tokens, clock.losses, clock.grad_norms, e2e_s=e2e_s)
 
@@ -369,14 +398,24 @@ def main() -> None:
     t_start = time.perf_counter()
     results: dict[str, list[dict]] = {v: [] for v in variants}
     try:
-        model_dir, data_file, tokenizer, rows, examples = setup(workdir, n_rows, args.seed, args.hidden_size, args.layers)
+        model_dir, data_file, tokenizer, rows, examples = setup(
+            workdir, n_rows, args.seed, args.hidden_size, args.layers
+        )
         batches = batch_order(examples, args.batch_size, args.seed, total_steps)
         used = [examples[i] for idx in batches for i in idx]
         p_len = [len(e["prompt_ids"]) for e in used]
         c_len = [len(e[k]) for e in used for k in ("chosen_ids", "rejected_ids")]
         real = sum(pair_tokens(e) for e in used)
-        padded = sum(2 * len(idx) * max(len(examples[i]["prompt_ids"]) + len(examples[i][k])
-                                        for i in idx for k in ("chosen_ids", "rejected_ids")) for idx in batches)
+        padded = sum(
+            2
+            * len(idx)
+            * max(
+                len(examples[i]["prompt_ids"]) + len(examples[i][k])
+                for i in idx
+                for k in ("chosen_ids", "rejected_ids")
+            )
+            for idx in batches
+        )
         print(
             f"workload: Llama h={args.hidden_size} L={args.layers}, {args.batch_size} pairs/step, "
             f"{args.warmup}+{args.steps} steps × {args.rounds} rounds, prompt tokens {min(p_len)}-{max(p_len)} "
@@ -390,11 +429,14 @@ def main() -> None:
                 if v == "trl":
                     res = run_trl(args, model_dir, rows, examples, batches, workdir)
                 else:
-                    step_tokens = [sum(pair_tokens(examples[i]) for i in idx) for idx in batches[args.warmup:]]
+                    step_tokens = [sum(pair_tokens(examples[i]) for i in idx) for idx in batches[args.warmup :]]
                     res = run_oxrl(args, model_dir, data_file, workdir, v == "oxrl-packed", f"{v}-{rnd}", step_tokens)
                 results[v].append(res)
-                print(f"  round {rnd + 1} {v:12s} {res['steps_per_s']:6.3f} steps/s  {res['tokens_per_s']:8.1f} tok/s  "
-                      f"({args.steps} steps in {res['seconds']:.1f}s)", flush=True)
+                print(
+                    f"  round {rnd + 1} {v:12s} {res['steps_per_s']:6.3f} steps/s  {res['tokens_per_s']:8.1f} tok/s  "
+                    f"({args.steps} steps in {res['seconds']:.1f}s)",
+                    flush=True,
+                )
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -406,10 +448,14 @@ def main() -> None:
     print("\nsteps/s and tokens/s (mean = median over rounds of count/Σseconds; best = per-step best of rounds):")
     print(f"  {'variant':12s} {'steps/s':>8s} {'best':>8s} {'tok/s':>9s} {'best':>9s}")
     for v, s in table.items():
-        print(f"  {v:12s} {s['steps_mean']:8.3f} {s['steps_best']:8.3f} {s['tokens_mean']:9.1f} {s['tokens_best']:9.1f}")
+        print(
+            f"  {v:12s} {s['steps_mean']:8.3f} {s['steps_best']:8.3f} {s['tokens_mean']:9.1f} {s['tokens_best']:9.1f}"
+        )
     if "trl" in table:
-        print("  trl = on_step_begin -> on_step_end (excludes collation); trl (e2e) = on_step_end -> on_step_end "
-              "(includes collation and TRL's logging)")
+        print(
+            "  trl = on_step_begin -> on_step_end (excludes collation); trl (e2e) = on_step_end -> on_step_end "
+            "(includes collation and TRL's logging)"
+        )
     figures: dict = {
         "steps_per_s": {v: round(s["steps_mean"], 4) for v, s in table.items()},
         "tokens_per_s": {v: round(s["tokens_mean"], 1) for v, s in table.items()},
@@ -428,8 +474,10 @@ def main() -> None:
         r = table[fastest][f"steps_{key}"] / table["trl"][f"steps_{key}"]
         r_e2e = table[fastest][f"steps_{key}"] / table["trl (e2e)"][f"steps_{key}"]
         figures.update({"oxrl": fastest, "oxrl/trl": round(r, 3), "oxrl/trl_e2e": round(r_e2e, 3)})
-        print(f"oxrl / trl steps/s = {r:.3f}  (goal >= 1.3: {'met' if r >= 1.3 else 'NOT met'}; oxrl = {fastest}, "
-              f"the faster of padded/packed; {key}; vs trl e2e: {r_e2e:.3f})")
+        print(
+            f"oxrl / trl steps/s = {r:.3f}  (goal >= 1.3: {'met' if r >= 1.3 else 'NOT met'}; oxrl = {fastest}, "
+            f"the faster of padded/packed; {key}; vs trl e2e: {r_e2e:.3f})"
+        )
     # the same work: step 1 is log 2 on both sides (policy == reference); later steps should track each other
     if "trl" in results:
         ref_loss, ref_gn = results["trl"][0]["losses"], results["trl"][0]["grad_norms"]
@@ -441,15 +489,27 @@ def main() -> None:
             diff = [abs(a - b) for a, b in zip(loss[:n], ref_loss[:n])]
             gn_rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(gn[:n], ref_gn[:n]))
             ok = diff[0] < 1e-5 and max(diff) < LOSS_TOL
-            checks[v] = {"step1_loss": round(loss[0], 6), "max_loss_diff": float(f"{max(diff):.2e}"),
-                         "max_grad_norm_rel_diff": float(f"{gn_rel:.2e}"), "agree": ok}
+            checks[v] = {
+                "step1_loss": round(loss[0], 6),
+                "max_loss_diff": float(f"{max(diff):.2e}"),
+                "max_grad_norm_rel_diff": float(f"{gn_rel:.2e}"),
+                "agree": ok,
+            }
             shown = ", ".join(f"{a:.5f}/{b:.5f}" for a, b in list(zip(loss, ref_loss))[: min(n, 4)])
-            print(f"  {v:12s} step 1 {loss[0]:.6f}; max |loss diff| {max(diff):.2e} over {n} steps, max grad-norm "
-                  f"rel. diff {gn_rel:.2e} -> {'agree' if ok else f'DRIFT (tolerance {LOSS_TOL})'}  [{shown}]")
+            print(
+                f"  {v:12s} step 1 {loss[0]:.6f}; max |loss diff| {max(diff):.2e} over {n} steps, max grad-norm "
+                f"rel. diff {gn_rel:.2e} -> {'agree' if ok else f'DRIFT (tolerance {LOSS_TOL})'}  [{shown}]"
+            )
         figures["loss_check"] = checks
     figures["last_loss"] = {v: round(rs[0]["losses"][-1], 5) for v, rs in results.items()}
-    figures.update(rounds=args.rounds, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                   threads=args.threads, script_s=round(time.perf_counter() - t_start, 1))
+    figures.update(
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        script_s=round(time.perf_counter() - t_start, 1),
+    )
     print(json.dumps(figures))
 
 

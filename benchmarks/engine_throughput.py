@@ -28,9 +28,14 @@ from pathlib import Path
 def run(workdir: Path, model_dir: Path, alg: str, engine: str, args) -> dict:
     out = workdir / f"{alg}-{engine}"
     sets = {
-        "model.name": model_dir, "train.max_steps": args.warmup + args.steps, "train.batch_size": args.batch_size,
-        "train.eval_steps": 0, "train.save_steps": 0, "data.max_length": args.max_length,
-        "engine.name": engine, "model.gradient_checkpointing": str(args.checkpointing).lower(),
+        "model.name": model_dir,
+        "train.max_steps": args.warmup + args.steps,
+        "train.batch_size": args.batch_size,
+        "train.eval_steps": 0,
+        "train.save_steps": 0,
+        "data.max_length": args.max_length,
+        "engine.name": engine,
+        "model.gradient_checkpointing": str(args.checkpointing).lower(),
     }
     if engine == "deepspeed":
         sets["engine.zero_stage"] = args.zero_stage
@@ -42,7 +47,7 @@ def run(workdir: Path, model_dir: Path, alg: str, engine: str, args) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][args.warmup :]
     if alg == "sgrpo":  # the update phase only
         rates = [m["perf/tokens"] / m["perf/train_s"] for m in metrics]
     else:
@@ -81,8 +86,18 @@ def main() -> None:
                 results[f"{alg}/{engine}"] = run(Path(tmp), model_dir, alg, engine, args)
                 print(f"{alg:<6} {engine:<10} {results[f'{alg}/{engine}']}", flush=True)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    print(json.dumps({"device": device, "params": params, "hidden_size": args.hidden_size, "layers": args.layers,
-                      "peak_override_tflops": os.environ.get("OXRL_PEAK_TFLOPS"), "results": results}))
+    print(
+        json.dumps(
+            {
+                "device": device,
+                "params": params,
+                "hidden_size": args.hidden_size,
+                "layers": args.layers,
+                "peak_override_tflops": os.environ.get("OXRL_PEAK_TFLOPS"),
+                "results": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -123,7 +123,9 @@ def setup(workdir: Path, args) -> tuple[Path, Path, list[dict]]:
     # the prompt tokens are the same on both sides: oxRL's encode_prompt == TRL's chat-template call
     for r in rows[:16]:
         messages = [{"role": "user", "content": r["prompt"]}]
-        trl_ids = tokenizer.apply_chat_template([messages], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"][0]
+        trl_ids = tokenizer.apply_chat_template(
+            [messages], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"][0]
         assert list(trl_ids) == encode_prompt(tokenizer, r["prompt"]), (r, trl_ids)
     return model_dir, data_file, rows
 
@@ -147,10 +149,25 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, tag: str, pr
         data={"train": str(data_file), "packing": args.packing},
         output_dir=out_dir,
         quiet=True,
-        train={"max_steps": total, "batch_size": args.prompts_per_step, "lr": args.lr, "lr_scheduler": "constant",
-               "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0, "precision": "fp32", "seed": args.seed,
-               "save_steps": 0},
-        rollout={"backend": "hf", "n": args.samples, "max_new_tokens": args.max_new_tokens, "temperature": 1.0, "top_p": 1.0},
+        train={
+            "max_steps": total,
+            "batch_size": args.prompts_per_step,
+            "lr": args.lr,
+            "lr_scheduler": "constant",
+            "warmup_steps": 0,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "precision": "fp32",
+            "seed": args.seed,
+            "save_steps": 0,
+        },
+        rollout={
+            "backend": "hf",
+            "n": args.samples,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+        },
         reward={"name": f"{Path(__file__).resolve()}:BenchReward"},
         engine={"device": "cpu"},
         overrides=["alg.clip_low=0.2", "alg.clip_high=0.28", "alg.kl_coeff=0.0", "alg.scale_rewards=true"],
@@ -191,7 +208,7 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, tag: str, pr
         print("cProfile of one oxRL step (own time, top 25):")
         pstats.Stats(str(path), stream=sys.stdout).sort_stats("tottime").print_stats(25)
     records = result.metrics
-    measured = records[args.warmup:]
+    measured = records[args.warmup :]
     step_s = [stamps[k + 1] - stamps[k] for k in range(args.warmup, total)]
     return {
         "step_s": step_s,
@@ -219,7 +236,9 @@ def run_trl(args, model_dir: Path, rows: list[dict], workdir: Path) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     total = args.warmup + args.steps
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     config = GRPOConfig(
@@ -292,24 +311,32 @@ def run_trl(args, model_dir: Path, rows: list[dict], workdir: Path) -> dict:
             return out
 
     clock = Clock()
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=trl_reward, args=config, train_dataset=dataset,
-                               processing_class=tokenizer, callbacks=[clock])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=trl_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
     trainer.gen_s, trainer.gen_score_s, trainer.lengths, trainer.clipped = [], [], [], []
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
-    assert not trainer.args.gradient_checkpointing and trainer.beta == 0.0 and getattr(trainer, "ref_model", None) is None
+    assert (
+        not trainer.args.gradient_checkpointing and trainer.beta == 0.0 and getattr(trainer, "ref_model", None) is None
+    )
     trainer.train()
     ends = [clock.begin] + clock.ends
     step_s = [ends[k + 1] - ends[k] for k in range(args.warmup, total)]
-    gen_s = trainer.gen_s[args.warmup:total]
-    score_s = [gs - g for gs, g in zip(trainer.gen_score_s[args.warmup:total], gen_s)]
+    gen_s = trainer.gen_s[args.warmup : total]
+    score_s = [gs - g for gs, g in zip(trainer.gen_score_s[args.warmup : total], gen_s)]
     return {
         "step_s": step_s,
         "gen_s": gen_s,
         "reward_s": score_s,  # rewards + advantages + batch tensors (everything of _generate_and_score_ but generation)
-        "train_s": [s - gs for s, gs in zip(step_s, trainer.gen_score_s[args.warmup:total])],
-        "length": trainer.lengths[args.warmup:total],
-        "clipped": trainer.clipped[args.warmup:total],
+        "train_s": [s - gs for s, gs in zip(step_s, trainer.gen_score_s[args.warmup : total])],
+        "length": trainer.lengths[args.warmup : total],
+        "clipped": trainer.clipped[args.warmup : total],
     }
 
 
@@ -334,10 +361,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=512, help="prompts in the data file")
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--natural-eos", action="store_true", help="keep the random model's EOS (completions may stop early)")
+    ap.add_argument(
+        "--natural-eos", action="store_true", help="keep the random model's EOS (completions may stop early)"
+    )
     ap.add_argument("--only", default="oxrl,trl", help="comma-separated subset of oxrl,trl")
-    ap.add_argument("--packing", action="store_true",
-                    help="oxRL with data.packing: the training forward computes each prompt once for its n samples")
+    ap.add_argument(
+        "--packing",
+        action="store_true",
+        help="oxRL with data.packing: the training forward computes each prompt once for its n samples",
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile the first measured oxRL step of round 1")
     ap.add_argument("--workdir", default="", help="keep model/data/runs here (default: a temp dir, removed)")
     args = ap.parse_args()
@@ -377,7 +409,8 @@ def main() -> None:
             f"workload: Llama h={args.hidden_size} L={args.layers}, {args.prompts_per_step} prompts × {args.samples} samples × "
             f"{args.max_new_tokens} new tokens per step, {args.warmup}+{args.steps} steps × {args.repeats} rounds, "
             f"{'natural EOS' if args.natural_eos else 'EOS suppressed in the model'}, threads {args.threads}, "
-            f"torch {torch.__version__}, oxRL data.packing {'on' if args.packing else 'off'}", flush=True,
+            f"torch {torch.__version__}, oxRL data.packing {'on' if args.packing else 'off'}",
+            flush=True,
         )
         for rnd in range(args.repeats):
             for side in sides if rnd % 2 == 0 else sides[::-1]:
@@ -388,8 +421,11 @@ def main() -> None:
                     res = run_trl(args, model_dir, rows, workdir)
                 res["wall_s"] = time.perf_counter() - t0
                 results[side].append(res)
-                print(f"  round {rnd + 1} {side:5s} {mean(res['step_s']):.3f} s/step mean, "
-                      f"{statistics.median(res['step_s']):.3f} median (run wall {res['wall_s']:.1f}s)", flush=True)
+                print(
+                    f"  round {rnd + 1} {side:5s} {mean(res['step_s']):.3f} s/step mean, "
+                    f"{statistics.median(res['step_s']):.3f} median (run wall {res['wall_s']:.1f}s)",
+                    flush=True,
+                )
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -419,32 +455,53 @@ def main() -> None:
             summary[side]["loop_step_s"] = mean(pooled(side, "loop_step_s"))
 
     print("\nseconds per RL step (after warm-up, pooled over rounds):")
-    print(f"  {'side':5s} {'mean':>7s} {'median':>7s} {'best':>7s} | {'gen':>6s} {'reward*':>7s} {'train':>6s} | "
-          f"{'compl. len':>10s} {'at limit':>8s}")
+    print(
+        f"  {'side':5s} {'mean':>7s} {'median':>7s} {'best':>7s} | {'gen':>6s} {'reward*':>7s} {'train':>6s} | "
+        f"{'compl. len':>10s} {'at limit':>8s}"
+    )
     for side, s in summary.items():
-        print(f"  {side:5s} {s['mean_s']:7.3f} {s['median_s']:7.3f} {s['best_s']:7.3f} | {s['gen_s']:6.3f} "
-              f"{s['reward_s']:7.3f} {s['train_s']:6.3f} | {s['completion_len']:10.2f} {s['clipped']:8.0%}")
+        print(
+            f"  {side:5s} {s['mean_s']:7.3f} {s['median_s']:7.3f} {s['best_s']:7.3f} | {s['gen_s']:6.3f} "
+            f"{s['reward_s']:7.3f} {s['train_s']:6.3f} | {s['completion_len']:10.2f} {s['clipped']:8.0%}"
+        )
     print("  best = mean over steps k of the fastest round's step k (filters out host noise; = mean with one round)")
     print("  gen = generation (oxRL: perf/gen_s; TRL: _generate = tokenise + generate + decode)")
-    print("  reward* = oxRL: perf/reward_s (decode + reward); TRL: rest of _generate_and_score_completions "
-          "(reward, advantages, tensors)")
-    print("  train = oxRL: perf/train_s (batch tensors, forward, backward, optimiser); TRL: step − _generate_and_score_completions")
+    print(
+        "  reward* = oxRL: perf/reward_s (decode + reward); TRL: rest of _generate_and_score_completions "
+        "(reward, advantages, tensors)"
+    )
+    print(
+        "  train = oxRL: perf/train_s (batch tensors, forward, backward, optimiser); TRL: step − _generate_and_score_completions"
+    )
     if "oxrl" in summary:
         s = summary["oxrl"]
-        print(f"  oxRL loop's own perf/step_s mean {s['loop_step_s']:.3f} (the wall interval adds the per-step logging)")
-    figures: dict = {"summary": {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
-                                 for k, v in summary.items()}}
+        print(
+            f"  oxRL loop's own perf/step_s mean {s['loop_step_s']:.3f} (the wall interval adds the per-step logging)"
+        )
+    figures: dict = {
+        "summary": {
+            k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()} for k, v in summary.items()
+        }
+    }
     if "oxrl" in summary and "trl" in summary:
         r_mean = summary["trl"]["mean_s"] / summary["oxrl"]["mean_s"]
         r_median = summary["trl"]["median_s"] / summary["oxrl"]["median_s"]
         r_best = summary["trl"]["best_s"] / summary["oxrl"]["best_s"]
         figures.update(ratio_mean=round(r_mean, 3), ratio_median=round(r_median, 3), ratio_best=round(r_best, 3))
-        print(f"\nratio oxRL steps/s ÷ TRL steps/s = {r_mean:.2f}×  (means; medians: {r_median:.2f}×, best: {r_best:.2f}×; "
-              f"goal ≥ 1.3: {'met' if r_mean >= 1.3 else 'NOT met'})")
+        print(
+            f"\nratio oxRL steps/s ÷ TRL steps/s = {r_mean:.2f}×  (means; medians: {r_median:.2f}×, best: {r_best:.2f}×; "
+            f"goal ≥ 1.3: {'met' if r_mean >= 1.3 else 'NOT met'})"
+        )
         if abs(r_mean - r_median) > 0.1 * r_median:
             print("  note: mean and median ratios differ by >10%: the host looks noisy, rerun (--repeats 3)")
-    figures.update(steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-                   natural_eos=args.natural_eos, script_s=round(time.perf_counter() - t_start, 1))
+    figures.update(
+        steps=args.steps,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        threads=args.threads,
+        natural_eos=args.natural_eos,
+        script_s=round(time.perf_counter() - t_start, 1),
+    )
     print(json.dumps(figures))
 
 

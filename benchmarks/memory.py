@@ -70,18 +70,40 @@ def setup(workdir: Path, args) -> None:
     tokenizer.save_pretrained(workdir / "model")
     rng = random.Random(args.seed)
     prompt = lambda: "Continue the chain. " + _filler(rng, args.prompt_tokens - 40)  # noqa: E731
-    sft = [{"prompt": prompt(), "response": _filler(rng, args.row_tokens - args.prompt_tokens)} for _ in range(args.batch * 8)]
+    sft = [
+        {"prompt": prompt(), "response": _filler(rng, args.row_tokens - args.prompt_tokens)}
+        for _ in range(args.batch * 8)
+    ]
     half = (args.row_tokens - args.prompt_tokens) // 2
-    dpo = [{"prompt": prompt(), "chosen": _filler(rng, half), "rejected": _filler(rng, half - 7)} for _ in range(args.batch * 8)]
+    dpo = [
+        {"prompt": prompt(), "chosen": _filler(rng, half), "rejected": _filler(rng, half - 7)}
+        for _ in range(args.batch * 8)
+    ]
     for name, rows in (("sft", sft), ("dpo", dpo)):
         (workdir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (workdir / "sgrpo.json").write_text(json.dumps({"prompt": prompt(), "completions": [
-        _filler(rng, args.row_tokens - args.prompt_tokens) for _ in range(args.batch)]}))
+    (workdir / "sgrpo.json").write_text(
+        json.dumps(
+            {
+                "prompt": prompt(),
+                "completions": [_filler(rng, args.row_tokens - args.prompt_tokens) for _ in range(args.batch)],
+            }
+        )
+    )
 
 
 def _train_cfg(args, steps: int, chunk: int) -> dict:
-    return {"max_steps": steps, "batch_size": args.batch, "lr": 1e-5, "lr_scheduler": "constant", "warmup_steps": 0,
-            "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": args.seed, "save_steps": 0, "logits_chunk_size": chunk}
+    return {
+        "max_steps": steps,
+        "batch_size": args.batch,
+        "lr": 1e-5,
+        "lr_scheduler": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "seed": args.seed,
+        "save_steps": 0,
+        "logits_chunk_size": chunk,
+    }
 
 
 # ----------------------------------------------------------------------------- oxRL
@@ -93,12 +115,21 @@ def oxrl_sl(alg: str, args, workdir: Path, chunk: int) -> dict:
 
     out = workdir / f"run-{alg}-{chunk}"
     shutil.rmtree(out, ignore_errors=True)
-    trainer = Trainer(alg=alg, model=str(workdir / "model"), data={"train": str(workdir / f"{alg}.jsonl"), "max_length": 4096},
-                      output_dir=out, quiet=True, train=_train_cfg(args, args.warmup + args.steps, chunk),
-                      engine={"device": args.device})
-    records = trainer.train().metrics[args.warmup:]
-    return {"tokens": sum(r["perf/tokens"] for r in records), "seconds": sum(r["perf/step_s"] for r in records),
-            "loss": records[-1]["loss"]}
+    trainer = Trainer(
+        alg=alg,
+        model=str(workdir / "model"),
+        data={"train": str(workdir / f"{alg}.jsonl"), "max_length": 4096},
+        output_dir=out,
+        quiet=True,
+        train=_train_cfg(args, args.warmup + args.steps, chunk),
+        engine={"device": args.device},
+    )
+    records = trainer.train().metrics[args.warmup :]
+    return {
+        "tokens": sum(r["perf/tokens"] for r in records),
+        "seconds": sum(r["perf/step_s"] for r in records),
+        "loss": records[-1]["loss"],
+    }
 
 
 def rollout_rows(workdir: Path):
@@ -110,7 +141,9 @@ def rollout_rows(workdir: Path):
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     spec = json.loads((workdir / "sgrpo.json").read_text())
     prompt_ids = encode_prompt(tokenizer, spec["prompt"])
-    completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in spec["completions"]]
+    completions = [
+        tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for c in spec["completions"]
+    ]
     return tokenizer, prompt_ids, completions
 
 
@@ -133,8 +166,12 @@ def oxrl_sgrpo(args, workdir: Path, chunk: int) -> dict:
     done = [Completion(c, [0.0] * len(c), "stop", 0) for c in completions]
     batch = rollout_tensors([prompt_ids] * len(done), done, tokenizer.pad_token_id)
     batch = {k: v.to(device) for k, v in batch.items()}
-    batch.update(rewards=torch.tensor([1.0, 0.0] * (len(done) // 2), device=device), group_size=2,
-                 group=torch.arange(len(done), device=device) // 2, prompt_len=torch.full((len(done),), len(prompt_ids), device=device))
+    batch.update(
+        rewards=torch.tensor([1.0, 0.0] * (len(done) // 2), device=device),
+        group_size=2,
+        group=torch.arange(len(done), device=device) // 2,
+        prompt_len=torch.full((len(done),), len(prompt_ids), device=device),
+    )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     tokens, seconds = 0, 0.0
     for step in range(args.warmup + args.steps):
@@ -160,11 +197,29 @@ def oxrl_sgrpo(args, workdir: Path, chunk: int) -> dict:
 
 
 def _trl_common(args, workdir: Path, steps: int) -> dict:
-    return dict(output_dir=str(workdir / "trl"), per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
-                max_steps=steps, learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                max_grad_norm=1.0, gradient_checkpointing=False, bf16=args.device == "cuda", fp16=False,
-                use_cpu=args.device == "cpu", train_sampling_strategy="sequential", dataloader_num_workers=0,
-                report_to="none", eval_strategy="no", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=args.seed)
+    return dict(
+        output_dir=str(workdir / "trl"),
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+        bf16=args.device == "cuda",
+        fp16=False,
+        use_cpu=args.device == "cpu",
+        train_sampling_strategy="sequential",
+        dataloader_num_workers=0,
+        report_to="none",
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=args.seed,
+    )
 
 
 class _Clock:
@@ -186,7 +241,7 @@ class _Clock:
 
     @property
     def seconds(self) -> float:
-        return sum(self.steps[self.warmup:])
+        return sum(self.steps[self.warmup :])
 
 
 def trl_sft(args, workdir: Path) -> dict:
@@ -198,16 +253,28 @@ def trl_sft(args, workdir: Path) -> dict:
     from oxrl_core.data import load_source, prepare_examples
 
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
-    examples = prepare_examples(load_source(str(workdir / "sft.jsonl"), "train"), "prompt_response", tokenizer, 4096).examples
+    examples = prepare_examples(
+        load_source(str(workdir / "sft.jsonl"), "train"), "prompt_response", tokenizer, 4096
+    ).examples
     steps = args.warmup + args.steps
     rows = [examples[i % len(examples)] for i in range(steps * args.batch)]
-    dataset = Dataset.from_list([{"input_ids": e["input_ids"], "completion_mask": [int(x != IGNORE) for x in e["labels"]]} for e in rows])
+    dataset = Dataset.from_list(
+        [{"input_ids": e["input_ids"], "completion_mask": [int(x != IGNORE) for x in e["labels"]]} for e in rows]
+    )
     model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32, attn_implementation="sdpa")
     clock = _Clock(args.warmup)
-    config = SFTConfig(**_trl_common(args, workdir, steps), packing=False, padding_free=False, completion_only_loss=True, max_length=4096)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock.callback])
+    config = SFTConfig(
+        **_trl_common(args, workdir, steps),
+        packing=False,
+        padding_free=False,
+        completion_only_loss=True,
+        max_length=4096,
+    )
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock.callback]
+    )
     trainer.train()
-    tokens = sum(len(e["input_ids"]) for e in rows[args.warmup * args.batch:])
+    tokens = sum(len(e["input_ids"]) for e in rows[args.warmup * args.batch :])
     return {"tokens": tokens, "seconds": clock.seconds}
 
 
@@ -221,19 +288,40 @@ def trl_dpo(args, workdir: Path) -> dict:
     base = [json.loads(line) for line in (workdir / "dpo.jsonl").read_text().splitlines()]
     steps = args.warmup + args.steps
     rows = [base[i % len(base)] for i in range(steps * args.batch)]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
-                                  "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                  "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
+    )
     model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32, attn_implementation="sdpa")
     clock = _Clock(args.warmup)
-    config = DPOConfig(**_trl_common(args, workdir, steps), beta=0.1, loss_type="sigmoid", max_length=None,
-                       padding_free=False, precompute_ref_log_probs=False)
-    trainer = DPOTrainer(model=model, ref_model=None, args=config, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[clock.callback])
+    config = DPOConfig(
+        **_trl_common(args, workdir, steps),
+        beta=0.1,
+        loss_type="sigmoid",
+        max_length=None,
+        padding_free=False,
+        precompute_ref_log_probs=False,
+    )
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=None,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock.callback],
+    )
     trainer.train()
     data = trainer.train_dataset
-    tokens = sum(2 * len(data[j]["prompt_ids"]) + len(data[j]["chosen_ids"]) + len(data[j]["rejected_ids"])
-                 for j in range(args.warmup * args.batch, steps * args.batch))
+    tokens = sum(
+        2 * len(data[j]["prompt_ids"]) + len(data[j]["chosen_ids"]) + len(data[j]["rejected_ids"])
+        for j in range(args.warmup * args.batch, steps * args.batch)
+    )
     return {"tokens": tokens, "seconds": clock.seconds}
 
 
@@ -247,20 +335,30 @@ def trl_grpo(args, workdir: Path) -> dict:
     device = torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32, attn_implementation="sdpa")
     common = _trl_common(args, workdir, 1)
-    config = GRPOConfig(**common, num_generations=2, loss_type="dapo", beta=0.0, epsilon=0.2, max_completion_length=4096)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [0.0] * len(completions), args=config,
-                          train_dataset=Dataset.from_list([{"prompt": "x"}] * 4), processing_class=tokenizer)
+    config = GRPOConfig(
+        **common, num_generations=2, loss_type="dapo", beta=0.0, epsilon=0.2, max_completion_length=4096
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **k: [0.0] * len(completions),
+        args=config,
+        train_dataset=Dataset.from_list([{"prompt": "x"}] * 4),
+        processing_class=tokenizer,
+    )
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     width = max(map(len, completions))
     completion_ids = torch.tensor([c + [tokenizer.pad_token_id] * (width - len(c)) for c in completions], device=device)
     completion_mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions], device=device)
-    inputs = {"prompt_ids": torch.tensor([prompt_ids] * len(completions), device=device),
-              "prompt_mask": torch.ones(len(completions), len(prompt_ids), dtype=torch.long, device=device),
-              "completion_ids": completion_ids, "completion_mask": completion_mask,
-              "advantages": torch.tensor([0.7071, -0.7071] * (len(completions) // 2), device=device),
-              "num_items_in_batch": completion_mask.sum()}
+    inputs = {
+        "prompt_ids": torch.tensor([prompt_ids] * len(completions), device=device),
+        "prompt_mask": torch.ones(len(completions), len(prompt_ids), dtype=torch.long, device=device),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([0.7071, -0.7071] * (len(completions) // 2), device=device),
+        "num_items_in_batch": completion_mask.sum(),
+    }
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     tokens, seconds = 0, 0.0
     for step in range(args.warmup + args.steps):
@@ -310,12 +408,15 @@ def child(args) -> None:
 
 def run_child(argv: list[str], workload: str, side: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": argv[argv.index("--threads") + 1], "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, __file__, *argv, "--child", f"{workload}:{side}"], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv, "--child", f"{workload}:{side}"], env=env, capture_output=True, text=True
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{workload}:{side} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+        raise RuntimeError(
+            f"{workload}:{side} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -353,11 +454,25 @@ def main() -> None:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="oxrl-memory-"))
     workdir.mkdir(parents=True, exist_ok=True)
     setup(workdir, args)
-    argv = [a for pair in (("--workdir", str(workdir)), ("--threads", str(args.threads)), ("--device", args.device),
-                           ("--steps", str(args.steps)), ("--warmup", str(args.warmup)), ("--batch", str(args.batch)),
-                           ("--chunk", str(args.chunk)), ("--seed", str(args.seed))) for a in pair]
-    print(f"model: Llama, vocabulary {args.vocab:,}, {args.layers} layers, hidden {args.hidden}; batch {args.batch} × "
-          f"~{args.row_tokens} tokens; device {args.device}, {args.threads} threads; oxrl chunk {args.chunk}", flush=True)
+    argv = [
+        a
+        for pair in (
+            ("--workdir", str(workdir)),
+            ("--threads", str(args.threads)),
+            ("--device", args.device),
+            ("--steps", str(args.steps)),
+            ("--warmup", str(args.warmup)),
+            ("--batch", str(args.batch)),
+            ("--chunk", str(args.chunk)),
+            ("--seed", str(args.seed)),
+        )
+        for a in pair
+    ]
+    print(
+        f"model: Llama, vocabulary {args.vocab:,}, {args.layers} layers, hidden {args.hidden}; batch {args.batch} × "
+        f"~{args.row_tokens} tokens; device {args.device}, {args.threads} threads; oxrl chunk {args.chunk}",
+        flush=True,
+    )
     figures: dict = {}
     try:
         for workload in [w for w in args.only.split(",") if w]:
@@ -365,13 +480,20 @@ def main() -> None:
             for side in sides:
                 r = run_child(argv, workload, side)
                 results[side] = r
-                print(f"  {workload:5s} {side:10s} peak {r['peak_gb']:6.2f} GB   {r['tokens'] / r['seconds']:8.1f} tokens/s", flush=True)
-            entry = {side: {"peak_gb": round(r["peak_gb"], 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 1)}
-                     for side, r in results.items()}
+                print(
+                    f"  {workload:5s} {side:10s} peak {r['peak_gb']:6.2f} GB   {r['tokens'] / r['seconds']:8.1f} tokens/s",
+                    flush=True,
+                )
+            entry = {
+                side: {"peak_gb": round(r["peak_gb"], 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 1)}
+                for side, r in results.items()
+            }
             for base in ("trl", "oxrl-plain"):
                 if "oxrl" in results and base in results:
                     mem = results["oxrl"]["peak_gb"] / results[base]["peak_gb"]
-                    speed = (results["oxrl"]["tokens"] / results["oxrl"]["seconds"]) / (results[base]["tokens"] / results[base]["seconds"])
+                    speed = (results["oxrl"]["tokens"] / results["oxrl"]["seconds"]) / (
+                        results[base]["tokens"] / results[base]["seconds"]
+                    )
                     entry[f"oxrl/{base}"] = {"peak": round(mem, 3), "tokens_per_s": round(speed, 3)}
                     print(f"  {workload:5s} oxrl / {base:10s} peak {mem:.2f}×, tokens/s {speed:.2f}×", flush=True)
             figures[workload] = entry
@@ -384,9 +506,23 @@ def main() -> None:
     if "oxrl/oxrl-plain" in figures.get("sft", {}):
         r = figures["sft"]["oxrl/oxrl-plain"]["tokens_per_s"]
         print(f"SFT: oxrl tokens/s / oxrl-plain = {r:.2f}× (goal ≥ 0.95: {'met' if r >= 0.95 else 'NOT met'})")
-    print(json.dumps({"figures": figures, "device": args.device, "vocab": args.vocab, "hidden": args.hidden,
-                      "layers": args.layers, "batch": args.batch, "row_tokens": args.row_tokens, "chunk": args.chunk,
-                      "steps": args.steps, "warmup": args.warmup, "threads": args.threads}))
+    print(
+        json.dumps(
+            {
+                "figures": figures,
+                "device": args.device,
+                "vocab": args.vocab,
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "batch": args.batch,
+                "row_tokens": args.row_tokens,
+                "chunk": args.chunk,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

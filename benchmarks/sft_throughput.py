@@ -100,10 +100,13 @@ def build_rows(tokenizer, n: int, seed: int, lo: int = 60, hi: int = 250) -> lis
     rng = random.Random(seed)
     rows = []
     for base in task_rows("train")[:n]:
-        expr = base["prompt"][len("What is "):-1]
+        expr = base["prompt"][len("What is ") : -1]
         response = f"{expr} = {base['answer']}. The answer is {base['answer']}."
         target = rng.randint(lo, hi)
-        row = {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": base["prompt"]}], "response": response}
+        row = {
+            "prompt": [{"role": "system", "content": ""}, {"role": "user", "content": base["prompt"]}],
+            "response": response,
+        }
         need = target - len(encode_row(tokenizer, row)["input_ids"])
         if need < 0:
             raise RuntimeError(f"row too long for the minimum length {lo}")
@@ -153,11 +156,20 @@ def oxrl_command() -> list[str]:
 
 def _result(step_tokens: list[int], step_s: list[float], losses: list[float], **extra) -> dict:
     tokens, seconds = sum(step_tokens), sum(step_s)
-    return {"tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-            "step_tokens": step_tokens, "step_s": step_s, "losses": losses, **extra}
+    return {
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "seconds": seconds,
+        "step_tokens": step_tokens,
+        "step_s": step_s,
+        "losses": losses,
+        **extra,
+    }
 
 
-def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: bool, tag: str, group_by_length: bool = False) -> dict:
+def run_oxrl(
+    args, model_dir: Path, data_file: Path, workdir: Path, packing: bool, tag: str, group_by_length: bool = False
+) -> dict:
     out_dir = workdir / f"oxrl-{tag}"
     shutil.rmtree(out_dir, ignore_errors=True)
     sets = {
@@ -179,7 +191,12 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: boo
     cmd = oxrl_command() + ["run", "--alg", "sft", "--quiet", "--output-dir", str(out_dir)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -187,8 +204,12 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, packing: boo
         raise RuntimeError(f"oxrl run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     measured = [r for r in records if r["step"] > args.warmup]
-    return _result([r["perf/tokens"] for r in measured], [r["perf/step_s"] for r in measured],
-                   [r["loss"] for r in records], wall_s=wall)
+    return _result(
+        [r["perf/tokens"] for r in measured],
+        [r["perf/step_s"] for r in measured],
+        [r["loss"] for r in records],
+        wall_s=wall,
+    )
 
 
 # ----------------------------------------------------------------------------- (b) plain loop
@@ -227,8 +248,15 @@ def run_plain(args, model_dir: Path, examples: list[dict], batches: list[list[in
 # ----------------------------------------------------------------------------- (c) TRL
 
 
-def run_trl(args, model_dir: Path, examples: list[dict], batches: list[list[int]], tokenizer, workdir: Path,
-            gradient_checkpointing: bool = False) -> dict:
+def run_trl(
+    args,
+    model_dir: Path,
+    examples: list[dict],
+    batches: list[list[int]],
+    tokenizer,
+    workdir: Path,
+    gradient_checkpointing: bool = False,
+) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -292,7 +320,7 @@ def run_trl(args, model_dir: Path, examples: list[dict], batches: list[list[int]
     # step k's time = end(k) - end(k-1): includes fetching/collating its batch, like oxrl's perf/step_s
     ends = [clock.begin] + clock.ends
     step_s = [ends[k + 1] - ends[k] for k in range(args.warmup, len(batches))]
-    step_tokens = [sum(len(examples[i]["input_ids"]) for i in idx) for idx in batches[args.warmup:]]
+    step_tokens = [sum(len(examples[i]["input_ids"]) for i in idx) for idx in batches[args.warmup :]]
     return _result(step_tokens, step_s, clock.losses)
 
 
@@ -344,8 +372,11 @@ def main() -> None:
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--only", default=",".join(DEFAULT_VARIANTS),
-                    help=f"comma-separated subset of {','.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
+    ap.add_argument(
+        "--only",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated subset of {','.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})",
+    )
     ap.add_argument("--workdir", default="", help="keep model/data/runs here (default: a temp dir, removed)")
     args = ap.parse_args()
     variants = [v for v in args.only.split(",") if v]
@@ -391,8 +422,11 @@ def main() -> None:
             for v in variants if rnd % 2 == 0 else variants[::-1]:
                 res = run_variant(v, rnd, args, model_dir, data_file, workdir, examples, batches, tokenizer)
                 results[v].append(res)
-                print(f"  round {rnd + 1} {v:12s} {res['tokens_per_s']:8.1f} tok/s  "
-                      f"({res['tokens']} tokens in {res['seconds']:.1f}s)", flush=True)
+                print(
+                    f"  round {rnd + 1} {v:12s} {res['tokens_per_s']:8.1f} tok/s  "
+                    f"({res['tokens']} tokens in {res['seconds']:.1f}s)",
+                    flush=True,
+                )
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -432,17 +466,27 @@ def main() -> None:
             if base in tps:
                 r = tps[fastest][key] / tps[base][key]
                 figures[f"oxrl/{base}"] = round(r, 3)
-                print(f"oxrl / {base} = {r:.3f}  (goal >= {goal}: {'met' if r >= goal else 'NOT met'}; oxrl = {fastest}, {key})")
+                print(
+                    f"oxrl / {base} = {r:.3f}  (goal >= {goal}: {'met' if r >= goal else 'NOT met'}; oxrl = {fastest}, {key})"
+                )
     # the same work: per-step losses agree (same weights, rows, micro-batches, optimiser)
     if "plain" in results:
         ref = results["plain"][0]["losses"]
         for v, rs in results.items():
             if v not in ("plain", "oxrl-grouped"):
                 n = min(len(ref), len(rs[0]["losses"]))
-                figures.setdefault("max_loss_diff_vs_plain", {})[v] = float(f"{max(abs(a - b) for a, b in zip(ref[:n], rs[0]['losses'][:n])):.2e}")
+                figures.setdefault("max_loss_diff_vs_plain", {})[v] = float(
+                    f"{max(abs(a - b) for a, b in zip(ref[:n], rs[0]['losses'][:n])):.2e}"
+                )
     figures["last_loss"] = {v: round(rs[0]["losses"][-1], 5) for v, rs in results.items()}
-    figures.update(rounds=args.rounds, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                   threads=args.threads, script_s=round(time.perf_counter() - t_start, 1))
+    figures.update(
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        script_s=round(time.perf_counter() - t_start, 1),
+    )
     print(json.dumps(figures))
 
 

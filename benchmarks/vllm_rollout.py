@@ -107,19 +107,39 @@ def main() -> None:
         if args.lora:
             model = apply_lora(model, LoraConfig(enabled=True, r=args.lora, alpha=2 * args.lora))
         prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in task_rows("train")[: args.prompts]]
-        backend, start_s = timed(lambda: VLLMRolloutBackend.build(model, tokenizer, str(model_dir), RolloutConfig(backend="vllm", options={"lora": args.lora_mode})))
+        backend, start_s = timed(
+            lambda: VLLMRolloutBackend.build(
+                model, tokenizer, str(model_dir), RolloutConfig(backend="vllm", options={"lora": args.lora_mode})
+            )
+        )
         llm, eos = backend.llm, tokenizer.eos_token_id
 
         def oxrl_side(seed: int) -> int:
-            groups = backend.generate(prompt_ids, SamplingParams(args.n, args.max_new_tokens, args.temperature, seed=seed))
+            groups = backend.generate(
+                prompt_ids, SamplingParams(args.n, args.max_new_tokens, args.temperature, seed=seed)
+            )
             return sum(len(c.token_ids) for g in groups for c in g)
 
         def plain_side(seed: int) -> int:
-            params = [VLLMSamplingParams(n=args.n, max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                         seed=request_seed(seed, i), logprobs=0, ignore_eos=True, stop_token_ids=[eos],
-                                         detokenize=False) for i in range(len(prompt_ids))]
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
-                                   lora_request=backend.lora_request)
+            params = [
+                VLLMSamplingParams(
+                    n=args.n,
+                    max_tokens=args.max_new_tokens,
+                    temperature=args.temperature,
+                    seed=request_seed(seed, i),
+                    logprobs=0,
+                    ignore_eos=True,
+                    stop_token_ids=[eos],
+                    detokenize=False,
+                )
+                for i in range(len(prompt_ids))
+            ]
+            outputs = llm.generate(
+                [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+                params,
+                use_tqdm=False,
+                lora_request=backend.lora_request,
+            )
             return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
         sides = {"oxrl": oxrl_side, "plain": plain_side}
@@ -128,7 +148,7 @@ def main() -> None:
             fn(0)  # warm-up
         for round_ in range(args.repeats):
             counts = {}
-            for name, fn in (sides.items() if round_ % 2 == 0 else reversed(sides.items())):
+            for name, fn in sides.items() if round_ % 2 == 0 else reversed(sides.items()):
                 counts[name], seconds = timed(lambda: fn(round_ + 1))
                 rates[name].append(counts[name] / seconds)
             assert counts["oxrl"] == counts["plain"], counts  # the same work on both sides
@@ -139,8 +159,15 @@ def main() -> None:
             from oxrl_core.rollout_hf import HFRolloutBackend
 
             hf = HFRolloutBackend(model, tokenizer)
-            n_tokens, seconds = timed(lambda: sum(len(c.token_ids) for g in hf.generate(
-                prompt_ids, SamplingParams(args.n, args.max_new_tokens, args.temperature, seed=1)) for c in g))
+            n_tokens, seconds = timed(
+                lambda: sum(
+                    len(c.token_ids)
+                    for g in hf.generate(
+                        prompt_ids, SamplingParams(args.n, args.max_new_tokens, args.temperature, seed=1)
+                    )
+                    for c in g
+                )
+            )
             hf_rate = n_tokens / seconds
 
         # the weight sync: new trainer weights into the running engine, in place

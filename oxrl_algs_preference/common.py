@@ -17,7 +17,9 @@ def chosen_nll(logp_chosen: torch.Tensor, n_chosen: torch.Tensor) -> torch.Tenso
     return -logp_chosen.sum() / n_chosen.sum().clamp(min=1)
 
 
-def pair_metrics(reward_chosen: torch.Tensor, reward_rejected: torch.Tensor, logp_chosen=None, logp_rejected=None) -> dict:
+def pair_metrics(
+    reward_chosen: torch.Tensor, reward_rejected: torch.Tensor, logp_chosen=None, logp_rejected=None
+) -> dict:
     """The metrics every pairwise method logs (TRL's names): implicit rewards, margin, accuracy, logps."""
     metrics = {
         "rewards/chosen": reward_chosen.detach().mean(),

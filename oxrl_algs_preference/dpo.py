@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import chosen_nll, pair_metrics, sigmoid_loss
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class DPO(Algorithm):
@@ -32,8 +31,12 @@ class DPO(Algorithm):
 
     class Config(StrictModel):
         beta: float = Field(0.1, gt=0, description="β: strength of the KL regularisation towards the reference")
-        label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="ε: probability that a preference label is wrong (cDPO)")
-        nll_alpha: float = Field(0.0, ge=0, description="α: weight of an NLL term on the chosen responses (RPO); 0 = off")
+        label_smoothing: float = Field(
+            0.0, ge=0, lt=0.5, description="ε: probability that a preference label is wrong (cDPO)"
+        )
+        nll_alpha: float = Field(
+            0.0, ge=0, description="α: weight of an NLL term on the chosen responses (RPO); 0 = off"
+        )
 
     def loss(self, batch):
         beta = self.config.beta
@@ -44,7 +47,9 @@ class DPO(Algorithm):
         h = beta * (chosen_logratio - rejected_logratio)  # (B,)
         # L = −(1−ε)·log σ(h) − ε·log σ(−h), mean over pairs
         loss = sigmoid_loss(h, self.config.label_smoothing).mean()
-        metrics = pair_metrics(beta * chosen_logratio, beta * rejected_logratio, batch["logp_chosen"], batch["logp_rejected"])
+        metrics = pair_metrics(
+            beta * chosen_logratio, beta * rejected_logratio, batch["logp_chosen"], batch["logp_rejected"]
+        )
         if self.config.nll_alpha > 0:
             nll = chosen_nll(batch["logp_chosen"], batch["n_chosen"])
             loss = loss + self.config.nll_alpha * nll

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import pair_metrics
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class IPO(Algorithm):
@@ -40,5 +39,7 @@ class IPO(Algorithm):
         g = chosen_logratio - rejected_logratio  # (B,)
         # L = (g − 1/(2β))²
         loss = ((g - 1 / (2 * beta)) ** 2).mean()
-        metrics = pair_metrics(beta * chosen_logratio, beta * rejected_logratio, batch["logp_chosen"], batch["logp_rejected"])
+        metrics = pair_metrics(
+            beta * chosen_logratio, beta * rejected_logratio, batch["logp_chosen"], batch["logp_rejected"]
+        )
         return loss, metrics

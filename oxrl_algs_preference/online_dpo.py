@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class OnlineDPO(Algorithm):
@@ -69,5 +68,7 @@ class OnlineDPO(Algorithm):
         # h = β·[(log π_θ(y_c) − log π_ref(y_c)) − (log π_θ(y_r) − log π_ref(y_r))]
         h = self.config.beta * (chosen_logratio - rejected_logratio)
         loss = sigmoid_loss(h, self.config.label_smoothing).mean()
-        metrics = pair_metrics(self.config.beta * chosen_logratio, self.config.beta * rejected_logratio, logp_chosen, logp_rejected)
+        metrics = pair_metrics(
+            self.config.beta * chosen_logratio, self.config.beta * rejected_logratio, logp_chosen, logp_rejected
+        )
         return loss, metrics

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import chosen_nll, pair_metrics
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 def log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
@@ -49,5 +48,7 @@ class ORPO(Algorithm):
         # L = NLL(y_c) + λ·L_OR
         loss = nll + lam * loss_or
         metrics = pair_metrics(lam * avg_chosen, lam * avg_rejected, batch["logp_chosen"], batch["logp_rejected"])
-        metrics.update({"loss/nll": nll.detach(), "loss/or": loss_or.detach(), "log_odds_ratio": log_odds_ratio.detach().mean()})
+        metrics.update(
+            {"loss/nll": nll.detach(), "loss/or": loss_or.detach(), "log_odds_ratio": log_odds_ratio.detach().mean()}
+        )
         return loss, metrics

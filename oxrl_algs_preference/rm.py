@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import pair_metrics
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class RM(Algorithm):

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class SimPO(Algorithm):

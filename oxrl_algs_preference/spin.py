@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class SPIN(Algorithm):
@@ -36,7 +35,9 @@ class SPIN(Algorithm):
 
     class Config(StrictModel):
         beta: float = Field(0.1, gt=0, description="λ (β in DPO terms): strength of the regularisation towards π_θt")
-        iterations: int = Field(2, ge=1, description="self-play iterations; train.max_steps is split evenly between them")
+        iterations: int = Field(
+            2, ge=1, description="self-play iterations; train.max_steps is split evenly between them"
+        )
 
     def iterations(self) -> int:
         return self.config.iterations
@@ -49,4 +50,6 @@ class SPIN(Algorithm):
         # h = λ·[(log π_θ(y) − log π_θt(y)) − (log π_θ(y') − log π_θt(y'))]
         h = beta * (chosen_logratio - rejected_logratio)  # (B,)
         loss = sigmoid_loss(h).mean()
-        return loss, pair_metrics(beta * chosen_logratio, beta * rejected_logratio, batch["logp_chosen"], batch["logp_rejected"])
+        return loss, pair_metrics(
+            beta * chosen_logratio, beta * rejected_logratio, batch["logp_chosen"], batch["logp_rejected"]
+        )

@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_rl.common import group_advantages, masked_mean
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class CISPO(Algorithm):
@@ -32,13 +31,17 @@ class CISPO(Algorithm):
     min_group_size = 2
 
     class Config(StrictModel):
-        eps_low: float = Field(1.0, ge=0, le=1, description="ε_low: IS weight clipped below at 1 − ε_low (1 = no bound)")
+        eps_low: float = Field(
+            1.0, ge=0, le=1, description="ε_low: IS weight clipped below at 1 − ε_low (1 = no bound)"
+        )
         eps_high: float = Field(0.28, ge=0, description="ε_high: IS weight clipped above at 1 + ε_high")
         scale_rewards: bool = Field(True, description="divide the centred rewards by the group std")
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
     def advantages(self, batch):
-        adv_seq = group_advantages(batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        adv_seq = group_advantages(
+            batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps
+        )  # (B,)
         return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": float(adv_seq.abs().mean())}  # (B, T)
 
     def loss(self, batch):

@@ -37,7 +37,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(π_θ || π_ref) (Schulman 2020), unbiased and never negative:
 
-        KL_t ≈ exp(Δ_t) − Δ_t − 1,   Δ_t = log π_ref(o_t) − log π_θ(o_t)
+    KL_t ≈ exp(Δ_t) − Δ_t − 1,   Δ_t = log π_ref(o_t) − log π_θ(o_t)
     """
     delta = logp_ref - logp  # (B, T)
     return delta.exp() - delta - 1  # (B, T)

@@ -30,9 +30,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_rl.common import masked_mean
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 def discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
@@ -44,7 +43,9 @@ def discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     return x @ weights  # (B, T)
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over masked token positions.
 
     rewards, values, mask (B, T) -> advantages A (B, T), returns R = A + V (B, T); zero off the mask.
@@ -73,9 +74,15 @@ class PPO(Algorithm):
         value_clip: float = Field(0.2, ge=0, description="ε_V: value clip range around the old values")
         vf_coef: float = Field(0.5, ge=0, description="c_V: weight of the value loss")
         ent_coef: float = Field(0.0, ge=0, description="c_H: weight of the entropy bonus")
-        kl_coeff: float = Field(0.05, ge=0, description="β: per-token KL penalty to the reference, folded into the reward")
-        whiten_advantages: bool = Field(True, description="normalise advantages to mean 0, std 1 over the batch's tokens")
-        critic: Literal["shared", "separate"] = Field("shared", description="value head on the policy's backbone, or on its own copy")
+        kl_coeff: float = Field(
+            0.05, ge=0, description="β: per-token KL penalty to the reference, folded into the reward"
+        )
+        whiten_advantages: bool = Field(
+            True, description="normalise advantages to mean 0, std 1 over the batch's tokens"
+        )
+        critic: Literal["shared", "separate"] = Field(
+            "shared", description="value head on the policy's backbone, or on its own copy"
+        )
 
     def uses_ref(self) -> bool:
         return self.config.kl_coeff > 0

@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
-
 from oxrl_algs_rl.common import group_advantages, k3_kl, masked_mean
+from oxrl_core.interfaces import Algorithm, StrictModel
 
 
 class SGRPO(Algorithm):
@@ -44,7 +43,9 @@ class SGRPO(Algorithm):
     class Config(StrictModel):
         clip_low: float = Field(0.2, ge=0, le=1, description="ε_low: the ratio is clipped below at 1 − ε_low")
         clip_high: float = Field(0.28, ge=0, description="ε_high: the ratio is clipped above at 1 + ε_high")
-        kl_coeff: float = Field(0.0, ge=0, description="β: weight of the k3 KL to the reference model (0 = no reference)")
+        kl_coeff: float = Field(
+            0.0, ge=0, description="β: weight of the k3 KL to the reference model (0 = no reference)"
+        )
         scale_rewards: bool = Field(True, description="divide by the group std (false = Dr. GRPO's centred rewards)")
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
@@ -53,7 +54,9 @@ class SGRPO(Algorithm):
 
     def advantages(self, batch):
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
-        adv_seq = group_advantages(batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        adv_seq = group_advantages(
+            batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps
+        )  # (B,)
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
         return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean())}
 
@@ -76,9 +79,11 @@ class SGRPO(Algorithm):
         # token-level aggregation: (1/Σ|o_i|) Σ_i Σ_t
         loss = masked_mean(per_token, mask)
         clipped = ((ratio < 1 - c.clip_low) & (adv < 0)) | ((ratio > 1 + c.clip_high) & (adv > 0))
-        metrics.update({
-            "loss/policy": masked_mean(policy_term, mask).detach(),
-            "clip/frac": masked_mean(clipped.float(), mask).detach(),
-            "ratio/mean": masked_mean(ratio, mask).detach(),
-        })
+        metrics.update(
+            {
+                "loss/policy": masked_mean(policy_term, mask).detach(),
+                "clip/frac": masked_mean(clipped.float(), mask).detach(),
+                "ratio/mean": masked_mean(ratio, mask).detach(),
+            }
+        )
         return loss, metrics

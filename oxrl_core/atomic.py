@@ -66,8 +66,9 @@ def free_mb(path: Path) -> float:
         return float("nan")
 
 
-def write_error(path: Path, exc: BaseException, needed_bytes: int | None = None, intact: str = "",
-                resume_dir: Path | None = None) -> OxrlError:
+def write_error(
+    path: Path, exc: BaseException, needed_bytes: int | None = None, intact: str = "", resume_dir: Path | None = None
+) -> OxrlError:
     """One message for a failed write: disk full (with MB needed/free) or another I/O error, naming `path`.
 
     `intact` says what survived (e.g. "the last complete checkpoint X is intact"); `resume_dir` adds the
@@ -77,6 +78,10 @@ def write_error(path: Path, exc: BaseException, needed_bytes: int | None = None,
     resume = f" and resume with: oxrl run --resume -o {resume_dir}" if resume_dir is not None else ""
     if is_disk_full(exc):
         needed = f"{needed_bytes / 2**20:.0f} MB needed, " if needed_bytes else ""
-        return OxrlError(f"disk full at {path}: {needed}{free_mb(path):.0f} MB free{after}; free space{resume or ' and try again'}")
+        return OxrlError(
+            f"disk full at {path}: {needed}{free_mb(path):.0f} MB free{after}; free space{resume or ' and try again'}"
+        )
     reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return OxrlError(f"cannot write {path}: {reason}{after}; check the disk and its permissions{resume or ' and try again'}")
+    return OxrlError(
+        f"cannot write {path}: {reason}{after}; check the disk and its permissions{resume or ' and try again'}"
+    )

@@ -58,42 +58,71 @@ def _load_config(path: str, trust_remote_code: bool):
 
 def _chat_template(tokenizer, problems: list) -> dict:
     """Present, renders the conversation and a generation prompt, and the prompt is a prefix of the conversation."""
-    info = {"present": bool(getattr(tokenizer, "chat_template", None)), "renders_conversation": False,
-            "renders_generation_prompt": False, "generation_header": "", "completion_follows": False, "prompt_tail": ""}
+    info = {
+        "present": bool(getattr(tokenizer, "chat_template", None)),
+        "renders_conversation": False,
+        "renders_generation_prompt": False,
+        "generation_header": "",
+        "completion_follows": False,
+        "prompt_tail": "",
+    }
     if not info["present"]:
-        _problem(problems, "warning", "the tokenizer has no chat template: chat-format rows (`messages`, prompt lists) cannot be rendered "
-                 "and plain-string prompts are used as they are",
-                 "set `chat_template` in tokenizer_config.json (e.g. copy the instruct model's), or train on plain-text "
-                 "prompts (oxRL then encodes the prompt string as it is)")
+        _problem(
+            problems,
+            "warning",
+            "the tokenizer has no chat template: chat-format rows (`messages`, prompt lists) cannot be rendered "
+            "and plain-string prompts are used as they are",
+            "set `chat_template` in tokenizer_config.json (e.g. copy the instruct model's), or train on plain-text "
+            "prompts (oxRL then encodes the prompt string as it is)",
+        )
         return info
     try:
         conversation = tokenizer.apply_chat_template(_CONVERSATION, tokenize=False)
         info["renders_conversation"] = "2+3" in conversation and "5" in conversation.split("2+3", 1)[1]
     except Exception as exc:  # noqa: BLE001 - a template that raises (e.g. wants a system turn)
-        _problem(problems, "warning", f"the chat template fails on a user/assistant conversation: {type(exc).__name__}: {exc}",
-                 "fix `chat_template` in tokenizer_config.json, or train on plain-text prompts")
+        _problem(
+            problems,
+            "warning",
+            f"the chat template fails on a user/assistant conversation: {type(exc).__name__}: {exc}",
+            "fix `chat_template` in tokenizer_config.json, or train on plain-text prompts",
+        )
         return info
     try:
         plain = tokenizer.apply_chat_template(_CONVERSATION[:1], tokenize=False, add_generation_prompt=False)
         prompt = tokenizer.apply_chat_template(_CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001
-        _problem(problems, "warning", f"the chat template fails on a generation prompt: {type(exc).__name__}: {exc}",
-                 "fix `chat_template` in tokenizer_config.json")
+        _problem(
+            problems,
+            "warning",
+            f"the chat template fails on a generation prompt: {type(exc).__name__}: {exc}",
+            "fix `chat_template` in tokenizer_config.json",
+        )
         return info
     info["renders_generation_prompt"] = "2+3" in prompt
-    info["generation_header"] = prompt[len(plain):] if prompt.startswith(plain) else prompt  # '' for Mistral's [INST]
+    info["generation_header"] = prompt[len(plain) :] if prompt.startswith(plain) else prompt  # '' for Mistral's [INST]
     info["prompt_tail"] = prompt[-24:]
     eos = tokenizer.eos_token
     # the completion is appended to the rendered prompt: the template's own assistant turn must start the same way
-    rest = conversation[len(prompt):] if conversation.startswith(prompt) else None
-    info["completion_follows"] = rest is not None and rest.lstrip().startswith("5") and not (eos and prompt.rstrip().endswith(eos))
+    rest = conversation[len(prompt) :] if conversation.startswith(prompt) else None
+    info["completion_follows"] = (
+        rest is not None and rest.lstrip().startswith("5") and not (eos and prompt.rstrip().endswith(eos))
+    )
     if not info["renders_conversation"] or not info["renders_generation_prompt"]:
-        _problem(problems, "warning", "the chat template does not render the messages' content",
-                 "fix `chat_template` in tokenizer_config.json")
+        _problem(
+            problems,
+            "warning",
+            "the chat template does not render the messages' content",
+            "fix `chat_template` in tokenizer_config.json",
+        )
     elif not info["completion_follows"]:
-        _problem(problems, "warning", f"the rendered prompt (…{info['prompt_tail']!r}) is not how the template's own "
-                 "conversation continues into the assistant turn: a completion appended to it is not a turn the "
-                 "template would produce", "fix the template's `add_generation_prompt` branch to open the assistant turn")
+        _problem(
+            problems,
+            "warning",
+            f"the rendered prompt (…{info['prompt_tail']!r}) is not how the template's own "
+            "conversation continues into the assistant turn: a completion appended to it is not a turn the "
+            "template would produce",
+            "fix the template's `add_generation_prompt` branch to open the assistant turn",
+        )
     return info
 
 
@@ -104,12 +133,21 @@ def _tokens(tokenizer, problems: list) -> dict:
     info = {"eos": token("eos"), "pad": token("pad"), "bos": token("bos")}
     info["pad_is_eos"] = info["pad"]["id"] is not None and info["pad"]["id"] == info["eos"]["id"]
     if info["eos"]["id"] is None:
-        _problem(problems, "error", "the tokenizer has no EOS token: oxRL ends every completion with EOS and stops sampling on it",
-                 "set `eos_token` in tokenizer_config.json (e.g. the template's end-of-turn token)")
+        _problem(
+            problems,
+            "error",
+            "the tokenizer has no EOS token: oxRL ends every completion with EOS and stops sampling on it",
+            "set `eos_token` in tokenizer_config.json (e.g. the template's end-of-turn token)",
+        )
     elif info["pad"]["id"] is None:
         info["pad"] = dict(info["eos"])
         info["pad_is_eos"] = True
-        _problem(problems, "note", "the tokenizer has no pad token", "nothing to do: oxRL uses EOS as pad (padding is masked out)")
+        _problem(
+            problems,
+            "note",
+            "the tokenizer has no pad token",
+            "nothing to do: oxRL uses EOS as pad (padding is masked out)",
+        )
     return info
 
 
@@ -122,8 +160,11 @@ def _attention(text) -> dict:
     if window and getattr(text, "use_sliding_window", True) is False and "sliding_attention" not in layer_types:
         window = None  # Qwen2/Qwen3 carry a window they do not use
     return {
-        "hidden_size": hidden, "num_layers": getattr(text, "num_hidden_layers", None),
-        "num_heads": heads, "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads, "head_dim": head_dim,
+        "hidden_size": hidden,
+        "num_layers": getattr(text, "num_hidden_layers", None),
+        "num_heads": heads,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
         "sliding_window": window or None,
         "sliding_layers": sum(t == "sliding_attention" for t in layer_types) if window and layer_types else None,
         "attn_logit_softcapping": getattr(text, "attn_logit_softcapping", None),
@@ -132,8 +173,10 @@ def _attention(text) -> dict:
 
 
 def _moe(text) -> dict | None:
-    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(text, k, None)), None)
+    experts = next(
+        (getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(text, k, None)),
+        None,
+    )
     if not experts:
         return None
     per_token = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_topk") if getattr(text, k, None)), None)
@@ -151,10 +194,16 @@ def _prefill_cache(model, config) -> tuple[bool, str]:
     try:
         cache = DynamicCache(config=config)
     except Exception as exc:  # noqa: BLE001
-        return False, f"transformers cannot lay a cache out for this config ({type(exc).__name__}): default generate path"
+        return (
+            False,
+            f"transformers cannot lay a cache out for this config ({type(exc).__name__}): default generate path",
+        )
     kinds = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if not cache.layers or kinds:
-        return False, f"cache layers {', '.join(kinds) or 'none'} (sliding window / linear attention): default generate path"
+        return (
+            False,
+            f"cache layers {', '.join(kinds) or 'none'} (sliding window / linear attention): default generate path",
+        )
     return True, "prompts prefilled once per group, preallocated KV buffers"
 
 
@@ -171,8 +220,11 @@ def _lora(model) -> tuple[bool, str, list[str]]:
     names = sorted({n.rsplit(".", 1)[-1] for n in full})
     if not full:
         return False, "no nn.Linear layer in the language model: set lora.target_modules explicitly", []
-    excluded = [p for p in ("experts", "vision_tower", "multi_modal_projector")
-                if any(p in n.split(".") for n, _ in model.named_modules())]
+    excluded = [
+        p
+        for p in ("experts", "vision_tower", "multi_modal_projector")
+        if any(p in n.split(".") for n, _ in model.named_modules())
+    ]
     detail = f"all-linear: {len(full)} layers ({', '.join(names)})"
     if excluded:
         detail += f"; left out: {', '.join(excluded)}"
@@ -229,8 +281,12 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001
-        _problem(problems, "error", f"cannot load the tokenizer: {_one_line(exc)}",
-                 "save the tokenizer next to the model (tokenizer.save_pretrained(dir))")
+        _problem(
+            problems,
+            "error",
+            f"cannot load the tokenizer: {_one_line(exc)}",
+            "save the tokenizer next to the model (tokenizer.save_pretrained(dir))",
+        )
     if tokenizer is not None:
         report["vocab"]["tokenizer"] = len(tokenizer)
         report["tokens"] = _tokens(tokenizer, problems)
@@ -243,25 +299,42 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
     model = None
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa", trust_remote_code=trust_remote_code, output_loading_info=True)
+            path,
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
     except Exception as exc:  # noqa: BLE001
-        _problem(problems, "error", f"cannot load a causal LM: {_one_line(exc)}",
-                 "oxRL trains models AutoModelForCausalLM can load: check the weights files and `architectures`/`model_type` "
-                 "in config.json (custom code needs trust_remote_code)")
+        _problem(
+            problems,
+            "error",
+            f"cannot load a causal LM: {_one_line(exc)}",
+            "oxRL trains models AutoModelForCausalLM can load: check the weights files and `architectures`/`model_type` "
+            "in config.json (custom code needs trust_remote_code)",
+        )
     if model is not None:
         report["architecture"] = type(model).__name__ if report["architecture"] is None else report["architecture"]
         report["loaded_class"] = type(model).__name__
         report["parameters"] = sum(p.numel() for p in model.parameters())
         missing = list(loading.get("missing_keys") or [])
         if missing:
-            _problem(problems, "error", f"{len(missing)} weights missing from the checkpoint (e.g. {missing[0]}): "
-                     "from_pretrained initialises them at random",
-                     "re-save the model with all its weights (a LoRA export must be merged)")
+            _problem(
+                problems,
+                "error",
+                f"{len(missing)} weights missing from the checkpoint (e.g. {missing[0]}): "
+                "from_pretrained initialises them at random",
+                "re-save the model with all its weights (a LoRA export must be merged)",
+            )
         head = model.get_output_embeddings()
         embed = model.get_input_embeddings()
         if head is None:
-            _problem(problems, "error", f"{type(model).__name__} has no LM head (output embeddings)",
-                     "use a causal-LM checkpoint (…ForCausalLM / …ForConditionalGeneration)")
+            _problem(
+                problems,
+                "error",
+                f"{type(model).__name__} has no LM head (output embeddings)",
+                "use a causal-LM checkpoint (…ForCausalLM / …ForConditionalGeneration)",
+            )
         if embed is not None:
             report["vocab"]["embedding_rows"] = int(embed.weight.shape[0])
         _paths(report, model, config, text, problems)
@@ -269,9 +342,13 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
 
     rows, tok = report["vocab"]["embedding_rows"], report["vocab"]["tokenizer"]
     if rows is not None and tok is not None and tok > rows:
-        _problem(problems, "error", f"the tokenizer has {tok} tokens but the embedding only {rows} rows: "
-                 "token ids ≥ {rows} index out of range".replace("{rows}", str(rows)),
-                 "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) and save, or use the model's own tokenizer")
+        _problem(
+            problems,
+            "error",
+            f"the tokenizer has {tok} tokens but the embedding only {rows} rows: "
+            "token ids ≥ {rows} index out of range".replace("{rows}", str(rows)),
+            "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) and save, or use the model's own tokenizer",
+        )
     report["ok"] = not any(p["severity"] == "error" for p in problems)
     return report
 
@@ -288,8 +365,11 @@ def _paths(report: dict, model, config, text, problems: list) -> None:
     paths["lora"] = {"applies": applies, "detail": detail}
     report["lora_targets"] = names
     hidden = getattr(text, "hidden_size", None)
-    paths["critic"] = ({"applies": True, "detail": f"value head on hidden size {hidden} (text config)"} if hidden
-                       else {"applies": False, "detail": "no hidden_size in the text config: PPO's critic cannot be built"})
+    paths["critic"] = (
+        {"applies": True, "detail": f"value head on hidden size {hidden} (text config)"}
+        if hidden
+        else {"applies": False, "detail": "no hidden_size in the text config: PPO's critic cannot be built"}
+    )
     try:
         applies, detail = _chunked_head(model)
     except Exception as exc:  # noqa: BLE001 - the probe is the trainer's own; report it rather than crash
@@ -299,17 +379,33 @@ def _paths(report: dict, model, config, text, problems: list) -> None:
     if head_dim in VLLM_CPU_HEAD_SIZES:
         paths["vllm_cpu"] = {"applies": True, "detail": f"head_dim {head_dim} is supported by vLLM's CPU kernels"}
     else:
-        paths["vllm_cpu"] = {"applies": False, "detail": f"head_dim {head_dim} is not one of vLLM's CPU kernel sizes "
-                             f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); vLLM on a GPU may still run it"}
-        _problem(problems, "warning", f"rollout.backend=vllm cannot run this model on CPU (head_dim {head_dim})",
-                 "use rollout.backend=hf on CPU (the default), or vLLM on a GPU")
+        paths["vllm_cpu"] = {
+            "applies": False,
+            "detail": f"head_dim {head_dim} is not one of vLLM's CPU kernel sizes "
+            f"({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}); vLLM on a GPU may still run it",
+        }
+        _problem(
+            problems,
+            "warning",
+            f"rollout.backend=vllm cannot run this model on CPU (head_dim {head_dim})",
+            "use rollout.backend=hf on CPU (the default), or vLLM on a GPU",
+        )
     if not hidden:
-        _problem(problems, "warning", "no hidden_size in the text config: PPO's critic cannot be built",
-                 "use an algorithm without a critic (GRPO-style: sgrpo, cispo)")
+        _problem(
+            problems,
+            "warning",
+            "no hidden_size in the text config: PPO's critic cannot be built",
+            "use an algorithm without a critic (GRPO-style: sgrpo, cispo)",
+        )
     softcap = report["attention"]["attn_logit_softcapping"]
     if softcap is not None:
-        _problem(problems, "warning", f"attention soft-capping ({softcap}) is skipped by sdpa attention (transformers' "
-                 "own behaviour, padded and packed alike)", "set model.attn_implementation=eager to apply it (slower)")
+        _problem(
+            problems,
+            "warning",
+            f"attention soft-capping ({softcap}) is skipped by sdpa attention (transformers' "
+            "own behaviour, padded and packed alike)",
+            "set model.attn_implementation=eager to apply it (slower)",
+        )
 
 
 # ---------------------------------------------------------------------- rendering
@@ -336,33 +432,51 @@ def render(report: dict, console) -> None:
     if report["nested_text_config"]:
         mt += f" (text config nested: {report['text_model_type']})"
     table.add_row("model_type", escape(mt))
-    table.add_row("parameters", f"{report['parameters']:,}" if report["parameters"] is not None else "[red]not loaded[/red]")
-    table.add_row("vocabulary", f"config {vocab['config']}, embedding rows {vocab['embedding_rows']}, tokenizer {vocab['tokenizer']}")
-    table.add_row("attention", f"{att['num_layers']} layers, hidden {att['hidden_size']}, heads {att['num_heads']}, "
-                  f"kv heads {att['num_kv_heads']}, head_dim {att['head_dim']}")
+    table.add_row(
+        "parameters", f"{report['parameters']:,}" if report["parameters"] is not None else "[red]not loaded[/red]"
+    )
+    table.add_row(
+        "vocabulary",
+        f"config {vocab['config']}, embedding rows {vocab['embedding_rows']}, tokenizer {vocab['tokenizer']}",
+    )
+    table.add_row(
+        "attention",
+        f"{att['num_layers']} layers, hidden {att['hidden_size']}, heads {att['num_heads']}, "
+        f"kv heads {att['num_kv_heads']}, head_dim {att['head_dim']}",
+    )
     window = att["sliding_window"]
     if window and att["sliding_layers"] is not None:
         window = f"{window} ({att['sliding_layers']}/{att['num_layers']} layers)"
     table.add_row("sliding window", str(window or "none"))
-    table.add_row("soft-capping", f"attention {att['attn_logit_softcapping'] or 'none'}, final logits {att['final_logit_softcapping'] or 'none'}")
+    table.add_row(
+        "soft-capping",
+        f"attention {att['attn_logit_softcapping'] or 'none'}, final logits {att['final_logit_softcapping'] or 'none'}",
+    )
     moe = report["moe"]
     table.add_row("MoE", f"{moe['num_experts']} experts, {moe['experts_per_token']} per token" if moe else "no")
     table.add_row("max positions", str(report["max_positions"]))
     table.add_row("tied embeddings", _yes(report["tied_embeddings"]))
     tokens = report["tokens"]
     if tokens:
+
         def show(t):
             return "[red]none[/red]" if t["id"] is None else f"{escape(repr(t['token']))} ({t['id']})"
 
-        table.add_row("EOS / pad / BOS", f"{show(tokens['eos'])} / {show(tokens['pad'])}"
-                      f"{' (= EOS)' if tokens['pad_is_eos'] else ''} / {show(tokens['bos'])}")
+        table.add_row(
+            "EOS / pad / BOS",
+            f"{show(tokens['eos'])} / {show(tokens['pad'])}"
+            f"{' (= EOS)' if tokens['pad_is_eos'] else ''} / {show(tokens['bos'])}",
+        )
     chat = report["chat_template"]
     if chat:
         if not chat["present"]:
             table.add_row("chat template", "[yellow]none[/yellow]")
         else:
-            table.add_row("chat template", f"renders conversation {_yes(chat['renders_conversation'])}, generation prompt "
-                          f"{_yes(chat['renders_generation_prompt'])}, completion follows {_yes(chat['completion_follows'])}")
+            table.add_row(
+                "chat template",
+                f"renders conversation {_yes(chat['renders_conversation'])}, generation prompt "
+                f"{_yes(chat['renders_generation_prompt'])}, completion follows {_yes(chat['completion_follows'])}",
+            )
     console.print(table)
 
     if report["paths"]:
@@ -381,8 +495,11 @@ def render(report: dict, console) -> None:
         for p in report["problems"]:
             problems.add_row(f"[{colour[p['severity']]}]{p['severity']}[/]", escape(p["problem"]), escape(p["fix"]))
         console.print(problems)
-    verdict = ("[green]oxRL can train this model[/green]" if report["ok"]
-               else "[bold red]oxRL cannot train this model as it is[/bold red] (see the errors above)")
+    verdict = (
+        "[green]oxRL can train this model[/green]"
+        if report["ok"]
+        else "[bold red]oxRL cannot train this model as it is[/bold red] (see the errors above)"
+    )
     console.print(verdict)
 
 

@@ -93,7 +93,11 @@ def check_finite(state: dict, dest: Path) -> None:
     """Refuse to write `state` (name -> tensor) if any tensor holds NaN/inf: one pass over the weights
     being saved. A poisoned checkpoint would make every later --resume fail, a poisoned final/ would be
     published as the trained model."""
-    bad = [name for name, t in state.items() if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [
+        name
+        for name, t in state.items()
+        if torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
     if not bad:
         return
     more = f" and {len(bad) - _NAMES_SHOWN} more" if len(bad) > _NAMES_SHOWN else ""
@@ -121,8 +125,9 @@ def _write_failed(exc: BaseException, tmp: Path, dest: Path, model) -> OxrlError
     run_dir = _run_dir_of(dest)
     last = latest_checkpoint(run_dir)
     intact = f"the last complete checkpoint {last} is intact" if last else "no earlier checkpoint was written"
-    return write_error(dest, exc, needed_bytes=_bytes_needed(model, dest), intact=intact,
-                       resume_dir=run_dir if last else None)
+    return write_error(
+        dest, exc, needed_bytes=_bytes_needed(model, dest), intact=intact, resume_dir=run_dir if last else None
+    )
 
 
 def _write_model(tmp: Path, model, tokenizer, dest: Path) -> None:
@@ -335,6 +340,7 @@ def check_engine_matches(ckpt: Path, expected: dict) -> None:
     partitioned per rank and stage); checkpoints without a record were written by the torch engine."""
     saved = json.loads((Path(ckpt) / STATE_FILE).read_text()).get("engine", {"name": "torch"})
     if saved != expected:
+
         def show(d: dict) -> str:
             return ", ".join(f"engine.{k}={v}" for k, v in d.items())
 

@@ -30,13 +30,19 @@ err = Console(stderr=True)
 
 @app.command()
 def run(
-    alg: Optional[str] = typer.Option(None, "--alg", "-a", help="algorithm name (see `oxrl plugins`); or `algorithm:` in the config"),
+    alg: Optional[str] = typer.Option(
+        None, "--alg", "-a", help="algorithm name (see `oxrl plugins`); or `algorithm:` in the config"
+    ),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file"),
     set_: list[str] = typer.Option([], "--set", "-s", help="override a config key: --set train.lr=1e-5 (repeatable)"),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="run directory (default runs/<alg>-<timestamp>)"),
+    output_dir: Optional[Path] = typer.Option(
+        None, "--output-dir", "-o", help="run directory (default runs/<alg>-<timestamp>)"
+    ),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint"),
     force_config: bool = typer.Option(
-        False, "--force-config", help="with --resume: allow --set/--config to change the model, data or algorithm of the checkpoint"
+        False,
+        "--force-config",
+        help="with --resume: allow --set/--config to change the model, data or algorithm of the checkpoint",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output; only the result and errors"),
 ):
@@ -46,9 +52,18 @@ def run(
     from oxrl_core.trainer import Trainer
 
     if force_config and not resume:
-        raise OxrlError("--force-config applies to --resume only (it allows changing a resumed checkpoint's model, data or algorithm)")
-    trainer = Trainer(alg=alg, config=config, overrides=set_, output_dir=output_dir, resume=resume, quiet=quiet,
-                      force_config=force_config)
+        raise OxrlError(
+            "--force-config applies to --resume only (it allows changing a resumed checkpoint's model, data or algorithm)"
+        )
+    trainer = Trainer(
+        alg=alg,
+        config=config,
+        overrides=set_,
+        output_dir=output_dir,
+        resume=resume,
+        quiet=quiet,
+        force_config=force_config,
+    )
     trainer.train()
 
 
@@ -60,7 +75,9 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
     registry = discover()
     rows = registry.rows()
     if as_json:
-        errors = [{"plugin": e.plugin, "package": e.package, "version": e.version, "error": e.error} for e in registry.errors]
+        errors = [
+            {"plugin": e.plugin, "package": e.package, "version": e.version, "error": e.error} for e in registry.errors
+        ]
         out.print_json(json.dumps({"plugins": rows, "errors": errors, "clashes": registry.clash_rows()}))
         return
     table = Table(title="oxRL plugins")
@@ -71,10 +88,17 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
         table.add_row(row["kind"], name, row["package"], row["version"])
     out.print(table)
     for clash in registry.clash_rows():
-        err.print(f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",
-                  highlight=False, soft_wrap=True)
+        err.print(
+            f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",
+            highlight=False,
+            soft_wrap=True,
+        )
     for e in registry.errors:
-        err.print(f"[red]failed to load[/red] plugin '{escape(e.plugin)}' ({escape(e.package)} {e.version}): {escape(e.error)}", highlight=False, soft_wrap=True)
+        err.print(
+            f"[red]failed to load[/red] plugin '{escape(e.plugin)}' ({escape(e.package)} {e.version}): {escape(e.error)}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @app.command()
@@ -91,21 +115,35 @@ def doctor():
     registry = discover()
     counts = {kind: len(names) for kind, names in registry.entries.items()}
     clashes = registry.clash_rows()
-    table.add_row("plugins", "[green]ok[/green]" if not (registry.errors or clashes) else "[red]errors[/red]",
-                  ", ".join(f"{n} {k}s" for k, n in counts.items()))
+    table.add_row(
+        "plugins",
+        "[green]ok[/green]" if not (registry.errors or clashes) else "[red]errors[/red]",
+        ", ".join(f"{n} {k}s" for k, n in counts.items()),
+    )
     out.print(table)
     for clash in clashes:
-        out.print(f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",
-                  highlight=False, soft_wrap=True)
+        out.print(
+            f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",
+            highlight=False,
+            soft_wrap=True,
+        )
     for e in registry.errors:
-        out.print(f"[red]plugin '{escape(e.plugin)}'[/red] ({escape(e.package)} {e.version}) failed to load: {escape(e.error)}", highlight=False, soft_wrap=True)
+        out.print(
+            f"[red]plugin '{escape(e.plugin)}'[/red] ({escape(e.package)} {e.version}) failed to load: {escape(e.error)}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @app.command()
 def score(
     reward: str = typer.Option(..., "--reward", "-r", help="reward name (see `oxrl plugins`) or file.py:Class"),
-    data: Path = typer.Option(..., "--data", "-d", help="JSONL/JSON/Parquet rows that hold a `completion` (plus the fields the reward needs)"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="write one JSON object per row here (default: stdout)"),
+    data: Path = typer.Option(
+        ..., "--data", "-d", help="JSONL/JSON/Parquet rows that hold a `completion` (plus the fields the reward needs)"
+    ),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="write one JSON object per row here (default: stdout)"
+    ),
     set_: list[str] = typer.Option([], "--set", "-s", help="a reward option: --set workers=4 (repeatable)"),
 ):
     """Score completions with a reward before a run: one JSON object per row with `score` and the reward's details."""
@@ -117,24 +155,42 @@ def score(
 @app.command("eval")
 def eval_(
     model: str = typer.Option(..., "--model", "-m", help="a model directory (e.g. runs/sft-.../final) or hub id"),
-    data: str = typer.Option("arith", "--data", "-d", help="held-out rows: a file, a dataset plugin (its eval split) or a hub id"),
+    data: str = typer.Option(
+        "arith", "--data", "-d", help="held-out rows: a file, a dataset plugin (its eval split) or a hub id"
+    ),
     reward: str = typer.Option("", "--reward", "-r", help="reward name; empty = the dataset plugin's own answer check"),
-    n: int = typer.Option(1, "--n", "-n", min=1, help="samples per prompt; n > 1 also reports pass@k for k = 1, 2, 4, ..., n"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", "-t", min=0.0, help="default: 0 (greedy) when n = 1, else 1.0"),
+    n: int = typer.Option(
+        1, "--n", "-n", min=1, help="samples per prompt; n > 1 also reports pass@k for k = 1, 2, 4, ..., n"
+    ),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", "-t", min=0.0, help="default: 0 (greedy) when n = 1, else 1.0"
+    ),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
     limit: int = typer.Option(0, "--limit", min=0, help="evaluate only the first N rows (0 = all)"),
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="prompts per generate call"),
     seed: int = typer.Option(0, "--seed"),
     backend: str = typer.Option("hf", "--backend", help="rollout backend plugin that generates"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="also write the report, with every completion and score, as JSON here"),
-    as_json: bool = typer.Option(False, "--json", help="print the report (without the samples) as JSON instead of a table"),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="also write the report, with every completion and score, as JSON here"
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="print the report (without the samples) as JSON instead of a table"
+    ),
 ):
     """Evaluate a model on held-out prompts: mean reward, pass@1 and pass@k."""
     from oxrl_core.eval_command import evaluate_model
 
     report = evaluate_model(
-        model=model, data=data, reward=reward, n=n, temperature=temperature, max_new_tokens=max_new_tokens,
-        limit=limit, batch_size=batch_size, seed=seed, backend=backend,
+        model=model,
+        data=data,
+        reward=reward,
+        n=n,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+        batch_size=batch_size,
+        seed=seed,
+        backend=backend,
     )
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +214,8 @@ def check_model(
 ):
     """Check a model before training: architecture, tokenizer, chat template, which oxRL paths apply, problems and fixes.
     Exits with status 2 when oxRL cannot train the model."""
-    from oxrl_core.check_model import check_model as inspect, render, to_json
+    from oxrl_core.check_model import check_model as inspect
+    from oxrl_core.check_model import render, to_json
 
     report = inspect(model, trust_remote_code=trust_remote_code)
     if as_json:
@@ -182,7 +239,9 @@ def new_plugin(
     if warning:
         err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
     alg = f"oxrl-{name}:{name}" if warning else name
-    out.print(f"created {root}\n  pip install -e {root}\n  oxrl run --alg {alg} --set train.max_steps=20", highlight=False)
+    out.print(
+        f"created {root}\n  pip install -e {root}\n  oxrl run --alg {alg} --set train.max_steps=20", highlight=False
+    )
 
 
 def main() -> None:

@@ -36,7 +36,9 @@ class SourceSpec(StrictModel):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    source: str = Field(..., min_length=1, description="a file, a saved `datasets` dir, a dataset plugin name or a hub id")
+    source: str = Field(
+        ..., min_length=1, description="a file, a saved `datasets` dir, a dataset plugin name or a hub id"
+    )
     ratio: float = Field(1.0, gt=0, description="sampling weight among the sources of data.train")
 
 
@@ -49,31 +51,44 @@ class DataConfig(StrictModel):
         description="a JSONL/Parquet/JSON file, a saved `datasets` dir, a dataset plugin name or a hub id; "
         "or {source, ratio, <plugin options>}; or a list of those, mixed by ratio",
     )
-    eval: Sources = Field("", description="held-out data (same forms, all rows); empty = the eval splits of the dataset plugins in data.train")
+    eval: Sources = Field(
+        "",
+        description="held-out data (same forms, all rows); empty = the eval splits of the dataset plugins in data.train",
+    )
 
     @field_validator("train", "eval", mode="before")
     @classmethod
     def _sources(cls, value: Any, info) -> Any:
         """One clear message per bad source instead of pydantic's attempt at every branch of the union."""
+
         def spec(item: Any, where: str) -> Any:
             if isinstance(item, str):
                 return item
             if not isinstance(item, dict):
-                raise ValueError(f"{where}{': ' if where else ''}expected a source string or a {{source, ratio, ...}} mapping, got {type(item).__name__}")
+                raise ValueError(
+                    f"{where}{': ' if where else ''}expected a source string or a {{source, ratio, ...}} mapping, got {type(item).__name__}"
+                )
             try:
                 return SourceSpec.model_validate(item)
             except ValidationError as exc:
                 first = exc.errors()[0]
-                raise ValueError(f"{where}{'.' if where else ''}{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+                raise ValueError(
+                    f"{where}{'.' if where else ''}{'.'.join(map(str, first['loc']))}: {first['msg']}"
+                ) from None
 
         if isinstance(value, list):
             if not value and info.field_name == "train":
                 raise ValueError("the list of sources is empty")
             return [spec(item, f"[{i}]") for i, item in enumerate(value)]
         return spec(value, "")
+
     max_length: int = Field(1024, gt=0, description="longer rows are truncated (completion side)")
-    group_by_length: bool = Field(False, description="batch rows of similar length together (less padding; changes the sample order)")
-    packing: bool = Field(False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)")
+    group_by_length: bool = Field(
+        False, description="batch rows of similar length together (less padding; changes the sample order)"
+    )
+    packing: bool = Field(
+        False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)"
+    )
 
 
 class TrainConfig(StrictModel):
@@ -82,36 +97,54 @@ class TrainConfig(StrictModel):
     batch_size: int = Field(8, gt=0, description="rows per micro-batch")
     grad_accum_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
     max_tokens_per_micro_batch: int = Field(
-        0, ge=0, description="token-budget batching: the optimiser batch (batch_size × grad_accum_steps rows; RL: each "
+        0,
+        ge=0,
+        description="token-budget batching: the optimiser batch (batch_size × grad_accum_steps rows; RL: each "
         "minibatch) is regrouped into micro-batches of at most this many tokens (padded width × rows, or the sum of "
         "lengths when packed), longest rows first; the gradient is the same, the peak memory bounded (0 = off)",
     )
     logits_chunk_size: int = Field(
-        1024, ge=0, description="per-token log-probabilities, entropy and KD's KL computed from the last hidden state "
+        1024,
+        ge=0,
+        description="per-token log-probabilities, entropy and KD's KL computed from the last hidden state "
         "this many scored tokens at a time (each chunk's logits recomputed in backward), so no (tokens, vocabulary) "
         "float32 tensor is built; 0 = the model's full logits",
     )
     save_steps: int = Field(
-        500, ge=0, description="checkpoint every N steps, or every train.save_minutes, whichever comes first "
-        "(0 = not by steps); Ctrl-C / SIGTERM always save one"
+        500,
+        ge=0,
+        description="checkpoint every N steps, or every train.save_minutes, whichever comes first "
+        "(0 = not by steps); Ctrl-C / SIGTERM always save one",
     )
-    save_minutes: float = Field(30.0, ge=0, description="checkpoint when this many minutes passed since the last one (0 = not by time)")
+    save_minutes: float = Field(
+        30.0, ge=0, description="checkpoint when this many minutes passed since the last one (0 = not by time)"
+    )
     save_total_limit: int = Field(
-        2, ge=0, description="keep only the newest N checkpoints (0 = keep all); the old name train.save_limit is accepted"
+        2,
+        ge=0,
+        description="keep only the newest N checkpoints (0 = keep all); the old name train.save_limit is accepted",
     )
     seed: int = Field(
-        42, ge=0, lt=2**32, description="0 <= seed < 2^32 (what every random generator oxRL seeds accepts, with room "
+        42,
+        ge=0,
+        lt=2**32,
+        description="0 <= seed < 2^32 (what every random generator oxRL seeds accepts, with room "
         "for the per-step seeds derived from it)",
     )
     warmup_steps: int = Field(0, ge=0)
     lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on a GPU that supports it")
-    log_steps: int = Field(10, gt=0, description="progress line every N steps when not on a terminal (metrics.jsonl gets every step)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto = bf16 autocast on a GPU that supports it"
+    )
+    log_steps: int = Field(
+        10, gt=0, description="progress line every N steps when not on a terminal (metrics.jsonl gets every step)"
+    )
     eval_steps: int = Field(0, ge=0, description="evaluate every N steps (0 = before and after training only)")
     precompute_ref_logps: bool = Field(
-        False, description="preference: reference log-probabilities of every pair once before training, then free the reference model"
+        False,
+        description="preference: reference log-probabilities of every pair once before training, then free the reference model",
     )
 
     @model_validator(mode="before")
@@ -129,23 +162,36 @@ class EngineConfig(StrictModel):
     in one process or, with ``world_size`` > 1, as Ray actors that each own one rank (one GPU each when
     there are GPUs); every optimiser step sees the same rows as a single-process run."""
 
-    name: Literal["torch", "deepspeed"] = Field("torch", description="torch (one process) or deepspeed (ZeRO, data parallel over Ray actors)")
+    name: Literal["torch", "deepspeed"] = Field(
+        "torch", description="torch (one process) or deepspeed (ZeRO, data parallel over Ray actors)"
+    )
     zero_stage: Literal[0, 1, 2, 3] = Field(
-        0, description="deepspeed: what is partitioned over the ranks: 0 nothing (plain data parallel), 1 optimizer states, "
-        "2 + gradients, 3 + parameters"
+        0,
+        description="deepspeed: what is partitioned over the ranks: 0 nothing (plain data parallel), 1 optimizer states, "
+        "2 + gradients, 3 + parameters",
     )
     world_size: int = Field(1, ge=1, description="deepspeed: training ranks; > 1 starts one Ray actor per rank")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when available (one GPU per rank)")
-    offload_optimizer: bool = Field(False, description="deepspeed, zero_stage >= 1: optimizer states and the update in CPU memory")
-    offload_params: bool = Field(False, description="deepspeed, zero_stage 3: partitioned parameters in CPU memory between uses")
-    rollout_shards: int = Field(
-        0, ge=0, description="RL: the rollout batch is sampled in this many seeded shards of whole prompts, dealt to the "
-        "ranks (0 = one per rank); runs with the same value draw the same samples whatever their world size"
+    offload_optimizer: bool = Field(
+        False, description="deepspeed, zero_stage >= 1: optimizer states and the update in CPU memory"
     )
-    ray_address: str = Field("", description="world_size > 1: the Ray cluster to join (e.g. 'auto'); empty = start a local one")
+    offload_params: bool = Field(
+        False, description="deepspeed, zero_stage 3: partitioned parameters in CPU memory between uses"
+    )
+    rollout_shards: int = Field(
+        0,
+        ge=0,
+        description="RL: the rollout batch is sampled in this many seeded shards of whole prompts, dealt to the "
+        "ranks (0 = one per rank); runs with the same value draw the same samples whatever their world size",
+    )
+    ray_address: str = Field(
+        "", description="world_size > 1: the Ray cluster to join (e.g. 'auto'); empty = start a local one"
+    )
     timeout_s: float = Field(
-        1800.0, gt=0, description="seconds a collective (torch.distributed) or a remote call (Ray) may wait before the run "
-        "stops with an error instead of hanging"
+        1800.0,
+        gt=0,
+        description="seconds a collective (torch.distributed) or a remote call (Ray) may wait before the run "
+        "stops with an error instead of hanging",
     )
 
     @model_validator(mode="after")
@@ -153,19 +199,25 @@ class EngineConfig(StrictModel):
         problems = []
         if self.name == "torch":
             if self.zero_stage:
-                problems.append(f"engine.zero_stage={self.zero_stage} needs engine.name: deepspeed (the torch engine partitions nothing)")
+                problems.append(
+                    f"engine.zero_stage={self.zero_stage} needs engine.name: deepspeed (the torch engine partitions nothing)"
+                )
             if self.world_size > 1:
                 problems.append(
                     f"engine.world_size={self.world_size} needs engine.name: deepspeed (the torch engine is one process; "
                     "data parallelism runs DeepSpeed ranks as Ray actors)"
                 )
             if self.offload_optimizer or self.offload_params:
-                problems.append("engine.offload_optimizer / engine.offload_params need engine.name: deepspeed with ZeRO")
+                problems.append(
+                    "engine.offload_optimizer / engine.offload_params need engine.name: deepspeed with ZeRO"
+                )
         else:
             if self.offload_optimizer and self.zero_stage == 0:
                 problems.append("engine.offload_optimizer needs ZeRO (engine.zero_stage 1, 2 or 3; got 0)")
             if self.offload_params and self.zero_stage != 3:
-                problems.append(f"engine.offload_params needs engine.zero_stage: 3 (only ZeRO-3 partitions parameters; got {self.zero_stage})")
+                problems.append(
+                    f"engine.offload_params needs engine.zero_stage: 3 (only ZeRO-3 partitions parameters; got {self.zero_stage})"
+                )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -178,12 +230,16 @@ class RolloutConfig(StrictModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     epochs: int = Field(1, gt=0, description="passes over each rollout batch")
-    minibatches: int = Field(1, gt=0, description="optimiser steps per pass (the rollout batch is split this many ways)")
+    minibatches: int = Field(
+        1, gt=0, description="optimiser steps per pass (the rollout batch is split this many ways)"
+    )
     micro_batch_size: int = Field(0, ge=0, description="sequences per forward/backward (0 = the whole minibatch)")
     strict_on_policy: bool = Field(True, description="refuse to train on a sample generated by another policy version")
     actors: int = Field(
-        0, ge=0, description="run the backend in this many Ray actors of its own, each loading the policy and synced "
-        "from the trainer (0 = inside the training process)"
+        0,
+        ge=0,
+        description="run the backend in this many Ray actors of its own, each loading the policy and synced "
+        "from the trainer (0 = inside the training process)",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
@@ -196,28 +252,34 @@ class RolloutConfig(StrictModel):
         "sequence; a gap to the trainer's logprobs above sync_tolerance stops the run (needs a backend with score())",
     )
     sync_tolerance: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="largest allowed |logprob gap| on the probe, in nats; 0 = by the trainer's precision: "
         "1e-3 in float32, 1.0 under bf16 autocast (bf16 rounding alone reaches ~0.2)",
     )
     max_logprob_diff: Optional[float] = Field(
-        None, ge=0,
+        None,
+        ge=0,
         description="mismatch alarm: a step whose rollout/logprob_diff (mean |trainer − rollout| logprob of the "
         "sampled tokens) exceeds this stops the run, checkpoints kept; unset = by the trainer's precision: "
         "0.01 nats in float32, 0.25 under bf16/fp16 autocast; 0 = off",
     )
     tis_cap: float = Field(
-        0.0, ge=0,
+        0.0,
+        ge=0,
         description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is "
         "weighted by min(π_old/π_rollout, tis_cap) against the rollout engine's numerics; 0 = off, e.g. 2",
     )
     max_reward_error_share: float = Field(
-        0.5, ge=0, le=1,
+        0.5,
+        ge=0,
+        le=1,
         description="a step whose share of samples the reward failed on (raised, timed out or returned a non-number: "
         "reward/error_share) is above this counts toward stopping the run; 1 = never stop",
     )
     reward_error_steps: int = Field(
-        3, ge=0,
+        3,
+        ge=0,
         description="stop the run (checkpoints kept) after this many steps in a row over max_reward_error_share; "
         "0 = never stop",
     )
@@ -235,7 +297,9 @@ class RewardConfig(StrictModel):
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    name: str = Field("", description="reward plugin, or `file.py:Class` / `module:Class`; empty = the algorithm's default")
+    name: str = Field(
+        "", description="reward plugin, or `file.py:Class` / `module:Class`; empty = the algorithm's default"
+    )
     timeout_s: float | None = Field(None, gt=0, description="seconds per scoring call (default: the reward's own)")
 
 
@@ -247,7 +311,8 @@ class LoraConfig(StrictModel):
     alpha: float = Field(32.0, gt=0, description="scaling: the update is (alpha / r) · B A")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input")
     target_modules: Union[str, list[str]] = Field(
-        "all-linear", description="module names to adapt (e.g. [q_proj, v_proj]), or `all-linear` (every linear layer but the output head)"
+        "all-linear",
+        description="module names to adapt (e.g. [q_proj, v_proj]), or `all-linear` (every linear layer but the output head)",
     )
 
 
@@ -284,7 +349,10 @@ TINY_RL_DEFAULTS = {
 
 
 #: ... and for preference algorithms (batch_size = pairs per step), which start from the warm start.
-TINY_PREF_DEFAULTS = {"train": {"lr": 1e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0}, "rollout": {"max_new_tokens": 8}}
+TINY_PREF_DEFAULTS = {
+    "train": {"lr": 1e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0},
+    "rollout": {"max_new_tokens": 8},
+}
 
 
 def _merge(base: dict, over: dict) -> dict:

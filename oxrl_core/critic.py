@@ -29,12 +29,16 @@ class Critic(nn.Module):
     def shared(self) -> bool:
         return self.backbone is None
 
-    def forward(self, policy_hidden: torch.Tensor | None, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, policy_hidden: torch.Tensor | None, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         """Values (B, L) from the policy's last hidden state (B, L, H) or from the critic's own backbone."""
         if self.backbone is None:
             hidden = policy_hidden
         else:
-            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            hidden = self.backbone(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+            ).last_hidden_state
         return self.head(hidden.float()).squeeze(-1)
 
 

@@ -71,7 +71,7 @@ def _decode(path: Path, data: bytes, lineno: int = 1, offset: int = 0) -> str:
     """``data`` (one line, or a whole file, starting at line ``lineno`` and byte ``offset`` of the file) as
     UTF-8 text; a BOM at the start of the file is dropped. A byte that is not UTF-8 is an `OxrlError`
     naming the file, its 1-based line and its byte offset, with the fix."""
-    body = data[len(UTF8_BOM):] if offset == 0 and data.startswith(UTF8_BOM) else data
+    body = data[len(UTF8_BOM) :] if offset == 0 and data.startswith(UTF8_BOM) else data
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -163,8 +163,10 @@ def _read_parquet(path: Path, field: str = "data.train") -> list[dict]:
         table = pq.read_table(path)
         rows = table.to_pylist()
     except UnicodeDecodeError as exc:  # a string column holding bytes that are not UTF-8
-        raise OxrlError(f"{path}: a string column holds bytes that are not valid UTF-8 ({exc.reason}); "
-                        "write the file with UTF-8 strings") from None
+        raise OxrlError(
+            f"{path}: a string column holds bytes that are not valid UTF-8 ({exc.reason}); "
+            "write the file with UTF-8 strings"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise OxrlError(f"{path}: cannot read Parquet: {exc}") from None
     return [{**row, "_row": i} for i, row in enumerate(rows, start=1)]
@@ -193,12 +195,16 @@ def read_data_file(path: Path, field: str = "data.train") -> list[dict]:
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
     suffix = data_suffix(path)
     if suffix not in readers or (suffix == ".parquet" and path.suffix.lower() in DECOMPRESS):
-        raise OxrlError(f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or path.name}' "
-                        f"(use {', '.join(FILE_SUFFIXES)}, JSON/JSONL also compressed as .gz, .bz2 or .xz)")
+        raise OxrlError(
+            f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or path.name}' "
+            f"(use {', '.join(FILE_SUFFIXES)}, JSON/JSONL also compressed as .gz, .bz2 or .xz)"
+        )
     return readers[suffix](path, field)
 
 
-def path_kind(spec: str, field: str, expected: str = "a data file or directory, a dataset plugin name or a hub id") -> str | None:
+def path_kind(
+    spec: str, field: str, expected: str = "a data file or directory, a dataset plugin name or a hub id"
+) -> str | None:
     """``"file"``, ``"dir"`` or None (nothing there) for a source or model string that may be a path.
 
     Any OS error while looking (a name longer than the file system allows, no permission on a parent
@@ -210,7 +216,11 @@ def path_kind(spec: str, field: str, expected: str = "a data file or directory, 
     except (OSError, ValueError) as exc:  # ValueError: an embedded NUL byte
         shown = spec if len(spec) <= 80 else f"{spec[:60]}...{spec[-12:]} ({len(spec)} characters)"
         reason = getattr(exc, "strerror", None) or str(exc)
-        hint = " (the file system allows at most 255 bytes per name)" if getattr(exc, "errno", None) == errno.ENAMETOOLONG else ""
+        hint = (
+            " (the file system allows at most 255 bytes per name)"
+            if getattr(exc, "errno", None) == errno.ENAMETOOLONG
+            else ""
+        )
         raise OxrlError(f"{field}: '{shown}' cannot be used as a path: {reason}{hint}; give {expected}") from None
 
 
@@ -241,7 +251,9 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
         except OxrlError:
             raise
         except Exception as exc:  # noqa: BLE001 - a plugin failing is reported with its name
-            raise OxrlError(f"dataset '{spec}' failed to produce its '{split}' split: {type(exc).__name__}: {exc}") from None
+            raise OxrlError(
+                f"dataset '{spec}' failed to produce its '{split}' split: {type(exc).__name__}: {exc}"
+            ) from None
         return Source([{**r, "_row": i} for i, r in enumerate(rows, start=1)], f"dataset '{spec}'", dataset)
     looks_like_file = path.suffix.lower() in FILE_SUFFIXES or spec.startswith((".", "/", "~")) or spec.count("/") > 1
     if looks_like_file or "/" not in spec:
@@ -335,7 +347,9 @@ def load_data(value, split: str, registry=None, field: str = "data.train") -> So
     if not specs:
         raise OxrlError(f"{field}: the list of sources is empty")
     taken: set[str] = set()
-    loaded = [(load_source(spec, split, registry, options, label), spec, ratio) for spec, ratio, options, label in specs]
+    loaded = [
+        (load_source(spec, split, registry, options, label), spec, ratio) for spec, ratio, options, label in specs
+    ]
     parts = [Part(_part_name(spec, taken), ratio, src.origin) for src, spec, ratio in loaded]
     if len(loaded) == 1:
         source = loaded[0][0]
@@ -359,7 +373,11 @@ def eval_source(data_cfg, registry, train_source: Source) -> Source | None:
         for spec, _, options, label in source_specs(data_cfg.train, "data.train")
         if path_kind(spec, label) is None and registry is not None and registry.has("dataset", spec)
     ]
-    held_out = [s for s in (load_source(spec, "eval", registry, options, label) for spec, options, label in plugin_specs) if s.rows]
+    held_out = [
+        s
+        for s in (load_source(spec, "eval", registry, options, label) for spec, options, label in plugin_specs)
+        if s.rows
+    ]
     if not held_out:
         return None
     if len(held_out) == 1:
@@ -443,7 +461,9 @@ def normalise_row(row: dict, fmt: str, origin: str) -> dict:
         if isinstance(row["prompt"], list):
             _check_messages(row["prompt"], where, "prompt")
         elif not isinstance(row["prompt"], str):
-            raise OxrlError(f"{where}: field 'prompt' must be a string or a list of messages, got {type(row['prompt']).__name__}")
+            raise OxrlError(
+                f"{where}: field 'prompt' must be a string or a list of messages, got {type(row['prompt']).__name__}"
+            )
     for field in REQUIRED[fmt]:
         if field in ("prompt", "label"):
             continue
@@ -486,7 +506,7 @@ def encode_row_prompt(tokenizer, row: dict, origin: str) -> list[int]:
         raise OxrlError(
             f"{row_where(row, origin)}: field 'prompt' encodes to no tokens (it is empty, and this tokenizer has no chat "
             "template and adds no BOS token); give the row a prompt or remove it (plain text without a prompt is "
-            "the CPT format: {\"text\": ...})"
+            'the CPT format: {"text": ...})'
         )
     return ids
 
@@ -495,8 +515,10 @@ def encode_row_completion(tokenizer, row: dict, field: str, origin: str) -> list
     """`encode_completion` of ``row[field]``; text that encodes to no tokens (before EOS) is an error."""
     ids = encode_completion(tokenizer, row[field])
     if len(ids) < 2:
-        raise OxrlError(f"{row_where(row, origin)}: field '{field}' encodes to no tokens with this tokenizer "
-                        f"({row[field]!r}); give it text the tokenizer can represent or remove the row")
+        raise OxrlError(
+            f"{row_where(row, origin)}: field '{field}' encodes to no tokens with this tokenizer "
+            f"({row[field]!r}); give it text the tokenizer can represent or remove the row"
+        )
     return ids
 
 
@@ -506,14 +528,19 @@ def rows_text(where: list[tuple[str, object]], limit: int = 5) -> str:
     for origin, row in where[:limit]:
         by_file.setdefault(origin, []).append(str(row))
     more = ", ..." if len(where) > limit else ""
-    return "; ".join(f"{origin} row{'s' if len(rows) > 1 else ''} {', '.join(rows)}" for origin, rows in by_file.items()) + more
+    return (
+        "; ".join(f"{origin} row{'s' if len(rows) > 1 else ''} {', '.join(rows)}" for origin, rows in by_file.items())
+        + more
+    )
 
 
 @dataclass
 class Tokenised:
     examples: list[dict]  # {"input_ids": [...], "labels": [...]}
     dropped: int = 0  # rows whose prompt leaves no room for a completion token in data.max_length
-    identical: list[tuple[str, object]] = dataclass_field(default_factory=list)  # (file, row) of pairs with chosen == rejected
+    identical: list[tuple[str, object]] = dataclass_field(
+        default_factory=list
+    )  # (file, row) of pairs with chosen == rejected
 
     def notes(self, max_length: int) -> list[str]:
         """One line per kind of dropped row, for the run's start-up output."""
@@ -521,8 +548,10 @@ class Tokenised:
         if self.dropped:
             notes.append(f"{self.dropped} rows dropped: their prompt fills data.max_length={max_length}")
         if self.identical:
-            notes.append(f"{len(self.identical)} preference pairs dropped: chosen equals rejected (after truncation "
-                         f"to data.max_length={max_length}), nothing to prefer: {rows_text(self.identical)}")
+            notes.append(
+                f"{len(self.identical)} preference pairs dropped: chosen equals rejected (after truncation "
+                f"to data.max_length={max_length}), nothing to prefer: {rows_text(self.identical)}"
+            )
         return notes
 
 
@@ -616,12 +645,16 @@ def _nothing_left(origin: str, out: Tokenised, max_length: int) -> OxrlError:
     """Why a source has no usable row left, and what to change."""
     if not out.identical:
         return OxrlError(f"{origin}: every row was longer than data.max_length={max_length} in its prompt")
-    same = f"{len(out.identical)} pairs have chosen equal to rejected (after truncation to data.max_length={max_length}: "
+    same = (
+        f"{len(out.identical)} pairs have chosen equal to rejected (after truncation to data.max_length={max_length}: "
+    )
     reasons = [f"{same}{rows_text(out.identical)})"]
     if out.dropped:
         reasons.append(f"{out.dropped} prompts fill data.max_length")
-    return OxrlError(f"{origin}: no usable preference pair: {'; '.join(reasons)}. Check the chosen/rejected fields "
-                     f"(a pair needs two different answers), or raise data.max_length if they differ only past it")
+    return OxrlError(
+        f"{origin}: no usable preference pair: {'; '.join(reasons)}. Check the chosen/rejected fields "
+        f"(a pair needs two different answers), or raise data.max_length if they differ only past it"
+    )
 
 
 # ----------------------------------------------------------------------------- batching
@@ -670,7 +703,6 @@ class BatchPlan:
         epoch, index = divmod(k, self.batches_per_epoch)
         return self.epoch(epoch)[index]
 
-
     def counts(self, indices: list[int]) -> dict[str, float]:
         """Per-source counts of a batch (``data/<name>``); one source has none."""
         return {}
@@ -715,7 +747,9 @@ class MixturePlan:
         if m not in self._blocks:
             np = self.np
             while len(self._starts) <= m:  # draws before each block, accumulated block by block
-                choice = np.random.default_rng([self.seed, len(self._starts) - 1]).choice(len(self.probs), self.BLOCK, p=self.probs)
+                choice = np.random.default_rng([self.seed, len(self._starts) - 1]).choice(
+                    len(self.probs), self.BLOCK, p=self.probs
+                )
                 self._starts.append(self._starts[-1] + np.bincount(choice, minlength=len(self.probs)))
             choice = np.random.default_rng([self.seed, m]).choice(len(self.probs), self.BLOCK, p=self.probs)
             draw = np.empty(self.BLOCK, dtype=np.int64)
@@ -758,7 +792,9 @@ class MixturePlan:
         return {f"data/{name}": float(n) for name, n in zip(self.names, found)}
 
 
-def make_plan(source: Source, sources_of: list[int], lengths: list[int], batch_size: int, seed: int, group_by_length: bool):
+def make_plan(
+    source: Source, sources_of: list[int], lengths: list[int], batch_size: int, seed: int, group_by_length: bool
+):
     """A `BatchPlan` for one source, a `MixturePlan` for several (length grouping does not apply to a mix)."""
     if source.parts is not None and len(source.parts) > 1:
         return MixturePlan(sources_of, source.parts, batch_size, seed)

@@ -69,7 +69,9 @@ def init_process_group(device_type: str, timeout_s: float) -> None:
     if dist.is_initialized():
         return
     if "OXRL_LAUNCHED" not in os.environ:  # a single process: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     dist.init_process_group(
         backend_for(device_type),
         init_method="env://",

@@ -48,7 +48,9 @@ def checks() -> list[tuple[str, bool, str]]:
         ("mlflow", "mlflow", None, "logging.mlflow"),
         ("wandb", "wandb", "wandb", "logging.wandb"),
     ]:
-        version = _version(dist) if dist else (_version(module) or _version(f"{module}-cpu") or _version(f"{module}-skinny"))
+        version = (
+            _version(dist) if dist else (_version(module) or _version(f"{module}-cpu") or _version(f"{module}-skinny"))
+        )
         if version is None:
             rows.append((label, False, f"not installed (needed for {why})"))
             continue

@@ -39,8 +39,16 @@ def ks_for(n: int) -> list[int]:
 
 
 def evaluate_model(
-    model: str, data: Any, reward: str = "", n: int = 1, temperature: float | None = None,
-    max_new_tokens: int = 64, limit: int = 0, batch_size: int = 32, seed: int = 0, backend: str = "hf",
+    model: str,
+    data: Any,
+    reward: str = "",
+    n: int = 1,
+    temperature: float | None = None,
+    max_new_tokens: int = 64,
+    limit: int = 0,
+    batch_size: int = 32,
+    seed: int = 0,
+    backend: str = "hf",
 ) -> dict:
     """Generate ``n`` completions per held-out prompt, score them, and return the report."""
     import torch
@@ -61,7 +69,9 @@ def evaluate_model(
     # data and reward first: bad input fails before a model loads
     source = load_data(data, "eval", registry, field="--data")
     if not source.rows:
-        raise OxrlError(f"--data: {source.origin} has no held-out rows (a dataset plugin without an eval split needs a file)")
+        raise OxrlError(
+            f"--data: {source.origin} has no held-out rows (a dataset plugin without an eval split needs a file)"
+        )
     rows = [normalise_row(r, "prompt", source.origin) for r in source.rows]
     if limit:
         rows = rows[:limit]
@@ -95,19 +105,27 @@ def evaluate_model(
     }
     for k in ks_for(n):
         metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(rows)
-    metrics.update({
-        "reward/errors": reward_metrics["reward/errors"],
-        "reward/timeouts": reward_metrics["reward/timeouts"],
-        "response/length": sum(lengths) / len(lengths),
-        "prompts": len(rows),
-        "samples": len(texts),
-    })
+    metrics.update(
+        {
+            "reward/errors": reward_metrics["reward/errors"],
+            "reward/timeouts": reward_metrics["reward/timeouts"],
+            "response/length": sum(lengths) / len(lengths),
+            "prompts": len(rows),
+            "samples": len(texts),
+        }
+    )
     samples = [
         {"row": r.get("_row"), "completions": texts[i * n : (i + 1) * n], "scores": scores[i * n : (i + 1) * n]}
         for i, r in enumerate(rows)
     ]
     return {
-        "model": model, "data": source.origin, "reward": getattr(scorer, "name", type(scorer).__name__),
-        "n": n, "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
-        "metrics": metrics, "samples": samples,
+        "model": model,
+        "data": source.origin,
+        "reward": getattr(scorer, "name", type(scorer).__name__),
+        "n": n,
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "metrics": metrics,
+        "samples": samples,
     }

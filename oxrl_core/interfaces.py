@@ -237,11 +237,15 @@ class RolloutBackend(ABC):
 
         options = dict(getattr(config, "options", None) or {})
         if options and not cls.Config.model_fields:
-            raise OxrlError(f"rollout.options: the '{cls.name}' rollout backend takes no options, got {sorted(options)}")
+            raise OxrlError(
+                f"rollout.options: the '{cls.name}' rollout backend takes no options, got {sorted(options)}"
+            )
         try:
             return cls.Config.model_validate(options)
         except ValidationError as exc:
-            raise format_validation_error(exc, cls.Config, f"rollout backend '{cls.name}'", prefix="rollout.options.") from None
+            raise format_validation_error(
+                exc, cls.Config, f"rollout backend '{cls.name}'", prefix="rollout.options."
+            ) from None
 
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "RolloutBackend":

@@ -53,12 +53,21 @@ class TrainActor:
     def node(self) -> dict:
         import ray
 
-        return {"rank": self.rank, "pid": os.getpid(), "ip": ray.util.get_node_ip_address(), "port": distributed.free_port()}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "ip": ray.util.get_node_ip_address(),
+            "port": distributed.free_port(),
+        }
 
     def run(self, spec: dict):
         os.environ.update(
-            OXRL_LAUNCHED="1", RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
-            MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]),
+            OXRL_LAUNCHED="1",
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK="0",
+            MASTER_ADDR=spec["master_addr"],
+            MASTER_PORT=str(spec["master_port"]),
         )
         if spec["threads"]:
             import torch
@@ -146,25 +155,40 @@ def launch(trainer, ckpt: Path | None):
     try:
         with lifecycle.kept_signal_handlers():  # Ctrl-C / SIGTERM stay oxRL's (a checkpoint, then exit 130 / 143)
             ray.init(
-                address=engine.ray_address or "local", include_dashboard=False, log_to_driver=True,
-                logging_level=logging.ERROR, runtime_env={"env_vars": _env_for_actors()},
+                address=engine.ray_address or "local",
+                include_dashboard=False,
+                log_to_driver=True,
+                logging_level=logging.ERROR,
+                runtime_env={"env_vars": _env_for_actors()},
             )
     except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
-        where = f"join the Ray cluster at engine.ray_address={engine.ray_address!r}" if engine.ray_address else "start a local Ray cluster"
+        where = (
+            f"join the Ray cluster at engine.ray_address={engine.ray_address!r}"
+            if engine.ray_address
+            else "start a local Ray cluster"
+        )
         raise OxrlError(f"could not {where}: {type(exc).__name__}: {exc}") from None
     actors, infos = [], []
     try:
         gpus, cpus, threads = _placement(ray, engine)
         actor_cls = ray.remote(TrainActor).options(num_gpus=gpus, num_cpus=cpus, max_restarts=0)
         actors = [actor_cls.remote(rank, engine.world_size) for rank in range(engine.world_size)]
-        infos = _get(ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors", infos)
-        (run_dir / "ranks.json").write_text(json.dumps([{k: i[k] for k in ("rank", "pid", "ip")} for i in infos], indent=2) + "\n")
+        infos = _get(
+            ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors", infos
+        )
+        (run_dir / "ranks.json").write_text(
+            json.dumps([{k: i[k] for k in ("rank", "pid", "ip")} for i in infos], indent=2) + "\n"
+        )
         spec = {
             "alg": trainer.config.algorithm if _by_name(trainer) else trainer.algorithm_cls,
             "config_yaml": (run_dir / "config.yaml").read_text(),
-            "run_dir": str(run_dir), "ckpt": str(Path(ckpt).resolve()) if ckpt else "",
-            "cwd": os.getcwd(), "quiet": trainer.quiet, "threads": threads,
-            "master_addr": infos[0]["ip"], "master_port": infos[0]["port"],
+            "run_dir": str(run_dir),
+            "ckpt": str(Path(ckpt).resolve()) if ckpt else "",
+            "cwd": os.getcwd(),
+            "quiet": trainer.quiet,
+            "threads": threads,
+            "master_addr": infos[0]["ip"],
+            "master_port": infos[0]["port"],
         }
         futures = {actor.run.remote(spec): rank for rank, actor in enumerate(actors)}
         lifecycle.STATE.phase = "loop"  # from here a first signal asks the ranks to stop at their next step
@@ -203,8 +227,14 @@ def _reason(exc) -> str:
     """Ray's explanation in one line (its messages run to a page): the first line, and for a dead
     worker the exit detail."""
     text = str(getattr(exc, "error_msg", None) or exc).strip()
-    first = next((line.strip() for line in text.splitlines()
-                  if line.strip() and not line.strip().startswith(("Traceback", "ray::", "File "))), type(exc).__name__)
+    first = next(
+        (
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and not line.strip().startswith(("Traceback", "ray::", "File "))
+        ),
+        type(exc).__name__,
+    )
     detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text, re.S)
     first = first.rstrip(".")
     return f"{first} ({detail.group(1).strip().rstrip('.')})" if detail else first
@@ -236,8 +266,10 @@ def _wait(ray, futures: dict, infos: list[dict], run_dir: Path, timeout_s: float
             raise _run_error(ray, failures, infos, run_dir)
         if first_done is not None and futures and time.monotonic() - first_done > timeout_s:
             late = sorted(futures.values())
-            raise OxrlError(f"rank(s) {late} did not finish within engine.timeout_s={timeout_s:g}s after rank(s) "
-                            f"{sorted(results)} finished; the run directory is complete only if final/ exists")
+            raise OxrlError(
+                f"rank(s) {late} did not finish within engine.timeout_s={timeout_s:g}s after rank(s) "
+                f"{sorted(results)} finished; the run directory is complete only if final/ exists"
+            )
     return results[0]
 
 
@@ -250,12 +282,17 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
         return f"rank {rank} (pid {infos[rank]['pid']} on {infos[rank]['ip']})"
 
     last = latest_checkpoint(run_dir)
-    resume = (f"The newest complete checkpoint is {last}; continue with: oxrl run --resume --output-dir {run_dir}"
-              if last else "No checkpoint was written yet (train.save_steps sets how often).")
+    resume = (
+        f"The newest complete checkpoint is {last}; continue with: oxrl run --resume --output-dir {run_dir}"
+        if last
+        else "No checkpoint was written yet (train.save_steps sets how often)."
+    )
     died = [f for f in failures if isinstance(f[1], ray.exceptions.RayActorError)]
     if died:
-        return OxrlError(f"training actor {rank_of(died[0])} died: {_reason(died[0][1])}. "
-                         f"The run stopped and the other ranks were shut down. {resume}")
+        return OxrlError(
+            f"training actor {rank_of(died[0])} died: {_reason(died[0][1])}. "
+            f"The run stopped and the other ranks were shut down. {resume}"
+        )
     causes = [(rank, getattr(exc, "cause", None)) for rank, exc in failures]
     stopped = [cause for _, cause in causes if isinstance(cause, lifecycle.Interrupted)]
     if stopped:  # the ranks saved a checkpoint on the driver's stop request

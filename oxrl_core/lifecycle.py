@@ -92,7 +92,9 @@ class RunLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise OxrlError(f"cannot create the run lock {self.path}: {exc.strerror}; choose an --output-dir you can write to") from None
+            raise OxrlError(
+                f"cannot create the run lock {self.path}: {exc.strerror}; choose an --output-dir you can write to"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -100,8 +102,11 @@ class RunLock:
             os.close(fd)
             raise _in_use_error(self.path.parent, holder) from None
         except OSError as exc:  # a file system without locks (some network mounts): run, but say so
-            print(f"note: cannot lock {self.path} ({exc.strerror}); nothing stops a second run from using "
-                  f"{self.path.parent} at the same time", file=sys.stderr)
+            print(
+                f"note: cannot lock {self.path} ({exc.strerror}); nothing stops a second run from using "
+                f"{self.path.parent} at the same time",
+                file=sys.stderr,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_holder_record()).encode() + b"\n", 0)
         self.fd = fd
@@ -115,8 +120,10 @@ class RunLock:
 
 
 def _in_use_error(run_dir: Path, holder: str) -> OxrlError:
-    return OxrlError(f"{run_dir} is in use by another oxrl run ({holder}); wait for it to finish or stop it, "
-                     f"or choose another --output-dir")
+    return OxrlError(
+        f"{run_dir} is in use by another oxrl run ({holder}); wait for it to finish or stop it, "
+        f"or choose another --output-dir"
+    )
 
 
 def _holder_record() -> dict:
@@ -142,7 +149,9 @@ def _describe_holder(fd: int) -> str:
         info = {}
     if not info.get("pid"):
         return "a process that is still starting"
-    text = f"pid {info['pid']} on {info.get('host', '?')}, started {info.get('started', '?')}, {info.get('command', '')}".rstrip(", ")
+    text = f"pid {info['pid']} on {info.get('host', '?')}, started {info.get('started', '?')}, {info.get('command', '')}".rstrip(
+        ", "
+    )
     if info.get("host") == socket.gethostname() and not _alive(int(info["pid"])):
         text += "; that process has exited but a child it started still holds the lock"
     return text
@@ -214,18 +223,32 @@ def _resume_hint() -> str:
 def _handler(signum, frame) -> None:
     if STATE.signum is None and STATE.phase in ("loop", "finish"):
         STATE.signum = signum
-        what = "the step in progress finishes and a checkpoint is saved" if STATE.phase == "loop" else "final/ is being saved"
+        what = (
+            "the step in progress finishes and a checkpoint is saved"
+            if STATE.phase == "loop"
+            else "final/ is being saved"
+        )
         # os.write: a signal handler must not re-enter a buffered stream that the main code may be writing
         os.write(2, f"\n{signal_name(signum)}: stopping once {what} (press Ctrl-C again to stop at once)\n".encode())
         for callback in list(STATE.on_stop):
             callback(signum)
         return
     if STATE.phase == "setup":
-        raise StopNow(signum, f"interrupted before the first step ({signal_name(signum)}); nothing to save. "
-                      "Run the same command again to start over")
-    where = f"during step {STATE.step + 1}" if STATE.phase == "loop" else "while final/ was being saved (it is not published)"
-    raise StopNow(signum, f"stopped at once ({signal_name(signum)} again) {where}; the newest complete checkpoint "
-                  f"is kept (a half-written one is discarded). {_resume_hint()}".rstrip())
+        raise StopNow(
+            signum,
+            f"interrupted before the first step ({signal_name(signum)}); nothing to save. "
+            "Run the same command again to start over",
+        )
+    where = (
+        f"during step {STATE.step + 1}"
+        if STATE.phase == "loop"
+        else "while final/ was being saved (it is not published)"
+    )
+    raise StopNow(
+        signum,
+        f"stopped at once ({signal_name(signum)} again) {where}; the newest complete checkpoint "
+        f"is kept (a half-written one is discarded). {_resume_hint()}".rstrip(),
+    )
 
 
 @contextlib.contextmanager
@@ -315,8 +338,11 @@ class Checkpointer:
             if not stop and STATE.signum and _single_process():
                 stop = STATE.signum  # the signal came during this save: stop on it, the checkpoint is fresh
         if stop:
-            raise Interrupted(stop, f"interrupted at step {step}; checkpoint {saved.name} saved; "
-                              f"resume with: oxrl run --resume -o {self.run_dir}")
+            raise Interrupted(
+                stop,
+                f"interrupted at step {step}; checkpoint {saved.name} saved; "
+                f"resume with: oxrl run --resume -o {self.run_dir}",
+            )
         return saved
 
     def save(self, step: int, state: dict) -> Path:
@@ -327,8 +353,9 @@ class Checkpointer:
             if self.extra is not None:
                 self.extra(tmp)
 
-        path = save_checkpoint(self.run_dir, step, self.model, self.tokenizer, self.engine, state,
-                               keep=self.keep, extra=files)
+        path = save_checkpoint(
+            self.run_dir, step, self.model, self.tokenizer, self.engine, state, keep=self.keep, extra=files
+        )
         self.last_save = time.monotonic()
         return path
 
@@ -341,7 +368,9 @@ class Checkpointer:
         if distributed.world_size() > 1:
             if distributed.is_main() and not stop:
                 stop = _read_stop_file(self.run_dir)
-            stop, minutes = distributed.all_reduce_sum([float(stop if distributed.is_main() else 0), float(minutes_due and distributed.is_main())])
+            stop, minutes = distributed.all_reduce_sum(
+                [float(stop if distributed.is_main() else 0), float(minutes_due and distributed.is_main())]
+            )
             stop, minutes_due = int(stop), minutes > 0
         return stop, minutes_due
 
@@ -354,9 +383,11 @@ def _single_process() -> bool:
 
 def request_stop_of_ranks(run_dir: Path):
     """A callback for `STATE.on_stop` in a data-parallel driver: the ranks learn of the signal through a file."""
+
     def write(signum: int) -> None:
         with contextlib.suppress(OSError):
             (Path(run_dir) / STOP_FILE).write_text(str(int(signum)))
+
     return write
 
 
@@ -372,5 +403,7 @@ def finished(result):
     signum = STATE.signum
     STATE.phase = "setup"
     if signum:
-        raise Interrupted(signum, f"interrupted after the last step ({result.steps}); final/ was saved and the run is complete")
+        raise Interrupted(
+            signum, f"interrupted after the last step ({result.steps}); final/ was saved and the run is complete"
+        )
     return result

@@ -75,7 +75,10 @@ def _peft_config(cfg, head: str, model=None):
     if target == "all-linear" and model is not None:
         target = default_targets(model) or target
     return LoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target,
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=target,
         task_type=TaskType.SEQ_CLS if head == "score" else TaskType.CAUSAL_LM,  # SEQ_CLS keeps `score` trainable
     )
 
@@ -133,6 +136,7 @@ def check_keys(base, state: dict) -> None:
     expected = set(fresh.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
+
         def show(keys):
             return ", ".join(keys[:5]) + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
 
@@ -169,7 +173,9 @@ def save_lora(tmp: Path, model, check=None) -> None:
 def trainable_summary(model) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return f"LoRA: {trainable / 1e6:.3f}M of {total / 1e6:.2f}M parameters train ({100 * trainable / max(total, 1):.2f}%)"
+    return (
+        f"LoRA: {trainable / 1e6:.3f}M of {total / 1e6:.2f}M parameters train ({100 * trainable / max(total, 1):.2f}%)"
+    )
 
 
 def start_path(policy_path: str, ckpt: Path | None, cfg) -> tuple[str, Path | None]:

@@ -38,7 +38,14 @@ def _check_local_dir(path: str, field: str) -> None:
 
 
 #: files that hold a tokenizer (any one is enough for `AutoTokenizer`)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tokenizer_config.json",
+)
 
 
 def _listing(root: Path) -> str:
@@ -57,16 +64,22 @@ def weight_files(root: Path, field: str) -> list[Path]:
             try:
                 shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
             except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
-                raise OxrlError(f"{field}: {index} is corrupt ({type(exc).__name__}: {exc}); re-save or re-download the model") from None
+                raise OxrlError(
+                    f"{field}: {index} is corrupt ({type(exc).__name__}: {exc}); re-save or re-download the model"
+                ) from None
             missing = [name for name in shards if not (root / name).is_file()]
             if missing:
-                raise OxrlError(f"{field}: {index_name} in {root} lists {len(missing)} weight file(s) that are not there "
-                                f"({', '.join(missing[:3])}); the download or copy is incomplete")
+                raise OxrlError(
+                    f"{field}: {index_name} in {root} lists {len(missing)} weight file(s) that are not there "
+                    f"({', '.join(missing[:3])}); the download or copy is incomplete"
+                )
             return [root / name for name in shards]
     found = sorted(root.glob("*.safetensors")) or sorted(root.glob("pytorch_model*.bin"))
     if not found:
-        raise OxrlError(f"{field}: no weights in {root} (no model.safetensors, sharded *.safetensors with their index, "
-                        f"or pytorch_model.bin; {_listing(root)}); point {field} at a complete model directory")
+        raise OxrlError(
+            f"{field}: no weights in {root} (no model.safetensors, sharded *.safetensors with their index, "
+            f"or pytorch_model.bin; {_listing(root)}); point {field} at a complete model directory"
+        )
     return found
 
 
@@ -80,8 +93,10 @@ def _check_safetensors(path: Path, field: str) -> None:
             handle.keys()
     except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file cannot be what it says
         size = path.stat().st_size if path.exists() else 0
-        raise OxrlError(f"{field}: {path.name} in {path.parent} is corrupt or truncated ({size} bytes): "
-                        f"{' '.join(str(exc).split())}; re-save or re-download the model") from None
+        raise OxrlError(
+            f"{field}: {path.name} in {path.parent} is corrupt or truncated ({size} bytes): "
+            f"{' '.join(str(exc).split())}; re-save or re-download the model"
+        ) from None
 
 
 def check_model_dir(root: Path, field: str) -> None:
@@ -94,8 +109,10 @@ def check_model_dir(root: Path, field: str) -> None:
     if (root / "adapter_config.json").is_file() and not (root / "config.json").exists():
         return
     if not (root / "config.json").is_file():
-        raise OxrlError(f"{field}: no config.json in {root}, so it is not a Hugging Face model directory ({_listing(root)}); "
-                        f"point {field} at the directory that holds config.json and the weights (e.g. a run's final/)")
+        raise OxrlError(
+            f"{field}: no config.json in {root}, so it is not a Hugging Face model directory ({_listing(root)}); "
+            f"point {field} at the directory that holds config.json and the weights (e.g. a run's final/)"
+        )
     for path in weight_files(root, field):
         if path.suffix == ".safetensors":
             _check_safetensors(path, field)
@@ -125,7 +142,9 @@ def _quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    if not torch.cuda.is_available():  # accelerate imports DeepSpeed (when installed), which warns when it picks the CPU
+    if (
+        not torch.cuda.is_available()
+    ):  # accelerate imports DeepSpeed (when installed), which warns when it picks the CPU
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
@@ -136,9 +155,15 @@ def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool
     path = resolve_model_path(name)
     check_model_path(path, field)
     local = Path(path).expanduser()
-    if local.is_dir() and not any((local / f).is_file() for f in TOKENIZER_FILES) and not list(local.glob("*.tiktoken")):
-        raise OxrlError(f"{field}: no tokenizer files in {local} (none of {', '.join(TOKENIZER_FILES)}); "
-                        "copy the base model's tokenizer files into it (tokenizer.save_pretrained)")
+    if (
+        local.is_dir()
+        and not any((local / f).is_file() for f in TOKENIZER_FILES)
+        and not list(local.glob("*.tiktoken"))
+    ):
+        raise OxrlError(
+            f"{field}: no tokenizer files in {local} (none of {', '.join(TOKENIZER_FILES)}); "
+            "copy the base model's tokenizer files into it (tokenizer.save_pretrained)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - missing dir, offline hub, bad files: one message
@@ -166,7 +191,9 @@ def _examples(keys) -> str:
     return ", ".join(keys[:4]) + (f", ... ({len(keys)} in all)" if len(keys) > 4 else "")
 
 
-def check_loading(model, info: dict, path: str, field: str, new_ok: tuple[str, ...] = (), unused_ok: tuple[str, ...] = ()) -> tuple[list, list]:
+def check_loading(
+    model, info: dict, path: str, field: str, new_ok: tuple[str, ...] = (), unused_ok: tuple[str, ...] = ()
+) -> tuple[list, list]:
     """Refuse weights that do not match the class they load into (transformers would initialise the
     missing ones at random and drop the unexpected ones, with a warning oxRL silences).
 
@@ -183,20 +210,26 @@ def check_loading(model, info: dict, path: str, field: str, new_ok: tuple[str, .
         return new, unused
     problems = []
     if missing:
-        problems.append(f"{len(missing)} weight(s) of {type(model).__name__} are missing from the checkpoint and would start "
-                        f"random ({_examples(missing)})")
+        problems.append(
+            f"{len(missing)} weight(s) of {type(model).__name__} are missing from the checkpoint and would start "
+            f"random ({_examples(missing)})"
+        )
     if unexpected:
         problems.append(f"{len(unexpected)} weight(s) in the checkpoint have no place in it ({_examples(unexpected)})")
     if mismatched:
         problems.append(f"{len(mismatched)} weight(s) have another shape ({_examples(mismatched)})")
     hint = "use a checkpoint of the architecture its config.json names, saved with all its weights"
     if any(k.startswith("score.") for k in unexpected) and any("lm_head" in k for k in missing):
-        hint = (f"'{path}' is a reward model (a sequence-classification head, no LM head); {field} needs a causal LM "
-                "such as the policy's final/ or its base model")
+        hint = (
+            f"'{path}' is a reward model (a sequence-classification head, no LM head); {field} needs a causal LM "
+            "such as the policy's final/ or its base model"
+        )
     raise OxrlError(f"{field}: the weights in '{path}' do not match the model: {'; '.join(problems)}; {hint}")
 
 
-def load_causal_lm(name: str, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False):
+def load_causal_lm(
+    name: str, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False
+):
     """A causal LM in fp32; a checkpoint whose weights do not fit the class is refused (`check_loading`)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -206,7 +239,10 @@ def load_causal_lm(name: str, field: str = "model.name", attn_implementation: st
     check_model_path(path, field)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+            path,
+            dtype=torch.float32,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
             output_loading_info=True,
         )
     except Exception as exc:  # noqa: BLE001
@@ -226,8 +262,14 @@ def count_parameters(model) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def load_score_model(name: str, pad_token_id: int, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False,
-                     log=None):
+def load_score_model(
+    name: str,
+    pad_token_id: int,
+    field: str = "model.name",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    log=None,
+):
     """A sequence-classification model with one output (a reward model), e.g. from a causal-LM
     checkpoint (the scalar head ``score`` then starts fresh, seeded by the run's seed)."""
     import torch
@@ -238,16 +280,24 @@ def load_score_model(name: str, pad_token_id: int, field: str = "model.name", at
     check_model_path(path, field)
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+            path,
+            num_labels=1,
+            dtype=torch.float32,
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
             output_loading_info=True,
         )
     except Exception as exc:  # noqa: BLE001
-        raise OxrlError(f"{field}: cannot load a sequence-classification model from '{path}': {type(exc).__name__}: {exc}") from None
+        raise OxrlError(
+            f"{field}: cannot load a sequence-classification model from '{path}': {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(getattr(model, "score", None), torch.nn.Module):
         raise OxrlError(f"{field}: '{path}' has no per-token `score` head (a decoder reward model is expected)")
     new, unused = check_loading(model, info, path, field, new_ok=("score.",), unused_ok=("lm_head.",))
     if new:
-        (log or _note)(f"note: {field}: '{path}' has no reward head; a new `score` head ({', '.join(new)}) starts from "
-                       f"random values seeded by train.seed{' and its LM head is not used' if unused else ''}")
+        (log or _note)(
+            f"note: {field}: '{path}' has no reward head; a new `score` head ({', '.join(new)}) starts from "
+            f"random values seeded by train.seed{' and its LM head is not used' if unused else ''}"
+        )
     model.config.pad_token_id = pad_token_id
     return model

@@ -31,7 +31,6 @@ its block-diagonal mask and the shared prefix does not apply).
 
 from __future__ import annotations
 
-
 #: `sdpa` for packed micro-batches: each packed row attends on its own (see `packed_sdpa_attention`).
 PACKED_SDPA = "oxrl_packed_sdpa"
 
@@ -71,8 +70,10 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         if unknown:
             from oxrl_core.errors import OxrlError
 
-            raise OxrlError(f"data.packing: shared-prompt attention cannot honour this model's {unknown}; "
-                            "set data.packing=false (attention_fast_paths should have ruled it out at setup)")
+            raise OxrlError(
+                f"data.packing: shared-prompt attention cannot honour this model's {unknown}; "
+                "set data.packing=false (attention_fast_paths should have ruled it out at setup)"
+            )
         return _shared_prefix_attention(query, key, value, shared, dropout, scaling, window), None
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     plain = (
@@ -82,7 +83,9 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         or _unsupported(module, kwargs)
     )
     if plain:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     bounds = _row_bounds(cu_seq_lens)
     gqa = key.shape[1] != query.shape[1]
 
@@ -90,9 +93,11 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
         if window is None or window >= e - s:
             return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+                q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+            )
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=_row_band(e - s, window, q.device), dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            q, k, v, attn_mask=_row_band(e - s, window, q.device), dropout_p=dropout, scale=scaling, enable_gqa=gqa
+        )
 
     # query (1, H, ΣL, D), key/value (1, H_kv, ΣL, D) -> one causal SDPA per row -> (1, H, ΣL, D)
     out = torch.cat([attend(s, e) for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
@@ -176,8 +181,11 @@ def _segment_layout(segments, device, window: int | None = None) -> dict:
         import torch
 
         p_max = max(p for _, p, _ in segments)
-        responses = [(start + p + sum(lengths[:j]), n, s) for s, (start, p, lengths) in enumerate(segments)
-                     for j, n in enumerate(lengths)]
+        responses = [
+            (start + p + sum(lengths[:j]), n, s)
+            for s, (start, p, lengths) in enumerate(segments)
+            for j, n in enumerate(lengths)
+        ]
         n_max = max((n for _, n, _ in responses), default=0)
         total = max(start + p + sum(lengths) for start, p, lengths in segments)
         prompt_rows = torch.zeros(len(segments), p_max, dtype=torch.long)
@@ -202,9 +210,17 @@ def _segment_layout(segments, device, window: int | None = None) -> dict:
             response_mask[r, 0, :n, p_max : p_max + n] = _band(n, n, 0, window, "cpu")
             response_mask[r, 0, n:, 0] = True  # padded query rows: anything but an empty row
             inverse[begin : begin + n] = torch.arange(base + r * n_max, base + r * n_max + n)
-        cache[window] = {k: v.to(device) for k, v in dict(
-            prompt_rows=prompt_rows, prompt_mask=prompt_mask, response_rows=response_rows, key_rows=key_rows,
-            response_mask=response_mask, inverse=inverse).items()}
+        cache[window] = {
+            k: v.to(device)
+            for k, v in dict(
+                prompt_rows=prompt_rows,
+                prompt_mask=prompt_mask,
+                response_rows=response_rows,
+                key_rows=key_rows,
+                response_mask=response_mask,
+                inverse=inverse,
+            ).items()
+        }
     return cache[window]
 
 
@@ -235,13 +251,25 @@ def _shared_prefix_attention(query, key, value, segments, dropout: float, scalin
         return t[0].index_select(1, rows.flatten()).unflatten(1, rows.shape).transpose(0, 1)
 
     prompts = F.scaled_dot_product_attention(  # (P, H, p_max, D)
-        gather(query, layout["prompt_rows"]), gather(key, layout["prompt_rows"]), gather(value, layout["prompt_rows"]),
-        attn_mask=layout["prompt_mask"], dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        gather(query, layout["prompt_rows"]),
+        gather(key, layout["prompt_rows"]),
+        gather(value, layout["prompt_rows"]),
+        attn_mask=layout["prompt_mask"],
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=gqa,
+    )
     outputs = [prompts.transpose(0, 1).flatten(1, 2)]  # (H, P·p_max, D)
     if layout["response_rows"].numel():
         responses = F.scaled_dot_product_attention(  # (R, H, n_max, D)
-            gather(query, layout["response_rows"]), gather(key, layout["key_rows"]), gather(value, layout["key_rows"]),
-            attn_mask=layout["response_mask"], dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+            gather(query, layout["response_rows"]),
+            gather(key, layout["key_rows"]),
+            gather(value, layout["key_rows"]),
+            attn_mask=layout["response_mask"],
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
         outputs.append(responses.transpose(0, 1).flatten(1, 2))  # (H, R·n_max, D)
     out = torch.cat(outputs, dim=1).index_select(1, layout["inverse"])  # (H, ΣL, D)
     return out.transpose(0, 1).unsqueeze(0).contiguous()  # (1, ΣL, H, D)
@@ -265,9 +293,20 @@ def packed_attn_implementation(attn_implementation: str) -> str:
 
 
 #: model types whose attention the shared-prefix path is verified on (tests/test_archs.py); others fall back
-SHARED_PREFIX_VERIFIED = frozenset({
-    "llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "mistral", "phi3", "olmo2",
-})
+SHARED_PREFIX_VERIFIED = frozenset(
+    {
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "mistral",
+        "phi3",
+        "olmo2",
+    }
+)
 
 
 def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str, tuple[bool, str]]:
@@ -295,13 +334,20 @@ def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str,
         notes.append(
             f"attention soft-capping {softcap} is dropped by transformers' '{attn_implementation}' itself, "
             "padded and packed alike (model.attn_implementation=eager applies it)"
-            if attn_implementation != "eager" else f"attention soft-capping {softcap} (eager)"
+            if attn_implementation != "eager"
+            else f"attention soft-capping {softcap} (eager)"
         )
     suffix = f"; {'; '.join(notes)}" if notes else ""
 
     if attn_implementation != "sdpa":
-        packing = (True, f"transformers' '{attn_implementation}' attention over the packed rows (no oxRL fast path){suffix}")
-        return {"packing": packing, "shared_prefix": (False, f"needs model.attn_implementation=sdpa (is '{attn_implementation}')")}
+        packing = (
+            True,
+            f"transformers' '{attn_implementation}' attention over the packed rows (no oxRL fast path){suffix}",
+        )
+        return {
+            "packing": packing,
+            "shared_prefix": (False, f"needs model.attn_implementation=sdpa (is '{attn_implementation}')"),
+        }
 
     blocker = ""
     layer_types = set(getattr(text, "layer_types", None) or ())
@@ -313,8 +359,12 @@ def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str,
         blocker = f"layer types {sorted(layer_types - {'full_attention', 'sliding_attention'})}"
     elif model_type not in SHARED_PREFIX_VERIFIED:
         blocker = f"model type '{model_type}' is not in the verified architecture matrix"
-    packing = (True, f"row-by-row causal SDPA{suffix}" if not blocker
-               else f"transformers' sdpa with the block-diagonal mask ({blocker}){suffix}")
+    packing = (
+        True,
+        f"row-by-row causal SDPA{suffix}"
+        if not blocker
+        else f"transformers' sdpa with the block-diagonal mask ({blocker}){suffix}",
+    )
     if blocker:
         return {"packing": packing, "shared_prefix": (False, f"{blocker}: the shared-prompt masks cannot express it")}
     return {"packing": packing, "shared_prefix": (True, f"each prompt computed once{suffix}")}

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from pathlib import Path
 import os
 import re
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -56,7 +56,9 @@ class Registration:
 
     def origin(self) -> str:
         """Where it comes from, for messages: ``oxrl-mine 0.1 (entry point 'mine', target 'oxrl_mine:Cls')``."""
-        target = self.target if isinstance(self.target, str) else getattr(self.target, "__qualname__", repr(self.target))
+        target = (
+            self.target if isinstance(self.target, str) else getattr(self.target, "__qualname__", repr(self.target))
+        )
         version = f" {self.version}" if self.version and self.version not in ("-", "?") else ""
         return f"{self.package}{version} (entry point '{self.plugin}', target '{target}')"
 
@@ -135,7 +137,9 @@ class Registry:
             self.entries[reg.kind][reg.name] = reg
             return
         if (existing.package, existing.plugin) == (reg.package, reg.plugin):
-            raise PluginError(f"{reg.kind} '{reg.name}' is registered twice by {reg.package} (entry point '{reg.plugin}')")
+            raise PluginError(
+                f"{reg.kind} '{reg.name}' is registered twice by {reg.package} (entry point '{reg.plugin}')"
+            )
         self.clashes[reg.kind].setdefault(reg.name, [existing]).append(reg)
 
     def prefer(self, reg: Registration) -> None:
@@ -146,8 +150,12 @@ class Registry:
     def clash_rows(self) -> list[dict]:
         """One dict per ambiguous name, for `oxrl plugins`: kind, name, the packages and how to pick each."""
         return [
-            {"kind": kind, "name": name, "packages": [r.package for r in regs],
-             "choose": [f"{r.package}:{name}" for r in regs]}
+            {
+                "kind": kind,
+                "name": name,
+                "packages": [r.package for r in regs],
+                "choose": [f"{r.package}:{name}" for r in regs],
+            }
             for kind in KINDS
             for name, regs in sorted(self.clashes[kind].items())
         ]
@@ -220,8 +228,14 @@ class Registry:
     def rows(self) -> list[dict]:
         """One dict per registration (each of an ambiguous name's, marked ``ambiguous``), for `oxrl plugins`."""
         return [
-            {"kind": r.kind, "name": r.name, "package": r.package, "version": r.version, "plugin": r.plugin,
-             "ambiguous": r.name in self.clashes[kind]}
+            {
+                "kind": r.kind,
+                "name": r.name,
+                "package": r.package,
+                "version": r.version,
+                "plugin": r.plugin,
+                "ambiguous": r.name in self.clashes[kind],
+            }
             for kind in KINDS
             for first in sorted(self.entries[kind].values(), key=lambda r: r.name)
             for r in self.clashes[kind].get(first.name, [first])
@@ -329,16 +343,23 @@ def check_contract(kind: str, obj: Any, reg: Registration) -> None:
     models have loaded and the first rollout has run."""
     from oxrl_core import interfaces
 
-    base = {"algorithm": interfaces.Algorithm, "reward": interfaces.Reward, "dataset": interfaces.Dataset,
-            "rollout_backend": interfaces.RolloutBackend}[kind]
+    base = {
+        "algorithm": interfaces.Algorithm,
+        "reward": interfaces.Reward,
+        "dataset": interfaces.Dataset,
+        "rollout_backend": interfaces.RolloutBackend,
+    }[kind]
     label = kind.replace("_", " ")
     if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise PluginError(f"{label} '{reg.name}' from {reg.origin()}: {obj!r} is not an oxrl_core.{base.__name__} subclass")
+        raise PluginError(
+            f"{label} '{reg.name}' from {reg.origin()}: {obj!r} is not an oxrl_core.{base.__name__} subclass"
+        )
     problems = _abstract(obj) + _config_problems(obj) + _CHECKS[kind](obj)
     if problems:
         raise PluginError(
             f"{label} '{reg.name}' from {reg.origin()} breaks the oxrl_core.{base.__name__} interface: "
-            + "; ".join(problems) + f". Fix the class {obj.__module__}.{obj.__qualname__} (see `help(oxrl_core.{base.__name__})`)"
+            + "; ".join(problems)
+            + f". Fix the class {obj.__module__}.{obj.__qualname__} (see `help(oxrl_core.{base.__name__})`)"
         )
 
 
@@ -352,7 +373,9 @@ def _config_problems(cls: type) -> list[str]:
     config = getattr(cls, "Config", None)
     if isinstance(config, type) and issubclass(config, StrictModel):
         return []
-    return [f"Config = {config!r} must be a subclass of oxrl_core.interfaces.StrictModel (so a typo in its options is an error)"]
+    return [
+        f"Config = {config!r} must be a subclass of oxrl_core.interfaces.StrictModel (so a typo in its options is an error)"
+    ]
 
 
 def _one_of(cls: type, attr: str, allowed: tuple, required: bool = True) -> list[str]:
@@ -379,7 +402,9 @@ def _algorithm_problems(cls: type) -> list[str]:
     if not isinstance(cls.default_reward, str):
         problems.append(f"default_reward = {cls.default_reward!r} must be a reward name (a string)")
     if getattr(cls, "needs_rollouts", False) is True and cls.advantages is Algorithm.advantages:
-        problems.append("needs_rollouts = True but it does not define advantages() (the RL loop calls it on every rollout batch)")
+        problems.append(
+            "needs_rollouts = True but it does not define advantages() (the RL loop calls it on every rollout batch)"
+        )
     return problems
 
 
@@ -400,5 +425,9 @@ def _dataset_problems(cls: type) -> list[str]:
     return [f"formats = {formats!r} must be a non-empty tuple of {', '.join(map(repr, get_args(DataFormat)))}"]
 
 
-_CHECKS = {"algorithm": _algorithm_problems, "reward": _reward_problems, "dataset": _dataset_problems,
-           "rollout_backend": lambda cls: []}
+_CHECKS = {
+    "algorithm": _algorithm_problems,
+    "reward": _reward_problems,
+    "dataset": _dataset_problems,
+    "rollout_backend": lambda cls: [],
+}

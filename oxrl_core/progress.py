@@ -52,7 +52,11 @@ class Reporter:
             self.progress.update(self.task, completed=step, loss=loss, tps=tps)
         elif not self.quiet and (step == 1 or step % self.log_steps == 0 or step == total):
             reward = f" reward {metrics['reward/mean']:.3f}" if "reward/mean" in metrics else ""
-            print(f"step {step}/{total} loss {loss}{reward} lr {metrics['lr']:.3g} {tps} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"step {step}/{total} loss {loss}{reward} lr {metrics['lr']:.3g} {tps} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def stop(self) -> None:
         if self.progress is not None:

@@ -145,8 +145,11 @@ class RewardFailures:
         if not self.failed:
             return ""
         rows = ", ".join(map(str, self.failed_rows)) + (", …" if self.failed > len(self.failed_rows) else "")
-        kinds = f"{self.errors} raised or returned a non-number, {self.timeouts} timed out" if self.errors and self.timeouts else (
-            "timed out" if self.timeouts else "raised or returned a non-number")
+        kinds = (
+            f"{self.errors} raised or returned a non-number, {self.timeouts} timed out"
+            if self.errors and self.timeouts
+            else ("timed out" if self.timeouts else "raised or returned a non-number")
+        )
         return (
             f"reward '{self.reward}' failed on row {self.first_row}: {self.first_error} (prompt {self.first_prompt}); "
             f"{self.failed} of {self.rows} samples failed ({self.share:.0%}, {kinds}; rows {rows}) and score 0"
@@ -222,7 +225,9 @@ def _row_by_row(reward, prompts, completions, examples, limit_s: float, seen: Re
         except _Timeout:
             seen.timeouts += n - i
             for k in range(i, n):
-                seen.note(row_number(examples, k), prompts[k], f"timed out (rows retried one by one ran past {limit_s:g}s)")
+                seen.note(
+                    row_number(examples, k), prompts[k], f"timed out (rows retried one by one ran past {limit_s:g}s)"
+                )
             return scores + [0.0] * (n - i)
         except Exception as exc:  # noqa: BLE001 - counted, never raised
             seen.errors += 1
@@ -246,7 +251,10 @@ def _summary(scores: list[float], errors: int, timeouts: int) -> tuple[list[floa
     mean = sum(scores) / n if n else 0.0
     std = math.sqrt(sum((s - mean) ** 2 for s in scores) / n) if n else 0.0
     return scores, {
-        "reward/mean": mean, "reward/std": std, "reward/errors": float(errors), "reward/timeouts": float(timeouts),
+        "reward/mean": mean,
+        "reward/std": std,
+        "reward/errors": float(errors),
+        "reward/timeouts": float(timeouts),
         "reward/error_share": (errors + timeouts) / n if n else 0.0,
     }
 
@@ -280,8 +288,11 @@ class RewardWatch:
 
         last = latest_checkpoint(run_dir) if run_dir is not None else None
         streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"
-        keep = f"last complete checkpoint: {last}; after the fix resume with: oxrl run --resume -o {run_dir}" if last else (
-            "no checkpoint was saved yet")
+        keep = (
+            f"last complete checkpoint: {last}; after the fix resume with: oxrl run --resume -o {run_dir}"
+            if last
+            else ("no checkpoint was saved yet")
+        )
         return OxrlError(
             f"step {step}: reward '{failures.reward}' failed on {failures.failed} of {failures.rows} samples "
             f"({failures.share:.0%}) — over rollout.max_reward_error_share={self.max_share:g} in {streak}; "

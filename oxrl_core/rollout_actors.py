@@ -96,10 +96,17 @@ class RolloutActors(RolloutBackend):
 
             try:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
                 with kept_signal_handlers():  # Ray's own would abort on SIGTERM instead of saving a checkpoint
-                    ray.init(address=ray_address or "local", include_dashboard=False, log_to_driver=False,
-                             logging_level=logging.ERROR, runtime_env={"env_vars": _env_for_actors()})
+                    ray.init(
+                        address=ray_address or "local",
+                        include_dashboard=False,
+                        log_to_driver=False,
+                        logging_level=logging.ERROR,
+                        runtime_env={"env_vars": _env_for_actors()},
+                    )
             except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
-                raise OxrlError(f"rollout.actors: could not start or join a Ray cluster: {type(exc).__name__}: {exc}") from None
+                raise OxrlError(
+                    f"rollout.actors: could not start or join a Ray cluster: {type(exc).__name__}: {exc}"
+                ) from None
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         actor_cls = ray.remote(RolloutWorker).options(num_gpus=gpus, num_cpus=0, max_restarts=0)
         # CPU: generation and training take turns, so the actors share out the node's cores
@@ -122,7 +129,9 @@ class RolloutActors(RolloutBackend):
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise OxrlError(f"rollout actors ('{self.backend_name}'): could not {what} within engine.timeout_s={self.timeout_s:g}s") from None
+            raise OxrlError(
+                f"rollout actors ('{self.backend_name}'): could not {what} within engine.timeout_s={self.timeout_s:g}s"
+            ) from None
         except ray.exceptions.RayError as exc:
             raise OxrlError(f"rollout actors ('{self.backend_name}'): could not {what}: {_reason(exc)}") from None
 
@@ -152,13 +161,18 @@ class RolloutActors(RolloutBackend):
         import torch
 
         if not isinstance(policy_version, int) or policy_version <= self.policy_version:
-            raise OxrlError(f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}")
+            raise OxrlError(
+                f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
+            )
         if isinstance(state, torch.nn.Module):
             from oxrl_core.lora import policy_state_dict
 
             state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
         ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
-        self._get([actor.update_weights.remote(ref, policy_version) for actor in self.actors], f"sync policy version {policy_version}")
+        self._get(
+            [actor.update_weights.remote(ref, policy_version) for actor in self.actors],
+            f"sync policy version {policy_version}",
+        )
         self.policy_version = policy_version
 
     def score(self, token_ids: list[int]) -> list[float]:

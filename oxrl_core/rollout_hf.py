@@ -28,7 +28,9 @@ def context_length(model) -> int | None:
     return None
 
 
-def check_generation_length(model, longest_prompt: int, max_new_tokens: int, field: str = "rollout.max_new_tokens") -> None:
+def check_generation_length(
+    model, longest_prompt: int, max_new_tokens: int, field: str = "rollout.max_new_tokens"
+) -> None:
     """Refuse, before anything is generated, a prompt + completion longer than the model's context.
 
     Past its positions a model samples garbage (or indexes out of its position table), and the hf backend
@@ -38,8 +40,11 @@ def check_generation_length(model, longest_prompt: int, max_new_tokens: int, fie
     if limit is None or longest_prompt + max_new_tokens <= limit:
         return
     room = limit - longest_prompt
-    fix = (f"set {field} <= {room}" if room > 0 else
-           "shorten the prompts (data.max_length) or use a model with a longer context")
+    fix = (
+        f"set {field} <= {room}"
+        if room > 0
+        else "shorten the prompts (data.max_length) or use a model with a longer context"
+    )
     raise OxrlError(
         f"{field}={max_new_tokens} does not fit the model's context: the longest prompt has {longest_prompt} tokens "
         f"and the model has {limit} positions (max_position_embeddings), so at most {max(room, 0)} new tokens fit; {fix}"
@@ -93,7 +98,9 @@ class HFRolloutBackend(RolloutBackend):
         # `batch_size` prompts (each with its n samples) per generate call
         per_call = len(prompt_token_ids) if self.batch_size is None else self.batch_size
         device = next(self.model.parameters()).device
-        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        rng_devices = (
+            [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+        )
 
         flat: list[Completion] = []
         was_training = self.model.training
@@ -125,15 +132,19 @@ class HFRolloutBackend(RolloutBackend):
         """``sampling.n`` samples of each prompt, in one ``generate`` call over P·n left-padded rows."""
         width = max(map(len, prompts))
         check_generation_length(self.model, width, sampling.max_new_tokens)  # before any buffer is sized
-        prompt_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)  # (P, W)
+        prompt_ids = torch.tensor(
+            [[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=device
+        )  # (P, W)
         prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)  # (P, W)
         # each prompt repeated n times, its samples contiguous (greedy generate takes no num_return_sequences > 1)
         input_ids = prompt_ids.repeat_interleave(sampling.n, dim=0)  # (P·n, W)
         attention_mask = prompt_mask.repeat_interleave(sampling.n, dim=0)  # (P·n, W)
         cache = self._prefilled_cache(prompt_ids, prompt_mask, sampling.n, width + sampling.max_new_tokens)
         greedy = sampling.temperature == 0
-        options: dict[str, Any] = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0
+        options: dict[str, Any] = (
+            dict(do_sample=False)
+            if greedy
+            else dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         )
         if cache is not None:
             options["past_key_values"] = cache
@@ -189,8 +200,14 @@ class HFRolloutBackend(RolloutBackend):
         cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
         if n > 1 and prompt_ids.shape[1] > 1:
             positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)  # (P, W), as generate numbers them
-            self.model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1], position_ids=positions[:, :-1],
-                       past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self.model(
+                input_ids=prompt_ids[:, :-1],
+                attention_mask=prompt_mask[:, :-1],
+                position_ids=positions[:, :-1],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
             for layer in cache.layers:
                 layer.repeat_rows(n)
         return cache
@@ -272,8 +289,12 @@ class PreallocatedLayer(DynamicLayer):
         if end > self._keys.shape[-2]:  # past the buffer: double it (up to the planned capacity, beyond only if asked)
             size = self._keys.shape[-2]
             grow = max(end, min(2 * size, self.capacity)) - size
-            self._keys = torch.cat([self._keys, self._keys.new_empty(*self._keys.shape[:2], grow, self._keys.shape[-1])], dim=-2)
-            self._values = torch.cat([self._values, self._values.new_empty(*self._values.shape[:2], grow, self._values.shape[-1])], dim=-2)
+            self._keys = torch.cat(
+                [self._keys, self._keys.new_empty(*self._keys.shape[:2], grow, self._keys.shape[-1])], dim=-2
+            )
+            self._values = torch.cat(
+                [self._values, self._values.new_empty(*self._values.shape[:2], grow, self._values.shape[-1])], dim=-2
+            )
         self._keys[:, :, self.length : end] = key_states
         self._values[:, :, self.length : end] = value_states
         self.length = end

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from oxrl_core.errors import OxrlError
 
-PYPROJECT = '''[build-system]
+PYPROJECT = """[build-system]
 requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
 
@@ -24,7 +24,7 @@ dependencies = ["oxrl"]
 
 [tool.setuptools]
 packages = ["oxrl_{name}"]
-'''
+"""
 
 INIT = '''"""oxRL plugin: registers the `{name}` algorithm (imported lazily, so `oxrl plugins` stays fast)."""
 
@@ -74,7 +74,7 @@ class {cls}(Algorithm):
         return loss, {{"loss/nll": ((-logp_target * mask).sum() / n_tokens).detach()}}
 '''
 
-TEST = '''import math
+TEST = """import math
 
 import torch
 
@@ -86,9 +86,9 @@ def test_loss_is_nll_without_smoothing():
     batch = {{"logp": torch.tensor([[0.0, math.log(0.25)]]), "mask": torch.tensor([[False, True]])}}
     loss, metrics = {cls}().loss(batch)
     assert torch.isclose(loss, torch.log(torch.tensor(4.0)))
-'''
+"""
 
-README = '''# oxrl-{name}
+README = """# oxrl-{name}
 
 An oxRL algorithm plugin. Install it next to oxRL and run it:
 
@@ -100,7 +100,7 @@ oxrl run --alg {name} --set train.max_steps=20
 
 The algorithm lives in `oxrl_{name}/algorithm.py`; its registration in `oxrl_{name}/__init__.py`;
 the entry point in `pyproject.toml` under `[project.entry-points.oxrl]`.
-'''
+"""
 
 
 def create(name: str, parent: Path) -> Path:
@@ -136,9 +136,10 @@ def name_taken(name: str) -> str:
     if not taken:
         return ""
     owners = " and ".join(f"{r['package']} {r['version']}" for r in taken)
-    free = next(c for c in (f"my_{name}", *(f"{name}{i}" for i in range(2, 1000))) if c not in registry.entries["algorithm"])
+    free = next(
+        c for c in (f"my_{name}", *(f"{name}{i}" for i in range(2, 1000))) if c not in registry.entries["algorithm"]
+    )
     return (
         f"algorithm '{name}' is already registered by {owners}: installed as it is, `--alg {name}` becomes ambiguous "
         f"and runs must choose with `--alg oxrl-{name}:{name}`. Consider a free name, e.g. `oxrl new-plugin {free}`"
     )
-

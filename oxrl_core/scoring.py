@@ -56,13 +56,20 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
 
         logging.getLogger("oxrl.rewards").warning("%s", failures.describe())
     n = totals["rows"]
-    summary = {"rows": n, "mean": totals["score_sum"] / n if n else 0.0, "errors": totals["errors"], "timeouts": totals["timeouts"]}
+    summary = {
+        "rows": n,
+        "mean": totals["score_sum"] / n if n else 0.0,
+        "errors": totals["errors"],
+        "timeouts": totals["timeouts"],
+    }
     if console is not None:
         where = f" -> {output}" if output is not None else ""
         console.print(
             f"scored {n} rows of {origin} with reward '{scorer.name}': mean {summary['mean']:.4f}, "
             f"errors {summary['errors']}, timeouts {summary['timeouts']}{where}",
-            highlight=False, markup=False, soft_wrap=True,
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
         )
     return summary
 

@@ -68,8 +68,9 @@ def default_max_logprob_diff(autocast_dtype) -> float:
     return 0.01 if autocast_dtype is None else 0.25
 
 
-def check_logprob_diff(diff: float, threshold: float, step: int, backend_name: str, autocast_dtype,
-                       last_checkpoint=None) -> None:
+def check_logprob_diff(
+    diff: float, threshold: float, step: int, backend_name: str, autocast_dtype, last_checkpoint=None
+) -> None:
     """The mismatch alarm: raise `OxrlError` when a step's mean |trainer − rollout| logprob exceeds
     ``threshold`` (0 = off)."""
     if threshold <= 0 or diff <= threshold:  # NaN is caught earlier by the finite checks
@@ -103,8 +104,9 @@ def trainer_logprobs(model, token_ids: list[int], autocast) -> torch.Tensor:
     return logp_all.gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()  # (L-1,)
 
 
-def check_weight_sync(backend, model, probe: list[int], version: int, tolerance: float, autocast,
-                      last_checkpoint=None) -> dict[str, float]:
+def check_weight_sync(
+    backend, model, probe: list[int], version: int, tolerance: float, autocast, last_checkpoint=None
+) -> dict[str, float]:
     """Score the probe on both sides; raise `OxrlError` when they disagree. Returns the sync metrics."""
     want = trainer_logprobs(model, probe, autocast)  # (L-1,)
     got = backend.score(probe)

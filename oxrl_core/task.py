@@ -34,9 +34,13 @@ def _row(a: int, op: str, b: int) -> dict:
     wrong = answer + rng.choice(NEAR_MISSES)
     label = rng.random() < 0.5
     return {
-        "prompt": f"What is {a}{op}{b}?", "response": str(answer), "answer": str(answer),
-        "chosen": str(answer), "rejected": str(wrong),
-        "completion": str(answer) if label else str(wrong), "label": label,
+        "prompt": f"What is {a}{op}{b}?",
+        "response": str(answer),
+        "answer": str(answer),
+        "chosen": str(answer),
+        "rejected": str(wrong),
+        "completion": str(answer) if label else str(wrong),
+        "label": label,
     }
 
 

@@ -82,7 +82,11 @@ def output_transform(model) -> tuple[float | None, float]:
     config = _inner(model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None) or None
-    scale = getattr(text, "logit_scale", None) or getattr(text, "output_multiplier", None) or getattr(text, "lm_head_multiplier", None)
+    scale = (
+        getattr(text, "logit_scale", None)
+        or getattr(text, "output_multiplier", None)
+        or getattr(text, "lm_head_multiplier", None)
+    )
     if scale is None and getattr(text, "logits_scaling", None):
         # Granite and MiniCPM3 divide by it, HyperCLOVA X multiplies
         scale = text.logits_scaling if text.model_type == "hyperclovax" else 1 / text.logits_scaling
@@ -106,12 +110,17 @@ def choose_path(model, chunk_size: int, log=None) -> HeadPath:
             try:
                 diff = _probe(model, path)
             except Exception as exc:  # noqa: BLE001 - a backbone that cannot be called on its own: the plain path
-                diff, path = float("nan"), HeadPath(note=f"the backbone alone fails on a probe: {type(exc).__name__}: {exc}")
+                diff, path = (
+                    float("nan"),
+                    HeadPath(note=f"the backbone alone fails on a probe: {type(exc).__name__}: {exc}"),
+                )
             if path.chunked and not diff <= PROBE_TOLERANCE:
                 path = HeadPath(note=f"the chunked head differs from the model's logits by {diff:.2e} on a probe")
         if path.note and log is not None:
-            log(f"[yellow]note:[/yellow] train.logits_chunk_size: full-vocabulary logits for "
-                f"{type(_inner(model)).__name__} ({path.note})")
+            log(
+                f"[yellow]note:[/yellow] train.logits_chunk_size: full-vocabulary logits for "
+                f"{type(_inner(model)).__name__} ({path.note})"
+            )
     _PATHS[model] = path
     return path
 
@@ -158,8 +167,15 @@ def _transform(raw: torch.Tensor, path: HeadPath, reuse: bool = False) -> torch.
 # ----------------------------------------------------------------------------- the maths, plain
 
 
-def stats_from_logits(logits, targets, temperature: float = 0.0, entropy: bool = False, logp_mean: bool = False,
-                      teacher_logits=None, kd_temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def stats_from_logits(
+    logits,
+    targets,
+    temperature: float = 0.0,
+    entropy: bool = False,
+    logp_mean: bool = False,
+    teacher_logits=None,
+    kd_temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
     """The per-token quantities from full logits with autograd (the plain path, and the reference).
 
     logits (M, V) as the model returns them, targets (M,) ->
@@ -212,7 +228,17 @@ class _SoftmaxStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, raw, targets, teacher_raw, path: HeadPath, temperature: float, entropy: bool, logp_mean: bool, kd_temperature: float):
+    def forward(
+        ctx,
+        raw,
+        targets,
+        teacher_raw,
+        path: HeadPath,
+        temperature: float,
+        entropy: bool,
+        logp_mean: bool,
+        kd_temperature: float,
+    ):
         ctx.set_materialize_grads(False)
         rescaled = (temperature > 0 and temperature != 1.0) or teacher_raw is not None
         z = _transform(raw, path, reuse=not rescaled)  # (N, V); ``raw`` itself when it is only read
@@ -232,7 +258,9 @@ class _SoftmaxStats(torch.autograd.Function):
             log_q.sub_(lse_q.unsqueeze(-1))
             # KL = Σ q log q − Σ q (z_S − lse_S)
             kl = _dot(q, log_q) - _dot(q, z) + lse_kd
-        ctx.save_for_backward(raw, targets, teacher_raw, lse, ent if ent is not None else lse, lse_kd if lse_kd is not None else lse)
+        ctx.save_for_backward(
+            raw, targets, teacher_raw, lse, ent if ent is not None else lse, lse_kd if lse_kd is not None else lse
+        )
         ctx.path, ctx.temperature, ctx.kd_temperature = path, temperature, kd_temperature
         return logp, ent, mean, kl
 
@@ -306,8 +334,18 @@ def _chunk_count(tokens: int, chunk_size: int, head) -> int:
     return count
 
 
-def head_stats(h, targets, head, path: HeadPath, temperature: float = 0.0, entropy: bool = False, logp_mean: bool = False,
-               h_teacher=None, teacher_head=None, kd_temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def head_stats(
+    h,
+    targets,
+    head,
+    path: HeadPath,
+    temperature: float = 0.0,
+    entropy: bool = False,
+    logp_mean: bool = False,
+    h_teacher=None,
+    teacher_head=None,
+    kd_temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
     """`stats_from_logits` of ``transform(head(h))``, ``path.chunk_size`` rows of ``h`` (M, H) at a time."""
     head_params = [p for p in head.parameters() if p.requires_grad]
     recompute = torch.is_grad_enabled() and (h.requires_grad or bool(head_params))
@@ -315,9 +353,18 @@ def head_stats(h, targets, head, path: HeadPath, temperature: float = 0.0, entro
     n = path.chunk_size
     count = _chunk_count(h.shape[0], n, head)
     for k in range(count):
-        args = (h[k * n : (k + 1) * n], targets[k * n : (k + 1) * n],
-                None if h_teacher is None else h_teacher[k * n : (k + 1) * n],
-                head, teacher_head, path, temperature, entropy, logp_mean, kd_temperature)
+        args = (
+            h[k * n : (k + 1) * n],
+            targets[k * n : (k + 1) * n],
+            None if h_teacher is None else h_teacher[k * n : (k + 1) * n],
+            head,
+            teacher_head,
+            path,
+            temperature,
+            entropy,
+            logp_mean,
+            kd_temperature,
+        )
         # Backward recomputes each chunk's logits instead of keeping them, but the last chunk's: backward needs
         # those first (one recompute fewer); they are held only while the loss is built (with DPO: the reference's
         # forward). (No metadata check of the recomputed tensors: ZeRO-3
@@ -339,9 +386,20 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(_inner(model).forward).parameters
 
 
-def token_stats(model, inputs: dict, rows: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor, *,
-                temperature: float = 0.0, entropy: bool = False, logp_mean: bool = False,
-                teacher=None, kd_temperature: float = 1.0, hidden: bool = False) -> dict[str, torch.Tensor]:
+def token_stats(
+    model,
+    inputs: dict,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    entropy: bool = False,
+    logp_mean: bool = False,
+    teacher=None,
+    kd_temperature: float = 1.0,
+    hidden: bool = False,
+) -> dict[str, torch.Tensor]:
     """Per-token quantities at the scored positions, by the path chosen for ``model`` (`choose_path`).
 
     inputs: the model's keyword inputs ((R, T) rows, packed or padded); ``rows``, ``pos`` (M,): the
@@ -354,7 +412,9 @@ def token_stats(model, inputs: dict, rows: torch.Tensor, pos: torch.Tensor, targ
     if teacher is not None and not path_of(teacher).chunked:
         path = PLAIN  # both heads go through the same path
     if not path.chunked:
-        return _plain_stats(model, inputs, rows, pos, targets, temperature, entropy, logp_mean, teacher, kd_temperature, hidden)
+        return _plain_stats(
+            model, inputs, rows, pos, targets, temperature, entropy, logp_mean, teacher, kd_temperature, hidden
+        )
 
     backbone, head = backbone_and_head(model)
     last = backbone(**inputs, use_cache=False).last_hidden_state  # (R, T, H)
@@ -381,7 +441,9 @@ def _plain_stats(model, inputs, rows, pos, targets, temperature, entropy, logp_m
     if teacher is not None:
         with torch.no_grad():
             extra_t = {"logits_to_keep": keep} if _accepts_logits_to_keep(teacher) else {}
-            teacher_logits = teacher(**inputs, use_cache=False, **extra_t).logits[rows, torch.searchsorted(keep, pos) if extra_t else pos]
+            teacher_logits = teacher(**inputs, use_cache=False, **extra_t).logits[
+                rows, torch.searchsorted(keep, pos) if extra_t else pos
+            ]
     stats = stats_from_logits(logits, targets, temperature, entropy, logp_mean, teacher_logits, kd_temperature)
     if hidden:
         stats["hidden"] = out.hidden_states[-1]

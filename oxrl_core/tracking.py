@@ -84,8 +84,12 @@ def _kept_lines(path: Path, resume_step: int) -> list[str]:
         if step <= resume_step:
             kept.append(line)
     if torn:
-        print(f"note: {path}: dropped {len(torn)} unreadable line(s) (line {', '.join(map(str, torn))}; a write cut "
-              "short by a kill or a full disk)", file=sys.stderr, flush=True)
+        print(
+            f"note: {path}: dropped {len(torn)} unreadable line(s) (line {', '.join(map(str, torn))}; a write cut "
+            "short by a kill or a full disk)",
+            file=sys.stderr,
+            flush=True,
+        )
     return kept
 
 
@@ -94,7 +98,9 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
-            raise OxrlError(f"logging.tensorboard needs the tensorboard package (pip install 'oxrl[tracking]'): {exc}") from None
+            raise OxrlError(
+                f"logging.tensorboard needs the tensorboard package (pip install 'oxrl[tracking]'): {exc}"
+            ) from None
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```")
 
@@ -131,7 +137,11 @@ class MLflowSink:
         mlflow.log_params(params)
 
     def log(self, step: int, metrics: dict) -> None:
-        numeric = {_metric_key(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {
+            _metric_key(k): float(v)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         self.mlflow.log_metrics(numeric, step=step)
 
     def close(self) -> None:

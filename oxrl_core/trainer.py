@@ -1,7 +1,7 @@
 """`Trainer`: the Python API, and everything `oxrl run` does (the CLI is a thin layer over it).
 
-    from oxrl_core import Trainer
-    Trainer(alg="sft", model="path/or/hub-id", data="train.jsonl", train={"max_steps": 50}).train()
+from oxrl_core import Trainer
+Trainer(alg="sft", model="path/or/hub-id", data="train.jsonl", train={"max_steps": 50}).train()
 """
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ from typing import Any
 from rich.console import Console
 
 from oxrl_core import lifecycle, plugins
-from oxrl_core.config import TINY_PREF_DEFAULTS, TINY_RL_DEFAULTS, RunConfig, dump_yaml, load_run_config, read_yaml, validate_alg_section
 from oxrl_core.atomic import write_text_atomic
+from oxrl_core.config import (
+    TINY_PREF_DEFAULTS,
+    TINY_RL_DEFAULTS,
+    RunConfig,
+    dump_yaml,
+    load_run_config,
+    read_yaml,
+    validate_alg_section,
+)
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
 
@@ -58,8 +66,17 @@ def load_algorithm(name: str, registry=None) -> type[Algorithm]:
 
 #: config keys that say what a checkpoint is (the model, the data and its order, the method): --resume keeps them
 IDENTITY_KEYS = (
-    "algorithm", "model.name", "model.ref", "model.teacher", "data.train", "data.max_length", "data.group_by_length",
-    "train.batch_size", "train.grad_accum_steps", "train.seed", "lora",
+    "algorithm",
+    "model.name",
+    "model.ref",
+    "model.teacher",
+    "data.train",
+    "data.max_length",
+    "data.group_by_length",
+    "train.batch_size",
+    "train.grad_accum_steps",
+    "train.seed",
+    "lora",
 )
 
 
@@ -82,16 +99,22 @@ def _saved_config(run_dir: Path) -> dict | None:
     if ckpt is None:
         return None
     if (ckpt / lifecycle.CONFIG_FILE).is_file():
-        Console(stderr=True, soft_wrap=True).print(f"note: {run_dir / 'config.yaml'} is missing; using the copy stored in {ckpt}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"note: {run_dir / 'config.yaml'} is missing; using the copy stored in {ckpt}", highlight=False
+        )
         return read_yaml(ckpt / lifecycle.CONFIG_FILE)
-    raise OxrlError(f"--resume: {run_dir / 'config.yaml'} is missing and {ckpt} stores no copy; pass the run's config "
-                    f"with --config FILE")
+    raise OxrlError(
+        f"--resume: {run_dir / 'config.yaml'} is missing and {ckpt} stores no copy; pass the run's config "
+        f"with --config FILE"
+    )
 
 
 def _make_run_dir(run_dir: Path) -> None:
     """Create the run directory, or say in one line why it cannot be (a file is in the way, no permission...)."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise OxrlError(f"--output-dir {run_dir}: this is a file, not a directory; choose another path (or remove the file)")
+        raise OxrlError(
+            f"--output-dir {run_dir}: this is a file, not a directory; choose another path (or remove the file)"
+        )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".oxrl-write-test-{os.getpid()}"
@@ -99,8 +122,10 @@ def _make_run_dir(run_dir: Path) -> None:
         probe.unlink()
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(run_dir) else ""
-        raise OxrlError(f"--output-dir {run_dir}: cannot create or write the run directory: {exc.strerror or exc}{where}; "
-                        f"choose a path you can write to") from None
+        raise OxrlError(
+            f"--output-dir {run_dir}: cannot create or write the run directory: {exc.strerror or exc}{where}; "
+            f"choose a path you can write to"
+        ) from None
 
 
 def _logged_steps(run_dir: Path) -> int:
@@ -114,8 +139,11 @@ def _logged_steps(run_dir: Path) -> int:
 def _holds_a_run(run_dir: Path) -> bool:
     """Whether any step was done in `run_dir`: a metrics line, a checkpoint (even a half one) or final/."""
     checkpoints = run_dir / "checkpoints"
-    return (_logged_steps(run_dir) > 0 or (run_dir / "final").exists()
-            or (checkpoints.is_dir() and any(checkpoints.iterdir())))
+    return (
+        _logged_steps(run_dir) > 0
+        or (run_dir / "final").exists()
+        or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+    )
 
 
 class Trainer:
@@ -151,9 +179,9 @@ class Trainer:
         sets = _section_overrides(named) + _section_overrides(sections) + list(overrides or [])
         self.registry = plugins.registry()
         if isinstance(alg, type) and issubclass(alg, Algorithm):  # the Python API may pass a class
-            self.registry.prefer(plugins.Registration(
-                "algorithm", alg.name, alg, plugin=alg.name, package=alg.__module__, version=""
-            ))
+            self.registry.prefer(
+                plugins.Registration("algorithm", alg.name, alg, plugin=alg.name, package=alg.__module__, version="")
+            )
             alg = alg.name
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
@@ -166,7 +194,9 @@ class Trainer:
         alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "--set / defaults"))
         self.algorithm = self.algorithm_cls(alg_config)
         if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
-            raise OxrlError(f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)")
+            raise OxrlError(
+                f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"
+            )
         from oxrl_core.engines import check_engine
 
         check_engine(self.config, self.algorithm_cls.family, self.algorithm_cls.needs_rollouts)
@@ -198,14 +228,19 @@ class Trainer:
         """What can fail cheaply is checked before the run directory exists, so a bad start leaves no directory
         behind: trackers, local model paths, data files, the rollout backend and reward plugins."""
         cfg = self.config
-        for flag, module, install in (("tensorboard", "torch.utils.tensorboard", "pip install 'oxrl[tracking]'"),
-                                      ("mlflow", "mlflow", "pip install 'oxrl[tracking]'"), ("wandb", "wandb", "pip install wandb")):
+        for flag, module, install in (
+            ("tensorboard", "torch.utils.tensorboard", "pip install 'oxrl[tracking]'"),
+            ("mlflow", "mlflow", "pip install 'oxrl[tracking]'"),
+            ("wandb", "wandb", "pip install wandb"),
+        ):
             if getattr(cfg.logging, flag):
                 try:
                     __import__(module)
                 except ImportError as exc:
-                    raise OxrlError(f"logging.{flag}: the {flag} package is not installed ({exc}); {install}, "
-                                    f"or set logging.{flag}=false") from None
+                    raise OxrlError(
+                        f"logging.{flag}: the {flag} package is not installed ({exc}); {install}, "
+                        f"or set logging.{flag}=false"
+                    ) from None
         from oxrl_core.models import check_model_path
 
         for field_name in ("name", "ref", "teacher"):
@@ -216,7 +251,9 @@ class Trainer:
         for field_name in ("train", "eval"):
             for spec, _, _, label in source_specs(getattr(cfg.data, field_name), f"data.{field_name}"):
                 path = Path(spec).expanduser()
-                missing = bool(spec) and path_kind(spec, label) is None  # an OS error (name too long...) names the field
+                missing = (
+                    bool(spec) and path_kind(spec, label) is None
+                )  # an OS error (name too long...) names the field
                 if missing and (path.suffix.lower() in FILE_SUFFIXES or spec.startswith((".", "/", "~"))):
                     raise OxrlError(f"{label}: data file not found: {spec}")
                 if missing and self.registry.has("dataset", spec):  # an ambiguous or broken dataset plugin
@@ -264,8 +301,12 @@ class Trainer:
             return None  # unreadable: judged by the checkpoints below
         if done.get("steps", 0) < self.config.train.max_steps:
             return None
-        Console(stderr=True, soft_wrap=True).print(f"{run_dir} is already complete ({done['steps']} steps); nothing to resume", highlight=False)
-        return RunResult(run_dir, run_dir / "final", done["steps"], [], done.get("eval_before", {}), done.get("eval_after", {}))
+        Console(stderr=True, soft_wrap=True).print(
+            f"{run_dir} is already complete ({done['steps']} steps); nothing to resume", highlight=False
+        )
+        return RunResult(
+            run_dir, run_dir / "final", done["steps"], [], done.get("eval_before", {}), done.get("eval_after", {})
+        )
 
     def _fresh_start(self) -> None:
         """A new run: refused where steps were done already; a directory where none was done is reused."""
@@ -280,7 +321,9 @@ class Trainer:
     def _refuse_existing_run(self) -> None:
         if self.run_dir.is_dir() and _holds_a_run(self.run_dir):
             lifecycle.RunLock(self.run_dir).refuse_if_in_use()  # the more useful message while another run is on
-            raise OxrlError(f"output directory {self.run_dir} already holds a run; pass --resume to continue it or choose another --output-dir")
+            raise OxrlError(
+                f"output directory {self.run_dir} already holds a run; pass --resume to continue it or choose another --output-dir"
+            )
 
     def _resume_point(self) -> Path | None:
         """The checkpoint --resume continues from, after checking it belongs to this config; or a refusal that
@@ -310,8 +353,10 @@ class Trainer:
             return None
         step = int(STEP_DIR.match(ckpt.name).group(1))
         if self.config.train.max_steps < step:
-            raise OxrlError(f"--resume: train.max_steps={self.config.train.max_steps} is below step {step} of {ckpt}; "
-                            f"set train.max_steps to at least {step + 1} to train further")
+            raise OxrlError(
+                f"--resume: train.max_steps={self.config.train.max_steps} is below step {step} of {ckpt}; "
+                f"set train.max_steps to at least {step + 1} to train further"
+            )
         self._check_identity(ckpt)
         check_engine_matches(ckpt, engine_record(self.config.engine))
         return ckpt
@@ -319,17 +364,24 @@ class Trainer:
     def _check_identity(self, ckpt: Path) -> None:
         """A resumed run must continue the run the checkpoint came from: the keys that say what was trained on
         what (`IDENTITY_KEYS`) may not change unless --force-config; others (max_steps, logging, lr...) may."""
-        saved_file = ckpt / lifecycle.CONFIG_FILE if (ckpt / lifecycle.CONFIG_FILE).is_file() else self.run_dir / "config.yaml"
+        saved_file = (
+            ckpt / lifecycle.CONFIG_FILE if (ckpt / lifecycle.CONFIG_FILE).is_file() else self.run_dir / "config.yaml"
+        )
         if not saved_file.is_file():
             return
         saved, now = read_yaml(saved_file), self.config.model_dump(mode="json")
-        changed = [(key, _dotted(saved, key), _dotted(now, key)) for key in IDENTITY_KEYS
-                   if _dotted(saved, key) is not None and _dotted(saved, key) != _dotted(now, key)]
+        changed = [
+            (key, _dotted(saved, key), _dotted(now, key))
+            for key in IDENTITY_KEYS
+            if _dotted(saved, key) is not None and _dotted(saved, key) != _dotted(now, key)
+        ]
         if not changed:
             return
         listing = "; ".join(f"{key}: {old!r} → {new!r}" for key, old, new in changed)
         if self.force_config:
-            Console(stderr=True, soft_wrap=True).print(f"[yellow]note:[/yellow] --force-config: resuming {ckpt} with {listing}", highlight=False)
+            Console(stderr=True, soft_wrap=True).print(
+                f"[yellow]note:[/yellow] --force-config: resuming {ckpt} with {listing}", highlight=False
+            )
             return
         raise OxrlError(
             f"--resume: this command changes what {ckpt} was trained as ({listing}). Drop those --set / --config "
@@ -356,4 +408,6 @@ class Trainer:
             from oxrl_core.loops.preference import run_preference
 
             return run_preference(self, ckpt)
-        raise OxrlError(f"algorithm '{self.config.algorithm}' is a '{family}' algorithm; this oxrl core has no '{family}' loop yet")
+        raise OxrlError(
+            f"algorithm '{self.config.algorithm}' is a '{family}' algorithm; this oxrl core has no '{family}' loop yet"
+        )

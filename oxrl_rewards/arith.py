@@ -10,7 +10,6 @@ from typing import Any
 
 from oxrl_core.interfaces import Reward
 from oxrl_core.task import is_correct
-
 from oxrl_rewards._common import field
 
 
@@ -19,4 +18,6 @@ class ArithReward(Reward):
     timeout_s = 5.0
 
     def score(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[float]:
-        return [float(is_correct(c, field(ex, "answer", self.name))) for c, ex in zip(completions, examples, strict=True)]
+        return [
+            float(is_correct(c, field(ex, "answer", self.name))) for c, ex in zip(completions, examples, strict=True)
+        ]

@@ -38,7 +38,6 @@ from pydantic import Field, field_validator
 
 from oxrl_core.interfaces import Reward, StrictModel
 from oxrl_core.rewards import row_number
-
 from oxrl_rewards._common import MissingFieldError
 from oxrl_rewards.sandbox import Limits, RunResult, Sandbox, SandboxError
 
@@ -70,9 +69,13 @@ def read_test_cases(example: dict, reward: str = "code") -> tuple[str, list]:
     (a ValueError) naming the field when the example has neither, both, or malformed ones."""
     has = [name for name in ("tests", "io") if isinstance(example, dict) and example.get(name) is not None]
     if len(has) != 1:
-        found = sorted(k for k in example if not k.startswith("_")) if isinstance(example, dict) else type(example).__name__
+        found = (
+            sorted(k for k in example if not k.startswith("_")) if isinstance(example, dict) else type(example).__name__
+        )
         what = "both 'tests' and 'io'" if len(has) == 2 else f"neither (it has {found})"
-        raise MissingFieldError(f"reward '{reward}' needs the field 'tests' or 'io' in every example; this one has {what}")
+        raise MissingFieldError(
+            f"reward '{reward}' needs the field 'tests' or 'io' in every example; this one has {what}"
+        )
     name = has[0]
     cases = example[name]
     if not isinstance(cases, (list, tuple)) or not cases:
@@ -83,8 +86,14 @@ def read_test_cases(example: dict, reward: str = "code") -> tuple[str, list]:
         return name, list(cases)
     pairs = []
     for i, pair in enumerate(cases):
-        if not isinstance(pair, dict) or not isinstance(pair.get("output"), str) or not isinstance(pair.get("input", ""), str):
-            raise MissingFieldError(f"reward '{reward}': io[{i}] must be {{\"input\": str, \"output\": str}}, got {pair!r:.80}")
+        if (
+            not isinstance(pair, dict)
+            or not isinstance(pair.get("output"), str)
+            or not isinstance(pair.get("input", ""), str)
+        ):
+            raise MissingFieldError(
+                f'reward \'{reward}\': io[{i}] must be {{"input": str, "output": str}}, got {pair!r:.80}'
+            )
         pairs.append((pair.get("input", ""), pair["output"]))
     return name, pairs
 
@@ -129,10 +138,17 @@ class CodeReward(Reward):
         super().__init__(config)
         c = self.config
         limits = Limits(
-            wall_s=c.wall_s, cpu_s=c.cpu_s, memory_mb=c.memory_mb, output_bytes=c.output_bytes,
-            max_processes=c.max_processes, max_open_files=c.max_open_files, scratch_mb=c.scratch_mb,
+            wall_s=c.wall_s,
+            cpu_s=c.cpu_s,
+            memory_mb=c.memory_mb,
+            output_bytes=c.output_bytes,
+            max_processes=c.max_processes,
+            max_open_files=c.max_open_files,
+            scratch_mb=c.scratch_mb,
         )
-        self.sandbox = Sandbox(limits, namespaces=c.namespaces, python_guard=c.python_guard, temp_dir=c.temp_dir or None)
+        self.sandbox = Sandbox(
+            limits, namespaces=c.namespaces, python_guard=c.python_guard, temp_dir=c.temp_dir or None
+        )
         self.workers = c.workers or os.cpu_count() or 1
 
     def score(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[float]:
@@ -154,7 +170,14 @@ class CodeReward(Reward):
         rows: list[dict] = []
         jobs: list[_Job] = []
         for i, (completion, example) in enumerate(zip(completions, examples, strict=True)):
-            row = {"score": 0.0, "passed": 0, "total": 0, "status": "ok", "isolation": self.sandbox.isolation, "stderr": ""}
+            row = {
+                "score": 0.0,
+                "passed": 0,
+                "total": 0,
+                "status": "ok",
+                "isolation": self.sandbox.isolation,
+                "stderr": "",
+            }
             rows.append(row)
             try:
                 kind, cases = read_test_cases(example, self.name)
@@ -167,7 +190,10 @@ class CodeReward(Reward):
             if kind == "tests":
                 jobs.append(_Job(i, code, tests=cases, label=row_number(examples, i)))
             else:
-                jobs.extend(_Job(i, code, stdin=stdin, expected=expected, label=row_number(examples, i)) for stdin, expected in cases)
+                jobs.extend(
+                    _Job(i, code, stdin=stdin, expected=expected, label=row_number(examples, i))
+                    for stdin, expected in cases
+                )
         return rows, jobs
 
     def _run_all(self, jobs: list[_Job]) -> list[RunResult]:
@@ -183,7 +209,9 @@ class CodeReward(Reward):
                 log.warning("reward '%s': row %s: %s", self.name, job.label, exc)
                 return RunResult(status="sandbox_error", exit_code=None, stderr=str(exc))
 
-        with ThreadPoolExecutor(max_workers=min(self.workers, max(len(jobs), 1)), thread_name_prefix="code-reward") as pool:
+        with ThreadPoolExecutor(
+            max_workers=min(self.workers, max(len(jobs), 1)), thread_name_prefix="code-reward"
+        ) as pool:
             return list(pool.map(run, jobs))
 
 

@@ -13,7 +13,6 @@ import re
 from typing import Any
 
 from oxrl_core.interfaces import Reward, StrictModel
-
 from oxrl_rewards._common import answer_tag, field
 
 

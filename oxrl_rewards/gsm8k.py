@@ -17,7 +17,6 @@ import math
 from typing import Any
 
 from oxrl_core.interfaces import Reward
-
 from oxrl_rewards._common import field, numbers, to_number
 
 

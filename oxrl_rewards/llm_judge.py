@@ -25,7 +25,6 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from oxrl_core.interfaces import Reward, SamplingParams, StrictModel
-
 from oxrl_rewards.reward_model import Device, resolve_device
 
 DEFAULT_TEMPLATE = """You are a strict and fair judge. Rate how well the response answers the request: \
@@ -59,7 +58,9 @@ class LLMJudgeReward(Reward):
     timeout_s = 300.0
 
     class Config(StrictModel):
-        model: str = Field("", description="the judge: a causal LM hub id or local dir; empty = the built-in tiny model")
+        model: str = Field(
+            "", description="the judge: a causal LM hub id or local dir; empty = the built-in tiny model"
+        )
         template: str = Field(
             DEFAULT_TEMPLATE,
             description="the rubric sent to the judge, with {prompt} and {completion} placeholders "

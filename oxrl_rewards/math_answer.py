@@ -21,7 +21,6 @@ import threading
 from typing import Any
 
 from oxrl_core.interfaces import Reward
-
 from oxrl_rewards._common import field
 
 

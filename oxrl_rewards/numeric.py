@@ -14,7 +14,6 @@ from typing import Any, Literal
 from pydantic import Field
 
 from oxrl_core.interfaces import Reward, StrictModel
-
 from oxrl_rewards._common import answer_tag, field, numbers, to_number
 
 

@@ -17,7 +17,6 @@ from typing import Any
 from pydantic import Field
 
 from oxrl_core.interfaces import Reward, StrictModel
-
 from oxrl_rewards._common import answer_tag, field
 from oxrl_rewards.math_answer import is_equivalent
 from oxrl_rewards.tag_format import follows_format

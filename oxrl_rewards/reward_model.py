@@ -51,15 +51,19 @@ class RewardModelReward(Reward):
 
     class Config(StrictModel):
         model: str = Field(
-            ..., min_length=1,
+            ...,
+            min_length=1,
             description="the reward model: a hub id or a local directory holding a sequence-classification "
             "checkpoint with one output (num_labels=1) and its tokenizer",
         )
         batch_size: int = Field(16, ge=1, description="rows per forward pass")
-        max_length: int = Field(1024, ge=2, description="tokens per row (prompt + completion + EOS); longer rows keep their end")
+        max_length: int = Field(
+            1024, ge=2, description="tokens per row (prompt + completion + EOS); longer rows keep their end"
+        )
         device: Device = Field("auto", description="where the reward model runs: auto = cuda when available, else cpu")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-            "auto", description="weights' dtype: auto = bfloat16 on cuda, float32 on cpu (scores are returned as float32)"
+            "auto",
+            description="weights' dtype: auto = bfloat16 on cuda, float32 on cpu (scores are returned as float32)",
         )
 
     def __init__(self, config: "RewardModelReward.Config"):
@@ -88,7 +92,11 @@ class RewardModelReward(Reward):
                 f"reward.model: '{path}' has {model.config.num_labels} output labels; a reward model has one "
                 "(num_labels=1, as a Bradley-Terry reward-model run saves)"
             )
-        head_missing = [k for k in info.get("missing_keys", []) if not k.startswith(getattr(model, "base_model_prefix", "model") + ".")]
+        head_missing = [
+            k
+            for k in info.get("missing_keys", [])
+            if not k.startswith(getattr(model, "base_model_prefix", "model") + ".")
+        ]
         if head_missing:
             raise OxrlError(
                 f"reward.model: '{path}' is not a trained reward model: its head ({', '.join(sorted(head_missing))}) "
@@ -127,7 +135,9 @@ class RewardModelReward(Reward):
         width = max(map(len, rows))
         pad_id = self.tokenizer.pad_token_id
         input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], device=self.device)  # (B, T)
-        attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)  # (B, T)
+        attention_mask = torch.tensor(
+            [[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device
+        )  # (B, T)
         last = attention_mask.sum(dim=1) - 1  # (B,) index of each row's EOS
 
         captured: dict[str, torch.Tensor] = {}

@@ -196,24 +196,42 @@ class Sandbox:
             (work / "root").mkdir()  # the mount point of the new root
         home = "/sandbox" if self.mode == "root" else workdir
         env = {
-            "PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
+            "PATH": "/usr/bin:/bin",
+            "HOME": home,
+            "TMPDIR": home,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
             "MALLOC_ARENA_MAX": "2",  # glibc's per-thread arenas would eat RLIMIT_AS in address space alone
         }
         nonce = secrets.token_hex(16)
-        files = {name: os.open(work / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                 for name in ("stdout.txt", "stderr.txt", "result.txt")}
+        files = {
+            name: os.open(work / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            for name in ("stdout.txt", "stderr.txt", "result.txt")
+        }
         try:
             spec = {
-                "nonce": nonce, "mode": self.mode, "guard": self.python_guard, "tests": tests, "workdir": workdir,
-                "uid": uid, "result_fd": files["result.txt"], "limits": self.limits.__dict__, "parent": os.getpid(),
+                "nonce": nonce,
+                "mode": self.mode,
+                "guard": self.python_guard,
+                "tests": tests,
+                "workdir": workdir,
+                "uid": uid,
+                "result_fd": files["result.txt"],
+                "limits": self.limits.__dict__,
+                "parent": os.getpid(),
             }
             (work / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
             with open(work / "stdin.txt", "rb") as stdin_file:
                 try:
                     proc = subprocess.Popen(
                         [sys.executable, "-I", "-S", "-B", "-X", "utf8", str(RUNNER), workdir],
-                        cwd=workdir, env=env, stdin=stdin_file, stdout=files["stdout.txt"], stderr=files["stderr.txt"],
-                        pass_fds=(files["result.txt"],), start_new_session=True,
+                        cwd=workdir,
+                        env=env,
+                        stdin=stdin_file,
+                        stdout=files["stdout.txt"],
+                        stderr=files["stderr.txt"],
+                        pass_fds=(files["result.txt"],),
+                        start_new_session=True,
                     )
                 except OSError as exc:
                     raise SandboxError(f"could not start the sandbox runner: {exc}") from exc
@@ -236,7 +254,9 @@ class Sandbox:
             raise SandboxError(f"the sandbox runner failed: {_read(work / 'stderr.txt', 500, tail=True)}")
         reports = [info.split(" ", 2) for kind, _, info in lines if kind == "test"]
         outcomes = [words[1] == "1" for words in reports if len(words) == 3]
-        failures = {words[2] for words in reports if len(words) == 3} | {info for kind, _, info in lines if kind == "raised"}
+        failures = {words[2] for words in reports if len(words) == 3} | {
+            info for kind, _, info in lines if kind == "raised"
+        }
         signum = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else 0
         capped = any((work / name).stat().st_size >= self.limits.output_bytes for name in ("stdout.txt", "stderr.txt"))
         if timed_out or signum in (signal.SIGXCPU, signal.SIGKILL):
@@ -252,8 +272,11 @@ class Sandbox:
         else:
             status = "ok"
         return RunResult(
-            status=status, exit_code=returncode, tests=outcomes[: len(tests)] if tests is not None else [],
-            stdout=_read(work / "stdout.txt", self.limits.output_bytes), stderr=_read(work / "stderr.txt", 2000, tail=True),
+            status=status,
+            exit_code=returncode,
+            tests=outcomes[: len(tests)] if tests is not None else [],
+            stdout=_read(work / "stdout.txt", self.limits.output_bytes),
+            stderr=_read(work / "stderr.txt", 2000, tail=True),
         )
 
 
@@ -332,7 +355,11 @@ def choose_mode(namespaces: str, temp_dir: str) -> Mode:
     if namespaces == "on":
         raise SandboxError(f"namespaces=on, but the '{mode}' namespace sandbox does not work here: {why}")
     user = "as root, " if mode == "root" else ""
-    log.warning("code sandbox: namespaces unavailable (%s); programs run %swith process limits and the Python guard only", why, user)
+    log.warning(
+        "code sandbox: namespaces unavailable (%s); programs run %swith process limits and the Python guard only",
+        why,
+        user,
+    )
     return "none"
 
 
@@ -342,7 +369,9 @@ def probe(mode: Mode, temp_dir: str) -> str | None:
     with _PROBE_LOCK:
         if key not in _PROBES:
             try:
-                result = Sandbox(Limits(wall_s=30.0), temp_dir=temp_dir, mode=mode).run("x = 1", tests=["assert x == 1"])
+                result = Sandbox(Limits(wall_s=30.0), temp_dir=temp_dir, mode=mode).run(
+                    "x = 1", tests=["assert x == 1"]
+                )
                 ok = result.status == "ok" and result.tests == [True]
                 _PROBES[key] = None if ok else f"probe run: {result.status}: {result.stderr[-300:]}"
             except SandboxError as exc:

@@ -37,8 +37,23 @@ import sys
 EXIT_SANDBOX = 3  # the sandbox itself could not be set up; nothing of the program ran
 
 # <linux/sched.h>, <linux/mount.h>, <linux/prctl.h>
-CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x8000000, 0x10000000, 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
+    0x20000,
+    0x8000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 DEVICES = ("null", "zero", "random", "urandom")
@@ -137,11 +152,17 @@ def enter_namespaces(spec: dict, stdlib: list[str], libc, check) -> str:
 
     def mount(source, target, fstype, flags: int, data=None) -> None:
         encode = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
-        check(libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)), f"mount {target}")
+        check(
+            libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
+            f"mount {target}",
+        )
 
     root = spec["mode"] == "root"
     uid, gid = os.getuid(), os.getgid()
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | (0 if root else CLONE_NEWUSER)), "unshare")
+    check(
+        libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | (0 if root else CLONE_NEWUSER)),
+        "unshare",
+    )
     if not root:
         for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
             with open(f"/proc/self/{name}", "w") as handle:
@@ -206,7 +227,12 @@ def build_root(spec: dict, stdlib: list[str], mount) -> str:
     for name in DEVICES:
         open(f"{new}/dev/{name}", "w").close()
         mount(f"/dev/{name}", f"{new}/dev/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{new}/dev/{name}")
     os.mkdir(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -253,18 +279,43 @@ def install_guard(workdir: str, stdlib: list[str]) -> None:
     readable_roots = (workdir, *stdlib, "/usr/share/zoneinfo")
     readable_files = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/dev/stdin", "/etc/localtime")
     writable_files = ("/dev/null", "/dev/stdout", "/dev/stderr")
-    denied = frozenset({
-        "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-        "os.kill", "os.killpg", "os.chdir", "os.link", "os.symlink", "os.setxattr", "os.removexattr",
-        "resource.setrlimit", "resource.prlimit",
-        "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-    })
+    denied = frozenset(
+        {
+            "os.system",
+            "os.exec",
+            "os.fork",
+            "os.forkpty",
+            "os.posix_spawn",
+            "os.spawn",
+            "subprocess.Popen",
+            "os.kill",
+            "os.killpg",
+            "os.chdir",
+            "os.link",
+            "os.symlink",
+            "os.setxattr",
+            "os.removexattr",
+            "resource.setrlimit",
+            "resource.prlimit",
+            "gc.get_objects",
+            "gc.get_referrers",
+            "gc.get_referents",
+        }
+    )
     denied_prefixes = ("socket.", "ctypes.", "syslog.")
     denied_modules = frozenset({"ctypes", "_ctypes", "_posixsubprocess"})
     # event -> positions of the path arguments that are written (else read)
     writes = {
-        "os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.chmod": (0,),
-        "os.chown": (0,), "os.utime": (0,), "os.truncate": (0,), "os.chflags": (0,), "os.lchflags": (0,),
+        "os.remove": (0,),
+        "os.rmdir": (0,),
+        "os.mkdir": (0,),
+        "os.rename": (0, 1),
+        "os.chmod": (0,),
+        "os.chown": (0,),
+        "os.utime": (0,),
+        "os.truncate": (0,),
+        "os.chflags": (0,),
+        "os.lchflags": (0,),
         "shutil.rmtree": (0,),
     }
     reads = frozenset({"os.listdir", "os.scandir", "os.fwalk", "glob.glob", "os.listxattr", "os.getxattr"})
@@ -348,7 +399,9 @@ def install_guard(workdir: str, stdlib: list[str]) -> None:
             target = args[0]
             if _type(target) is _str and target in (":memory:", ""):
                 return
-            if (_type(target) is _str and target.startswith("file:")) or (_type(target) is _bytes and target.startswith(b"file:")):
+            if (_type(target) is _str and target.startswith("file:")) or (
+                _type(target) is _bytes and target.startswith(b"file:")
+            ):
                 refuse("sqlite URIs")
             check_write(target)
 

@@ -18,7 +18,16 @@ import shutil
 from pathlib import Path
 
 FAMILIES: tuple[str, ...] = (
-    "llama", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_mm", "mistral", "phi3", "olmo2",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3",
+    "gemma3_mm",
+    "mistral",
+    "phi3",
+    "olmo2",
 )
 
 #: the sliding window of the families that have one: shorter than the rows the matrix trains on
@@ -78,23 +87,71 @@ _PHI3 = (
 _STYLES = {
     # specials (in id order, first ids of the vocabulary), bos, eos, pad, template, add BOS when encoding
     "chatml": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>", _CHATML, False),
-    "smollm2": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "<|im_start|>", "<|im_end|>", "<|endoftext|>",
-                _CHATML, False),
-    "olmo2": (["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"], "<|endoftext|>", "<|im_end|>", "<|pad|>",
-              _CHATML, False),
-    "gemma": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>",
-              "<pad>", _GEMMA, True),
-    "gemma_mm": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                  "<end_of_image>", "<image_soft_token>"], "<bos>", "<end_of_turn>", "<pad>", _GEMMA, True),
+    "smollm2": (
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        _CHATML,
+        False,
+    ),
+    "olmo2": (
+        ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"],
+        "<|endoftext|>",
+        "<|im_end|>",
+        "<|pad|>",
+        _CHATML,
+        False,
+    ),
+    "gemma": (
+        ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],
+        "<bos>",
+        "<end_of_turn>",
+        "<pad>",
+        _GEMMA,
+        True,
+    ),
+    "gemma_mm": (
+        [
+            "<pad>",
+            "<eos>",
+            "<bos>",
+            "<unk>",
+            "<start_of_turn>",
+            "<end_of_turn>",
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        ],
+        "<bos>",
+        "<end_of_turn>",
+        "<pad>",
+        _GEMMA,
+        True,
+    ),
     # Mistral ships no pad token: oxRL falls back to EOS, as it must for the real model
     "mistral": (["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", None, _MISTRAL, True),
-    "phi3": (["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "<s>",
-             "<|end|>", "<|endoftext|>", _PHI3, False),
+    "phi3": (
+        ["<unk>", "<s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        "<s>",
+        "<|end|>",
+        "<|endoftext|>",
+        _PHI3,
+        False,
+    ),
 }
 
 _FAMILY_STYLE = {
-    "llama": "smollm2", "qwen2": "chatml", "qwen3": "chatml", "qwen3_moe": "chatml", "olmo2": "olmo2",
-    "gemma2": "gemma", "gemma3": "gemma", "gemma3_mm": "gemma_mm", "mistral": "mistral", "phi3": "phi3",
+    "llama": "smollm2",
+    "qwen2": "chatml",
+    "qwen3": "chatml",
+    "qwen3_moe": "chatml",
+    "olmo2": "olmo2",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gemma3_mm": "gemma_mm",
+    "mistral": "mistral",
+    "phi3": "phi3",
 }
 
 
@@ -108,7 +165,9 @@ def _tokenizer_json(style: str) -> str:
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=BPE_VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     core.train_from_iterator(_corpus(), trainer=trainer)
@@ -155,49 +214,131 @@ def _config(family: str, tokenizer):
         "num_hidden_layers": 2,
     }
     if family == "llama":  # SmolLM2: tied embeddings, one KV head per query head
-        return tf.LlamaConfig(hidden_size=64, intermediate_size=192, num_attention_heads=1, num_key_value_heads=1,
-                              head_dim=64, tie_word_embeddings=True, rope_theta=100000.0, **ids)
+        return tf.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=192,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=64,
+            tie_word_embeddings=True,
+            rope_theta=100000.0,
+            **ids,
+        )
     if family == "qwen2":  # grouped-query attention with q/k/v biases
-        return tf.Qwen2Config(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
-                              tie_word_embeddings=True, use_sliding_window=False, **ids)
+        return tf.Qwen2Config(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            **ids,
+        )
     if family == "qwen3":  # q/k norms; heads wider than the hidden size, as Qwen3 does
-        return tf.Qwen3Config(hidden_size=64, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1,
-                              head_dim=64, tie_word_embeddings=True, use_sliding_window=False, **ids)
+        return tf.Qwen3Config(
+            hidden_size=64,
+            intermediate_size=192,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            **ids,
+        )
     if family == "qwen3_moe":  # 4 experts, top-2, every layer sparse
-        return tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=192, moe_intermediate_size=64, num_experts=4,
-                                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False,
-                                 use_sliding_window=False, **ids)
+        return tf.Qwen3MoeConfig(
+            hidden_size=64,
+            intermediate_size=192,
+            moe_intermediate_size=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            **ids,
+        )
     if family == "gemma2":  # soft-capping (attention 50, final 30: the defaults); sliding window on layer 0
-        return tf.Gemma2Config(hidden_size=64, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1,
-                               head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
-                               layer_types=["sliding_attention", "full_attention"], **ids)
+        return tf.Gemma2Config(
+            hidden_size=64,
+            intermediate_size=192,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **ids,
+        )
     if family in ("gemma3", "gemma3_mm"):  # sliding window on layer 0, global attention on layer 1
-        text = tf.Gemma3TextConfig(hidden_size=64, intermediate_size=192, num_attention_heads=2, num_key_value_heads=1,
-                                   head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW,
-                                   layer_types=["sliding_attention", "full_attention"], **ids)
+        text = tf.Gemma3TextConfig(
+            hidden_size=64,
+            intermediate_size=192,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            query_pre_attn_scalar=64,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            **ids,
+        )
         if family == "gemma3":
             return text
-        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-                                       image_size=56, patch_size=14)
+        vision = tf.SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=1,
+            image_size=56,
+            patch_size=14,
+        )
         return tf.Gemma3Config(
-            text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+            text_config=text.to_dict(),
+            vision_config=vision.to_dict(),
+            mm_tokens_per_image=4,
             boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
             eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
             image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
-            pad_token_id=ids["pad_token_id"], bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
+            pad_token_id=ids["pad_token_id"],
+            bos_token_id=ids["bos_token_id"],
+            eos_token_id=ids["eos_token_id"],
             tie_word_embeddings=True,
         )
     if family == "mistral":
-        return tf.MistralConfig(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
-                                head_dim=64, sliding_window=WINDOW, tie_word_embeddings=False, **ids)
+        return tf.MistralConfig(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            **ids,
+        )
     if family == "phi3":  # fused qkv / gate_up projections
-        return tf.Phi3Config(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
-                             sliding_window=WINDOW, tie_word_embeddings=False,
-                             original_max_position_embeddings=MAX_POSITIONS, **ids)
+        return tf.Phi3Config(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=MAX_POSITIONS,
+            **ids,
+        )
     if family == "olmo2":  # post-norms and q/k norms over the whole projection
-        return tf.Olmo2Config(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
-                              tie_word_embeddings=False, **ids)
+        return tf.Olmo2Config(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            **ids,
+        )
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -205,10 +346,16 @@ def _model_class(family: str):
     import transformers as tf
 
     return {
-        "llama": tf.LlamaForCausalLM, "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-        "qwen3_moe": tf.Qwen3MoeForCausalLM, "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
-        "gemma3_mm": tf.Gemma3ForConditionalGeneration, "mistral": tf.MistralForCausalLM,
-        "phi3": tf.Phi3ForCausalLM, "olmo2": tf.Olmo2ForCausalLM,
+        "llama": tf.LlamaForCausalLM,
+        "qwen2": tf.Qwen2ForCausalLM,
+        "qwen3": tf.Qwen3ForCausalLM,
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "gemma2": tf.Gemma2ForCausalLM,
+        "gemma3": tf.Gemma3ForCausalLM,
+        "gemma3_mm": tf.Gemma3ForConditionalGeneration,
+        "mistral": tf.MistralForCausalLM,
+        "phi3": tf.Phi3ForCausalLM,
+        "olmo2": tf.Olmo2ForCausalLM,
     }[family]
 
 
@@ -294,9 +441,9 @@ LENGTH_REWARD = (
 
 def run_cli(alg: str, run_dir: Path, *sets: str) -> list[dict]:
     """`oxrl run --alg ALG --set ... -q -o RUN_DIR` in process (typer's runner on the real app)."""
+    from conftest import read_metrics
     from typer.testing import CliRunner
 
-    from conftest import read_metrics
     from oxrl_core.cli import app
 
     args = ["run", "--alg", alg, "-q", "-o", str(run_dir)]

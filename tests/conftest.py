@@ -71,7 +71,9 @@ def text_jsonl(tmp_path) -> Path:
     return write_jsonl(tmp_path / "text.jsonl", rows)
 
 
-def oxrl(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def oxrl(
+    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run the real `oxrl` console script; returns the completed process (text output)."""
     full_env = {**os.environ, **(env or {})}
     exe = Path(sys.executable).with_name("oxrl")

@@ -24,25 +24,30 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from archs import FAMILIES, LENGTH_REWARD, WINDOW, run_cli
 from conftest import oxrl, read_metrics, write_jsonl
 
 WINDOWED = ("gemma2", "gemma3", "gemma3_mm", "mistral", "phi3")
 
 SFT_ROWS = [
-    {"prompt": f"Compute {a} times {b} and then add {c}. Please think step by step.",
-     "response": f"{a} times {b} is {a * b}. Adding {c} gives {a * b + c}. The answer is {a * b + c}."}
+    {
+        "prompt": f"Compute {a} times {b} and then add {c}. Please think step by step.",
+        "response": f"{a} times {b} is {a * b}. Adding {c} gives {a * b + c}. The answer is {a * b + c}.",
+    }
     for a, b, c in ((3, 4, 5), (7, 8, 2), (11, 2, 9), (6, 6, 6))
 ]
 PAIRS = [
-    {"prompt": f"What is {a}+{b}? Answer briefly, then explain the sum in one short sentence.",
-     "chosen": f"The answer is {a + b}. The sum of {a} and {b} is {a + b}.",
-     "rejected": f"The answer is {a + b + 1}. A model learns to add numbers one step at a time."}
+    {
+        "prompt": f"What is {a}+{b}? Answer briefly, then explain the sum in one short sentence.",
+        "chosen": f"The answer is {a + b}. The sum of {a} and {b} is {a + b}.",
+        "rejected": f"The answer is {a + b + 1}. A model learns to add numbers one step at a time.",
+    }
     for a, b in ((2, 3), (9, 4), (13, 7), (5, 16))
 ]
-PROMPTS = [{"prompt": f"You are a helpful assistant. What is {a}+{b}? Think step by step.", "answer": str(a + b)}
-           for a, b in ((1, 2), (4, 5))]
+PROMPTS = [
+    {"prompt": f"You are a helpful assistant. What is {a}+{b}? Think step by step.", "answer": str(a + b)}
+    for a, b in ((1, 2), (4, 5))
+]
 
 
 # ----------------------------------------------------------------------------- plain transformers, per sequence
@@ -52,12 +57,16 @@ def _load(model_dir: Path, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+    )
     return model.eval(), tokenizer
 
 
 def _prompt_ids(tokenizer, prompt: str) -> list[int]:
-    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     return list(out if isinstance(out, list) else out["input_ids"])
 
 
@@ -89,7 +98,8 @@ def plain_dpo_loss(policy_dir: Path, ref_dir: Path, pairs: list[dict], beta: flo
     losses = []
     for row in pairs:
         margin = (logp(policy, row, "chosen") - logp(ref, row, "chosen")) - (
-            logp(policy, row, "rejected") - logp(ref, row, "rejected"))
+            logp(policy, row, "rejected") - logp(ref, row, "rejected")
+        )
         losses.append(-math.log(1 / (1 + math.exp(-beta * margin))))
     return sum(losses) / len(losses)
 
@@ -101,13 +111,30 @@ def test_fixtures_are_their_family(arch_model):
     """Every family saves a plain HF directory whose chat template renders and whose rows outgrow the window."""
     from transformers import AutoConfig, AutoTokenizer
 
-    expected = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                "gemma3_mm": "Gemma3ForConditionalGeneration", "mistral": "MistralForCausalLM",
-                "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}
-    marker = {"llama": "<|im_start|>", "qwen2": "<|im_start|>", "qwen3": "<|im_start|>", "qwen3_moe": "<|im_start|>",
-              "olmo2": "<|im_start|>", "gemma2": "<start_of_turn>", "gemma3": "<start_of_turn>",
-              "gemma3_mm": "<start_of_turn>", "mistral": "[INST]", "phi3": "<|user|>"}
+    expected = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "gemma2": "Gemma2ForCausalLM",
+        "gemma3": "Gemma3ForCausalLM",
+        "gemma3_mm": "Gemma3ForConditionalGeneration",
+        "mistral": "MistralForCausalLM",
+        "phi3": "Phi3ForCausalLM",
+        "olmo2": "Olmo2ForCausalLM",
+    }
+    marker = {
+        "llama": "<|im_start|>",
+        "qwen2": "<|im_start|>",
+        "qwen3": "<|im_start|>",
+        "qwen3_moe": "<|im_start|>",
+        "olmo2": "<|im_start|>",
+        "gemma2": "<start_of_turn>",
+        "gemma3": "<start_of_turn>",
+        "gemma3_mm": "<start_of_turn>",
+        "mistral": "[INST]",
+        "phi3": "<|user|>",
+    }
     for family in FAMILIES:
         path = arch_model(family)
         config = AutoConfig.from_pretrained(path)
@@ -119,7 +146,9 @@ def test_fixtures_are_their_family(arch_model):
         assert len(tokenizer) == text.vocab_size and 300 <= len(tokenizer) <= 1000
         assert tokenizer.eos_token_id is not None
         assert (tokenizer.pad_token_id is None) == (family == "mistral")  # Mistral ships no pad token
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+        )
         assert marker[family] in rendered, (family, rendered)
         if family in WINDOWED:
             assert text.sliding_window == WINDOW
@@ -148,17 +177,24 @@ def test_attention_fast_paths_equal_plain_transformers(family, arch_model):
         alone = [model(input_ids=s[None]).logits[0] for s in seqs]
         model.set_attn_implementation(packed_attn_implementation("sdpa"))
         bounds = torch.tensor([0, 40, 63, 94], dtype=torch.int32)
-        packed = model(input_ids=torch.cat(seqs)[None], position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None],
-                       cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=40, max_length_k=40,
-                       use_cache=False).logits[0]
+        packed = model(
+            input_ids=torch.cat(seqs)[None],
+            position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None],
+            cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds,
+            max_length_q=40,
+            max_length_k=40,
+            use_cache=False,
+        ).logits[0]
         for (s, e), ref in zip(zip(bounds[:-1], bounds[1:]), alone):
             torch.testing.assert_close(packed[s:e], ref, atol=1e-5, rtol=1e-5)
         # [prompt (20), response 1 (20), response 2 (15)], each response at the positions it has after the prompt
         prompt, first, second = seqs[0][:20], seqs[0][20:], seqs[2][:15]
         row = torch.cat([prompt, first, second])[None]
         positions = torch.cat([torch.arange(20), torch.arange(20, 40), torch.arange(20, 35)])[None]
-        shared = model(input_ids=row, position_ids=positions, use_cache=False,
-                       **{SHARED_PREFIX: [(0, 20, (20, 15))]}).logits[0]
+        shared = model(
+            input_ids=row, position_ids=positions, use_cache=False, **{SHARED_PREFIX: [(0, 20, (20, 15))]}
+        ).logits[0]
     torch.testing.assert_close(shared[:40], alone[0], atol=1e-5, rtol=1e-5)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
@@ -195,8 +231,14 @@ def test_sft_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     expected, longest = plain_sft_loss(model_dir, SFT_ROWS)
     assert longest > 2 * WINDOW
-    common = (f"model.name={model_dir}", f"data.train={data}", "train.max_steps=1", f"train.batch_size={len(SFT_ROWS)}",
-              "train.lr=1e-6", "train.save_steps=0")
+    common = (
+        f"model.name={model_dir}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(SFT_ROWS)}",
+        "train.lr=1e-6",
+        "train.save_steps=0",
+    )
     padded = run_cli("sft", tmp_path / "padded", *common)[0]["loss"]
     packed = run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]["loss"]
     assert padded == pytest.approx(expected, abs=1e-5)
@@ -212,8 +254,16 @@ def test_dpo_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
     beta = 2.0  # a large β: a path that attends differently moves the loss well past the tolerance
     expected = plain_dpo_loss(policy, ref, PAIRS, beta)
     assert abs(expected - math.log(2)) > 1e-3  # the separate reference puts the margins away from 0
-    common = (f"model.name={policy}", f"model.ref={ref}", f"data.train={data}", "train.max_steps=1",
-              f"train.batch_size={len(PAIRS)}", "train.lr=1e-6", f"alg.beta={beta}", "train.save_steps=0")
+    common = (
+        f"model.name={policy}",
+        f"model.ref={ref}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(PAIRS)}",
+        "train.lr=1e-6",
+        f"alg.beta={beta}",
+        "train.save_steps=0",
+    )
     padded = run_cli("dpo", tmp_path / "padded", *common)[0]["loss"]
     packed = run_cli("dpo", tmp_path / "packed", *common, "data.packing=true")[0]["loss"]
     assert padded == pytest.approx(expected, abs=1e-4)
@@ -224,9 +274,20 @@ def _sgrpo(model_dir: Path, tmp_path: Path, name: str, *sets: str) -> dict:
     data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
-    return run_cli("sgrpo", tmp_path / name, f"model.name={model_dir}", f"data.train={data}", "train.max_steps=1",
-                   f"train.batch_size={len(PROMPTS)}", "rollout.n=3", "rollout.max_new_tokens=8",
-                   f"reward.name={reward}:LengthReward", "train.save_steps=0", "train.precision=fp32", *sets)[0]
+    return run_cli(
+        "sgrpo",
+        tmp_path / name,
+        f"model.name={model_dir}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(PROMPTS)}",
+        "rollout.n=3",
+        "rollout.max_new_tokens=8",
+        f"reward.name={reward}:LengthReward",
+        "train.save_steps=0",
+        "train.precision=fp32",
+        *sets,
+    )[0]
 
 
 @pytest.mark.slow
@@ -251,9 +312,19 @@ def test_ppo_runs_one_step(family, arch_model, tmp_path):
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
     run = tmp_path / "ppo"
-    metrics = run_cli("ppo", run, f"model.name={model_dir}", f"data.train={data}", "train.max_steps=1",
-                      f"train.batch_size={len(PROMPTS)}", "rollout.n=2", "rollout.max_new_tokens=6",
-                      f"reward.name={reward}:LengthReward", "train.save_steps=0", "train.precision=fp32")
+    metrics = run_cli(
+        "ppo",
+        run,
+        f"model.name={model_dir}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(PROMPTS)}",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        f"reward.name={reward}:LengthReward",
+        "train.save_steps=0",
+        "train.precision=fp32",
+    )
     assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
     assert metrics[0]["rollout/logprob_diff"] < 1e-4
     assert (run / "final" / "config.json").is_file()
@@ -264,9 +335,27 @@ def test_packed_sft_subprocess_on_a_sliding_window_model(arch_model, tmp_path):
     model_dir = arch_model("mistral")
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     run = tmp_path / "run"
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={model_dir}", "--set", f"data.train={data}",
-                "--set", "train.max_steps=1", "--set", f"train.batch_size={len(SFT_ROWS)}", "--set", "data.packing=true",
-                "--set", "train.save_steps=0", "-q", "-o", str(run), cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={model_dir}",
+        "--set",
+        f"data.train={data}",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        f"train.batch_size={len(SFT_ROWS)}",
+        "--set",
+        "data.packing=true",
+        "--set",
+        "train.save_steps=0",
+        "-q",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert read_metrics(run)[0]["loss"] == pytest.approx(plain_sft_loss(model_dir, SFT_ROWS)[0], abs=1e-5)
     assert json.loads((run / "final" / "config.json").read_text())["sliding_window"] == WINDOW
@@ -296,10 +385,18 @@ def test_gemma2_soft_capping_is_what_transformers_sdpa_computes(arch_model, tmp_
     model_dir = arch_model("gemma2")
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     expected = plain_sft_loss(model_dir, SFT_ROWS, "eager")[0]
-    common = (f"model.name={model_dir}", f"data.train={data}", "train.max_steps=1", f"train.batch_size={len(SFT_ROWS)}",
-              "train.save_steps=0", "model.attn_implementation=eager")
+    common = (
+        f"model.name={model_dir}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(SFT_ROWS)}",
+        "train.save_steps=0",
+        "model.attn_implementation=eager",
+    )
     assert run_cli("sft", tmp_path / "padded", *common)[0]["loss"] == pytest.approx(expected, abs=1e-5)
-    assert run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]["loss"] == pytest.approx(expected, abs=1e-5)
+    assert run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]["loss"] == pytest.approx(
+        expected, abs=1e-5
+    )
 
 
 def test_packing_falls_back_when_shared_prompts_do_not_apply(arch_model, tmp_path, monkeypatch):
@@ -316,8 +413,17 @@ def test_packing_falls_back_when_shared_prompts_do_not_apply(arch_model, tmp_pat
     policy, ref = arch_model("mistral"), arch_model("mistral", seed=1)
     assert not packed_attention.attention_fast_paths(_load(policy)[0].config)["shared_prefix"][0]
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
-    loss = run_cli("dpo", tmp_path / "dpo", f"model.name={policy}", f"model.ref={ref}", f"data.train={data}",
-                   "train.max_steps=1", f"train.batch_size={len(PAIRS)}", "alg.beta=2.0", "train.save_steps=0",
-                   "data.packing=true")[0]["loss"]
+    loss = run_cli(
+        "dpo",
+        tmp_path / "dpo",
+        f"model.name={policy}",
+        f"model.ref={ref}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(PAIRS)}",
+        "alg.beta=2.0",
+        "train.save_steps=0",
+        "data.packing=true",
+    )[0]["loss"]
     assert loss == pytest.approx(plain_dpo_loss(policy, ref, PAIRS, 2.0), abs=1e-4)
     assert _sgrpo(policy, tmp_path, "sgrpo", "data.packing=true")["rollout/logprob_diff"] < 1e-4

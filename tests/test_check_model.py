@@ -63,8 +63,11 @@ def test_check_model_reports_each_family(arch_model, family):
     text = AutoConfig.from_pretrained(path).get_text_config()
     assert report["architecture"] == type(model).__name__
     assert report["parameters"] == sum(p.numel() for p in model.parameters())
-    assert report["vocab"] == {"config": text.vocab_size, "embedding_rows": model.get_input_embeddings().weight.shape[0],
-                               "tokenizer": len(tokenizer)}
+    assert report["vocab"] == {
+        "config": text.vocab_size,
+        "embedding_rows": model.get_input_embeddings().weight.shape[0],
+        "tokenizer": len(tokenizer),
+    }
     assert report["tokens"]["eos"]["id"] == tokenizer.eos_token_id is not None
     assert report["attention"]["head_dim"] == 64 and report["paths"]["vllm_cpu"]["applies"]
     assert report["attention"]["num_kv_heads"] == text.num_key_value_heads
@@ -77,7 +80,10 @@ def test_check_model_reports_each_family(arch_model, family):
     if experts:
         assert report["moe"]["num_experts"] == text.num_experts > 1
         # oxRL's default LoRA targets leave the fused experts and the router out
-        assert not {"experts", "gate"} & set(report["lora_targets"]) and "left out: experts" in report["paths"]["lora"]["detail"]
+        assert (
+            not {"experts", "gate"} & set(report["lora_targets"])
+            and "left out: experts" in report["paths"]["lora"]["detail"]
+        )
     else:
         assert report["moe"] is None
     if nested:
@@ -91,8 +97,15 @@ def test_check_model_reports_each_family(arch_model, family):
     assert {"q_proj", "qkv_proj"} & set(report["lora_targets"]) and "lm_head" not in report["lora_targets"]
 
     chat = report["chat_template"]
-    assert chat["present"] and chat["renders_conversation"] and chat["renders_generation_prompt"] and chat["completion_follows"]
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True)
+    assert (
+        chat["present"]
+        and chat["renders_conversation"]
+        and chat["renders_generation_prompt"]
+        and chat["completion_follows"]
+    )
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2+3?"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith(chat["prompt_tail"])
 
 
@@ -187,7 +200,9 @@ def test_check_model_garbage_weights(tmp_path, arch_model):
     (path / "model.safetensors").write_bytes(b"junk")
     status, report = report_of(path)
     assert status == 2 and report["parameters"] is None and report["vocab"]["tokenizer"] is not None
-    assert [p["severity"] for p in report["problems"] if p["problem"].startswith("cannot load a causal LM")] == ["error"]
+    assert [p["severity"] for p in report["problems"] if p["problem"].startswith("cannot load a causal LM")] == [
+        "error"
+    ]
 
 
 def test_check_model_missing_dir_and_corrupt_config(tmp_path, monkeypatch, capsys):

@@ -242,7 +242,9 @@ def attack_rows(tmp_path: Path, port: int, marker: str) -> tuple[list[dict], dic
     outside, sentinel = tmp_path / "outside.txt", tmp_path / "tree" / "sentinel.txt"
     attacks = {
         "infinite_loop": ("cpu", "def attack():\n    while True:\n        pass\n"),
-        "fork_bomb": ("cpu", """
+        "fork_bomb": (
+            "cpu",
+            """
 def attack():
     import os, time
     forked = 0
@@ -256,19 +258,28 @@ def attack():
             os._exit(0)
         forked += 1
     return forked == 2000
-"""),
+""",
+        ),
         "allocate_10GB": ("cpu", "def attack():\n    blob = bytearray(10 * 2**30)\n    return len(blob) > 0\n"),
-        "print_100MB": ("cpu", "def attack():\n    import sys\n    for _ in range(100):\n        sys.stdout.write('x' * 2**20)\n    return True\n"),
+        "print_100MB": (
+            "cpu",
+            "def attack():\n    import sys\n    for _ in range(100):\n        sys.stdout.write('x' * 2**20)\n    return True\n",
+        ),
         "write_outside": ("files", f"def attack():\n    open({str(outside)!r}, 'w').write('pwned')\n    return True\n"),
-        "delete_tree": ("files", f"""
+        "delete_tree": (
+            "files",
+            f"""
 def attack():
     import os, shutil
     os.remove({str(sentinel)!r})
     shutil.rmtree({str(sentinel.parent)!r})
     return True
-"""),
+""",
+        ),
         "read_trainer_file": ("files", f"def attack():\n    return 'oxrl' in open({__file__!r}).read()\n"),
-        "env_secret": ("proc", """
+        "env_secret": (
+            "proc",
+            """
 def attack():
     import os
     data = repr(dict(os.environ))
@@ -283,14 +294,20 @@ def attack():
         except OSError:
             pass
     return 'OXRL_TEST_SECRET' in data
-"""),
-        "connect_loopback": ("net", f"""
+""",
+        ),
+        "connect_loopback": (
+            "net",
+            f"""
 def attack():
     import socket
     with socket.create_connection(('127.0.0.1', {port}), timeout=1):
         return True
-"""),
-        "setsid_child": ("proc", f"""
+""",
+        ),
+        "setsid_child": (
+            "proc",
+            f"""
 def attack():
     import os, time
     if os.fork() == 0:
@@ -302,7 +319,8 @@ def attack():
             os._exit(0)
     time.sleep(0.5)  # let the child detach before the program ends
     return False  # whether it survives is checked from outside
-"""),
+""",
+        ),
     }
     rows = [
         {"name": name, "completion": f"```python\n{OK}{code}\n```", "tests": ["assert ok() == 1", "assert attack()"]}
@@ -310,7 +328,11 @@ def attack():
     ]
     rows += [
         {"name": "correct_tests", "completion": f"```python\n{DOUBLE}```", "tests": DOUBLE_TESTS},
-        {"name": "correct_io", "completion": f"```python\n{ADD}```", "io": [{"input": "2 3", "output": "5"}, {"input": "-1 1", "output": "0"}]},
+        {
+            "name": "correct_io",
+            "completion": f"```python\n{ADD}```",
+            "io": [{"input": "2 3", "output": "5"}, {"input": "-1 1", "output": "0"}],
+        },
     ]
     return rows, {name: kind for name, (kind, _) in attacks.items()}
 
@@ -361,16 +383,25 @@ def test_attacks_through_oxrl_score_are_contained(tmp_path, guard):
 
     started = time.monotonic()
     proc = oxrl(
-        "score", "--reward", "code", "--data", str(data), "--output", str(tmp_path / "scores.jsonl"),
+        "score",
+        "--reward",
+        "code",
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "scores.jsonl"),
         *[a for o in options for a in ("--set", o)],
-        env={"OXRL_TEST_SECRET": secrets.token_hex(8)}, timeout=120,
+        env={"OXRL_TEST_SECRET": secrets.token_hex(8)},
+        timeout=120,
     )
     elapsed = time.monotonic() - started
 
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 60, f"took {elapsed:.1f}s"
-    scored = {rows[i]["name"]: json.loads(line) for i, line in enumerate((tmp_path / "scores.jsonl").read_text().splitlines())}
+    scored = {
+        rows[i]["name"]: json.loads(line) for i, line in enumerate((tmp_path / "scores.jsonl").read_text().splitlines())
+    }
     assert len(scored) == len(rows)
     for name, result in scored.items():
         expected = 1.0 if name.startswith("correct") else 0.5
@@ -425,7 +456,9 @@ def test_userns_mode_mechanics(sandbox_root):
 
     if probe("userns", str(sandbox_root)) is not None:
         pytest.skip(f"unprivileged user namespaces are not available: {probe('userns', str(sandbox_root))}")
-    box = Sandbox(Limits(wall_s=5, cpu_s=2, memory_mb=256), python_guard=False, temp_dir=str(sandbox_root), mode="userns")
+    box = Sandbox(
+        Limits(wall_s=5, cpu_s=2, memory_mb=256), python_guard=False, temp_dir=str(sandbox_root), mode="userns"
+    )
     program = """
 import os, socket
 def pids():
@@ -438,8 +471,15 @@ def network():
     except OSError as exc:
         return exc.errno
 """
-    result = box.run(program, tests=["assert pids() == ['1']", "assert int(cap_eff(), 16) == 0", "assert os.getpid() == 1",
-                                     "import errno; assert network() in (errno.ENETUNREACH, errno.ECONNREFUSED)"])
+    result = box.run(
+        program,
+        tests=[
+            "assert pids() == ['1']",
+            "assert int(cap_eff(), 16) == 0",
+            "assert os.getpid() == 1",
+            "import errno; assert network() in (errno.ENETUNREACH, errno.ECONNREFUSED)",
+        ],
+    )
     assert result.status == "ok" and result.tests == [True] * 4, result
 
 
@@ -459,23 +499,38 @@ def assert_clean_failure(proc, *needles: str) -> str:
 
 def test_score_rejects_a_row_without_completion(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", [{"completion": "a", "answer": "a"}, {"prompt": "p", "answer": "a"}])
-    assert_clean_failure(oxrl("score", "--reward", "exact_match", "--data", str(data)), str(data), "row 2", "'completion'")
+    assert_clean_failure(
+        oxrl("score", "--reward", "exact_match", "--data", str(data)), str(data), "row 2", "'completion'"
+    )
 
 
 def test_score_rejects_an_unknown_reward_and_an_unknown_option(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", [{"completion": "a", "answer": "a"}])
-    assert_clean_failure(oxrl("score", "--reward", "exakt_match", "--data", str(data)), "unknown reward 'exakt_match'", "exact_match")
-    assert_clean_failure(oxrl("score", "--reward", "code", "--data", str(data), "--set", "wurkers=4"), "reward.wurkers", "workers")
-    assert_clean_failure(oxrl("score", "--reward", "code", "--data", str(data), "--set", "workers=-1"), "reward.workers")
+    assert_clean_failure(
+        oxrl("score", "--reward", "exakt_match", "--data", str(data)), "unknown reward 'exakt_match'", "exact_match"
+    )
+    assert_clean_failure(
+        oxrl("score", "--reward", "code", "--data", str(data), "--set", "wurkers=4"), "reward.wurkers", "workers"
+    )
+    assert_clean_failure(
+        oxrl("score", "--reward", "code", "--data", str(data), "--set", "workers=-1"), "reward.workers"
+    )
 
 
 def test_score_with_exact_match_writes_one_object_per_row(tmp_path):
-    rows = [{"completion": "Paris", "answer": "paris"}, {"completion": "Lyon", "answer": "Paris"}, {"completion": "<answer>Rome.</answer>", "answer": "rome"}]
+    rows = [
+        {"completion": "Paris", "answer": "paris"},
+        {"completion": "Lyon", "answer": "Paris"},
+        {"completion": "<answer>Rome.</answer>", "answer": "rome"},
+    ]
     data = write_jsonl(tmp_path / "rows.jsonl", rows)
     proc = oxrl("score", "--reward", "exact_match", "--data", str(data))
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line) for line in proc.stdout.splitlines()] == [
-        {"row": 1, "score": 1.0}, {"row": 2, "score": 0.0}, {"row": 3, "score": 1.0}]
+        {"row": 1, "score": 1.0},
+        {"row": 2, "score": 0.0},
+        {"row": 3, "score": 1.0},
+    ]
     assert "3 rows" in proc.stderr and "mean 0.6667" in proc.stderr
 
     out = tmp_path / "out" / "scores.jsonl"
@@ -484,7 +539,7 @@ def test_score_with_exact_match_writes_one_object_per_row(tmp_path):
     assert [json.loads(line)["score"] for line in out.read_text().splitlines()] == [0.0, 0.0, 0.0]
 
 
-REWARDS_PY = '''
+REWARDS_PY = """
 import time
 from oxrl_core.interfaces import Reward
 
@@ -500,7 +555,7 @@ class Slow(Reward):
     def score(self, prompts, completions, examples):
         time.sleep(5)
         return [1.0] * len(completions)
-'''
+"""
 
 
 def test_score_file_applies_the_training_safety_rules(tmp_path):

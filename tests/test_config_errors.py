@@ -6,7 +6,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-
 from conftest import oxrl, write_jsonl
 
 
@@ -100,7 +99,9 @@ def test_no_algorithm(tmp_path):
 
 
 def test_model_dir_not_found(tmp_path):
-    proc = oxrl("run", "--alg", "sft", "--set", "model.name=./no-such-model", "--set", "train.max_steps=2", cwd=tmp_path)
+    proc = oxrl(
+        "run", "--alg", "sft", "--set", "model.name=./no-such-model", "--set", "train.max_steps=2", cwd=tmp_path
+    )
     assert_user_error(proc, "model.name", "not found", "./no-such-model")
     assert not (tmp_path / "no-such-model").exists()
 
@@ -142,7 +143,17 @@ def snapshot(root: Path) -> dict[str, tuple[str, int]]:
 
 @pytest.mark.slow
 def test_existing_run_dir_is_refused_without_resume(tmp_path, tiny_model_dir, sft_jsonl):
-    args = ["run", "--alg", "sft", *fast(tiny_model_dir), "--set", f"data.train={sft_jsonl}", "--output-dir", "run", "-q"]
+    args = [
+        "run",
+        "--alg",
+        "sft",
+        *fast(tiny_model_dir),
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--output-dir",
+        "run",
+        "-q",
+    ]
     first = oxrl(*args, "--set", "train.save_steps=1", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     run_dir = tmp_path / "run"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import write_jsonl
+
 from oxrl_core import plugins
 from oxrl_core.data import (
     IGNORE,
@@ -507,7 +507,11 @@ def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, toke
     inputs = {k: v for k, v in packed.items() if k != "labels"}
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(a[0].shape[2]) or sdpa(*a, **k))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: calls.append(a[0].shape[2]) or sdpa(*a, **k),
+    )
     results = []
     for attn in ("sdpa", packed_attn_implementation("sdpa")):
         model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)

@@ -35,7 +35,13 @@ from oxrl_core.plugins import discover
 
 FIXTURES = Path(__file__).parent / "fixtures" / "datasets"
 SUBJECTS = (
-    "algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory", "prealgebra", "precalculus",
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
 )
 
 
@@ -44,7 +50,9 @@ def fixture_path(name: str, split: str) -> Path:
 
 
 def fixture_rows(name: str, split: str) -> list[dict]:
-    return [json.loads(line) for line in fixture_path(name, split).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in fixture_path(name, split).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -85,7 +93,10 @@ def assert_valid(dataset, rows: list[dict]) -> None:
 
 def expected_gsm8k() -> list[dict]:
     src = fixture_rows("gsm8k", "train")
-    return [{"prompt": r["question"], "response": r["answer"], "answer": a} for r, a in zip(src, ["72", "10", "5"], strict=True)]
+    return [
+        {"prompt": r["question"], "response": r["answer"], "answer": a}
+        for r, a in zip(src, ["72", "10", "5"], strict=True)
+    ]
 
 
 def expected_math() -> list[dict]:
@@ -141,7 +152,10 @@ def expected_hh_rlhf() -> list[dict]:
         {
             "prompt": [
                 {"role": "user", "content": "Can you help me find a recipe for banana bread?"},
-                {"role": "assistant", "content": "Sure, do you want a classic recipe, or something like a vegan or gluten-free version?"},
+                {
+                    "role": "assistant",
+                    "content": "Sure, do you want a classic recipe, or something like a vegan or gluten-free version?",
+                },
                 {"role": "user", "content": "Classic is fine."},
             ],
             "chosen": bread,
@@ -176,10 +190,25 @@ class Case:
 CASES = [
     Case("gsm8k", "train", "test", "openai/gsm8k", ("main",), ("train", "test"), "question", expected_gsm8k),
     Case("math", "train", "test", "EleutherAI/hendrycks_math", SUBJECTS, ("train", "test"), "solution", expected_math),
-    Case("openr1_math", "train", None, "open-r1/OpenR1-Math-220k", ("default",), ("train", None), "answer", expected_openr1_math),
     Case(
-        "ultrafeedback_binarized", "train_prefs", "test_prefs", "HuggingFaceH4/ultrafeedback_binarized", (None,),
-        ("train_prefs", "test_prefs"), "rejected", expected_ultrafeedback_binarized,
+        "openr1_math",
+        "train",
+        None,
+        "open-r1/OpenR1-Math-220k",
+        ("default",),
+        ("train", None),
+        "answer",
+        expected_openr1_math,
+    ),
+    Case(
+        "ultrafeedback_binarized",
+        "train_prefs",
+        "test_prefs",
+        "HuggingFaceH4/ultrafeedback_binarized",
+        (None,),
+        ("train_prefs", "test_prefs"),
+        "rejected",
+        expected_ultrafeedback_binarized,
     ),
     Case("hh_rlhf", "train", "test", "Anthropic/hh-rlhf", (None,), ("train", "test"), "chosen", expected_hh_rlhf),
     Case("alpaca", "train", None, "tatsu-lab/alpaca", (None,), ("train", None), "output", expected_alpaca),
@@ -238,7 +267,10 @@ def test_rows_from_the_hub(registry, case, monkeypatch):
 
     def fake_load_dataset(path, name=None, **kwargs):
         calls.append((path, name, kwargs))
-        served = name in (case.subsets[0], None)  # MATH: the fixture is served as `algebra`, the other subjects are empty
+        served = name in (
+            case.subsets[0],
+            None,
+        )  # MATH: the fixture is served as `algebra`, the other subjects are empty
         split_file = case.train_file if kwargs["split"] == case.hub_splits[0] else case.eval_file
         return datasets.Dataset.from_list(fixture_rows(case.name, split_file) if served else [])
 
@@ -264,14 +296,18 @@ def test_a_missing_field_names_the_dataset_the_row_and_the_field(registry, case,
     path = write_jsonl(tmp_path / "broken.jsonl", rows)
     with pytest.raises(OxrlError) as exc:
         build(registry, case.name, path=str(path)).rows("train")
-    assert str(exc.value).startswith(f"dataset '{case.name}' ({path}): row 2: missing field '{case.missing}'"), exc.value
+    assert str(exc.value).startswith(f"dataset '{case.name}' ({path}): row 2: missing field '{case.missing}'"), (
+        exc.value
+    )
 
 
 def test_a_missing_field_from_the_hub_names_the_hub_id_and_split(registry, monkeypatch):
     rows = fixture_rows("gsm8k", "train")
     del rows[2]["answer"]
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: datasets.Dataset.from_list(rows))
-    with pytest.raises(OxrlError, match=r"^dataset 'gsm8k' \(openai/gsm8k main, split 'train'\): row 3: missing field 'answer'$"):
+    with pytest.raises(
+        OxrlError, match=r"^dataset 'gsm8k' \(openai/gsm8k main, split 'train'\): row 3: missing field 'answer'$"
+    ):
         build(registry, "gsm8k").rows("train")
 
 
@@ -303,22 +339,31 @@ def test_gsm8k_snapshot_directory_picks_its_subset(registry, tmp_path):
     socratic = [{**r, "question": "Socratic: " + r["question"]} for r in fixture_rows("gsm8k", "train")]
     for split, file in (("train", "train"), ("test", "test")):
         write_parquet(snap / "main" / f"{split}-00000-of-00001.parquet", fixture_rows("gsm8k", file))
-        write_parquet(snap / "socratic" / f"{split}-00000-of-00001.parquet", socratic if split == "train" else fixture_rows("gsm8k", "test"))
-    (snap / "README.md").write_text(readme_with_configs(
-        {c: {"train": f"{c}/train-*", "test": f"{c}/test-*"} for c in ("main", "socratic")}
-    ))
+        write_parquet(
+            snap / "socratic" / f"{split}-00000-of-00001.parquet",
+            socratic if split == "train" else fixture_rows("gsm8k", "test"),
+        )
+    (snap / "README.md").write_text(
+        readme_with_configs({c: {"train": f"{c}/train-*", "test": f"{c}/test-*"} for c in ("main", "socratic")})
+    )
     dataset = build(registry, "gsm8k", path=str(snap))
     assert dataset.rows("train") == expected_gsm8k()
     assert [r["answer"] for r in dataset.rows("eval")] == ["18", "3"]
-    assert build(registry, "gsm8k", path=str(snap), subset="socratic").rows("train")[0]["prompt"].startswith("Socratic: ")
+    assert (
+        build(registry, "gsm8k", path=str(snap), subset="socratic").rows("train")[0]["prompt"].startswith("Socratic: ")
+    )
 
 
 def test_math_snapshot_directory_reads_all_seven_subjects(registry, tmp_path):
     """EleutherAI/hendrycks_math: <subject>/train-00000-of-00001.parquet, one config per subject."""
     snap = tmp_path / "hendrycks_math"
     subject_of = {
-        "Algebra": "algebra", "Counting & Probability": "counting_and_probability", "Geometry": "geometry",
-        "Intermediate Algebra": "intermediate_algebra", "Number Theory": "number_theory", "Prealgebra": "prealgebra",
+        "Algebra": "algebra",
+        "Counting & Probability": "counting_and_probability",
+        "Geometry": "geometry",
+        "Intermediate Algebra": "intermediate_algebra",
+        "Number Theory": "number_theory",
+        "Prealgebra": "prealgebra",
         "Precalculus": "precalculus",
     }
     for row in fixture_rows("math", "train"):  # one row per subject
@@ -345,7 +390,9 @@ def test_ultrafeedback_snapshot_directory_with_named_splits(registry, tmp_path):
 
     dataset = build(registry, "ultrafeedback_binarized", path=str(snap))
     assert dataset.rows("train") == expected_ultrafeedback_binarized()
-    assert [r["chosen"] for r in dataset.rows("eval")] == ["Cold drops on red leaves\nthe gutter hums a low song\nthe maple lets go"]
+    assert [r["chosen"] for r in dataset.rows("eval")] == [
+        "Cold drops on red leaves\nthe gutter hums a low song\nthe maple lets go"
+    ]
     sft = build(registry, "ultrafeedback_binarized", path=str(snap), train_split="train_sft", eval_split="test_sft")
     assert len(sft.rows("train")) == 2 and len(sft.rows("eval")) == 1
 
@@ -399,7 +446,9 @@ def test_hub_call_passes_data_dir(registry, monkeypatch):
 
 
 def test_a_saved_dataset_without_the_eval_split_lists_the_splits_it_has(registry, tmp_path):
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(fixture_rows("gsm8k", "train"))}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(fixture_rows("gsm8k", "train"))}).save_to_disk(
+        str(tmp_path / "saved")
+    )
     dataset = build(registry, "gsm8k", path=str(tmp_path / "saved"))
     assert len(dataset.rows("train")) == 3
     with pytest.raises(OxrlError) as exc:
@@ -426,7 +475,7 @@ def test_a_single_saved_dataset_is_the_train_split(registry, tmp_path):
 
 def test_a_hub_failure_is_one_clear_error(registry, monkeypatch):
     def unknown_split(path, name=None, split=None, **kwargs):
-        raise ValueError(f'Unknown split "{split}". Should be one of [\'train\', \'test\'].')
+        raise ValueError(f"Unknown split \"{split}\". Should be one of ['train', 'test'].")
 
     monkeypatch.setattr(datasets, "load_dataset", unknown_split)
     with pytest.raises(OxrlError) as exc:
@@ -442,7 +491,9 @@ def test_unknown_split_and_missing_path(registry, tmp_path):
     with pytest.raises(OxrlError, match=r"dataset 'gsm8k': path not found: .*nowhere"):
         build(registry, "gsm8k", path=str(tmp_path / "nowhere")).rows("train")
     with pytest.raises(OxrlError, match=r"dataset 'alpaca': eval_path not found"):
-        build(registry, "alpaca", path=str(fixture_path("alpaca", "train")), eval_path=str(tmp_path / "no.jsonl")).rows("eval")
+        build(registry, "alpaca", path=str(fixture_path("alpaca", "train")), eval_path=str(tmp_path / "no.jsonl")).rows(
+            "eval"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,7 +503,10 @@ def test_unknown_split_and_missing_path(registry, tmp_path):
 
 def test_gsm8k_final_answer_drops_commas_and_needs_hashes(registry, tmp_path):
     rows = [
-        {"question": "A farm has 1,200 hens that each lay 1 egg a day. How many eggs in a day?", "answer": "1,200 * 1 = <<1200*1=1200>>1,200 eggs\n#### 1,200"},
+        {
+            "question": "A farm has 1,200 hens that each lay 1 egg a day. How many eggs in a day?",
+            "answer": "1,200 * 1 = <<1200*1=1200>>1,200 eggs\n#### 1,200",
+        },
         {"question": "What is 2+2?", "answer": "2+2=<<2+2=4>>4"},
     ]
     path = write_jsonl(tmp_path / "g.jsonl", rows)
@@ -472,7 +526,9 @@ def test_math_solution_without_a_boxed_answer_is_an_error(registry, tmp_path):
 def test_openr1_math_rows_leave_the_traces_behind(registry):
     rows = build(registry, "openr1_math", path=str(fixture_path("openr1_math", "train"))).rows("train")
     for row in rows:
-        assert not {"generations", "messages", "is_reasoning_complete", "correctness_llama", "finish_reasons"} & set(row)
+        assert not {"generations", "messages", "is_reasoning_complete", "correctness_llama", "finish_reasons"} & set(
+            row
+        )
 
 
 def test_hh_rlhf_transcript_that_does_not_parse(registry, tmp_path):
@@ -497,14 +553,19 @@ def test_preference_pairs_with_an_empty_reply_are_dropped_unless_asked(registry,
     uf = fixture_rows("ultrafeedback_binarized", "train_prefs")
     uf[1]["chosen"][1]["content"] = "  "
     uf_path = write_jsonl(tmp_path / "uf.jsonl", uf)
-    assert build(registry, "ultrafeedback_binarized", path=str(uf_path)).rows("train") == expected_ultrafeedback_binarized()[:1]
+    assert (
+        build(registry, "ultrafeedback_binarized", path=str(uf_path)).rows("train")
+        == expected_ultrafeedback_binarized()[:1]
+    )
 
 
 def test_ultrafeedback_conversation_must_end_with_the_assistant(registry, tmp_path):
     rows = fixture_rows("ultrafeedback_binarized", "train_prefs")
     rows[0]["chosen"] = rows[0]["chosen"][:1]
     path = write_jsonl(tmp_path / "uf.jsonl", rows)
-    with pytest.raises(OxrlError, match=r"row 1: field 'chosen': the last message must have role 'assistant', not 'user'"):
+    with pytest.raises(
+        OxrlError, match=r"row 1: field 'chosen': the last message must have role 'assistant', not 'user'"
+    ):
         build(registry, "ultrafeedback_binarized", path=str(path)).rows("train")
 
 
@@ -568,7 +629,10 @@ def test_hf_maps_fields_and_keeps_the_other_columns(registry):
     dataset = build(registry, "hf", path=str(path), fields={"prompt": "question", "response": "answer"})
     rows = dataset.rows("train")
     source = fixture_rows("gsm8k", "train")
-    assert rows == [{"question": r["question"], "answer": r["answer"], "prompt": r["question"], "response": r["answer"]} for r in source]
+    assert rows == [
+        {"question": r["question"], "answer": r["answer"], "prompt": r["question"], "response": r["answer"]}
+        for r in source
+    ]
     for i, row in enumerate(rows, start=1):
         normalise_row({**row, "_row": i}, "prompt_response", "dataset 'hf'")
     assert dataset.rows("eval") == []
@@ -582,7 +646,14 @@ def test_hf_from_the_hub_with_subset_and_eval_split(registry, monkeypatch):
         return datasets.Dataset.from_list(fixture_rows("alpaca", "train"))
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    dataset = build(registry, "hf", hub_id="someone/instructions", subset="en", eval_split="validation", fields={"prompt": "instruction", "response": "output"})
+    dataset = build(
+        registry,
+        "hf",
+        hub_id="someone/instructions",
+        subset="en",
+        eval_split="validation",
+        fields={"prompt": "instruction", "response": "output"},
+    )
     assert [r["prompt"] for r in dataset.rows("train")] == [r["instruction"] for r in fixture_rows("alpaca", "train")]
     assert len(dataset.rows("eval")) == 3
     assert calls == [
@@ -593,7 +664,9 @@ def test_hf_from_the_hub_with_subset_and_eval_split(registry, monkeypatch):
 
 def test_hf_missing_mapped_column_and_missing_source(registry, tmp_path):
     path = fixture_path("alpaca", "train")
-    with pytest.raises(OxrlError, match=r"dataset 'hf' \(.*alpaca/train.jsonl\): row 1: missing field 'question' \(mapped to 'prompt'"):
+    with pytest.raises(
+        OxrlError, match=r"dataset 'hf' \(.*alpaca/train.jsonl\): row 1: missing field 'question' \(mapped to 'prompt'"
+    ):
         build(registry, "hf", path=str(path), fields={"prompt": "question"}).rows("train")
     with pytest.raises(ValidationError, match="set `path`"):
         build(registry, "hf", fields={"prompt": "question"})
@@ -661,6 +734,8 @@ def test_a_plain_directory_of_split_files_is_read_once_whatever_the_subsets(regi
     algebra = [r for r in fixture_rows("math", "train") if r["type"] == "Algebra"]
     (tmp_path / "snap" / "algebra").mkdir(parents=True)
     (tmp_path / "snap" / "algebra" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in algebra))
-    assert [r["prompt"] for r in build(registry, "math", path=str(tmp_path / "snap")).rows("train")] == [r["problem"] for r in algebra]
+    assert [r["prompt"] for r in build(registry, "math", path=str(tmp_path / "snap")).rows("train")] == [
+        r["problem"] for r in algebra
+    ]
     with pytest.raises(OxrlError, match="no split 'test'"):
         build(registry, "math", path=str(tmp_path / "snap")).rows("eval")

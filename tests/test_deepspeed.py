@@ -29,7 +29,9 @@ from conftest import read_metrics, write_jsonl
 from oxrl_core.config import load_run_config
 from oxrl_core.errors import OxrlError
 
-requires_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install 'oxrl[deepspeed]')")
+requires_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install 'oxrl[deepspeed]')"
+)
 requires_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'oxrl[ray]')")
 
 LOSS_ATOL, WEIGHT_ATOL = 1e-5, 1e-4
@@ -88,8 +90,14 @@ def _assert_same_trajectory(a: Path, b: Path, keys=("loss",), atol: float = LOSS
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("deepspeed")
-    write_jsonl(root / "sft.jsonl", [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(6) for b in range(6)])
-    write_jsonl(root / "prompts.jsonl", [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(6) for b in range(6)])
+    write_jsonl(
+        root / "sft.jsonl",
+        [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(6) for b in range(6)],
+    )
+    write_jsonl(
+        root / "prompts.jsonl",
+        [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(6) for b in range(6)],
+    )
     (root / "digits.py").write_text(DIGITS_REWARD)
     return root
 
@@ -97,19 +105,66 @@ def work(tmp_path_factory) -> Path:
 def _sft(work: Path, name: str, model: Path, *sets: str) -> Path:
     """4 optimiser steps of 2 micro-batches of 8 rows (each rank of two gets 4 rows of each)."""
     run = work / name
-    _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={model}", "--set", f"data.train={work / 'sft.jsonl'}",
-             "--set", "train.max_steps=4", "--set", "train.batch_size=8", "--set", "train.grad_accum_steps=2",
-             "--set", "train.lr=1e-3", "--set", "train.save_steps=2", *sets, "-o", str(run), cwd=work))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={model}",
+            "--set",
+            f"data.train={work / 'sft.jsonl'}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            "train.grad_accum_steps=2",
+            "--set",
+            "train.lr=1e-3",
+            "--set",
+            "train.save_steps=2",
+            *sets,
+            "-o",
+            str(run),
+            cwd=work,
+        )
+    )
     return run
 
 
 def _sgrpo(work: Path, name: str, model: Path, *sets: str) -> Path:
     """3 steps of 4 prompts × 4 samples in two seeded rollout shards (so one process samples what two ranks do)."""
     run = work / name
-    _ok(oxrl("run", "--alg", "sgrpo", "--set", f"model.name={model}", "--set", f"data.train={work / 'prompts.jsonl'}",
-             "--set", f"reward.name={work / 'digits.py'}:Digits", "--set", "train.max_steps=3", "--set", "train.batch_size=4",
-             "--set", "rollout.n=4", "--set", "rollout.max_new_tokens=6", "--set", "train.lr=1e-2",
-             "--set", "engine.rollout_shards=2", *sets, "-o", str(run), cwd=work))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sgrpo",
+            "--set",
+            f"model.name={model}",
+            "--set",
+            f"data.train={work / 'prompts.jsonl'}",
+            "--set",
+            f"reward.name={work / 'digits.py'}:Digits",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "rollout.n=4",
+            "--set",
+            "rollout.max_new_tokens=6",
+            "--set",
+            "train.lr=1e-2",
+            "--set",
+            "engine.rollout_shards=2",
+            *sets,
+            "-o",
+            str(run),
+            cwd=work,
+        )
+    )
     return run
 
 
@@ -127,14 +182,23 @@ def torch_sft(work, tiny_model_dir) -> Path:
         (["engine.zero_stage=3"], ["engine.zero_stage=3 needs engine.name: deepspeed"]),
         (["engine.world_size=2"], ["engine.world_size=2 needs engine.name: deepspeed"]),
         (["engine.name=deepspeed", "engine.offload_optimizer=true"], ["engine.offload_optimizer needs ZeRO", "got 0"]),
-        (["engine.name=deepspeed", "engine.zero_stage=2", "engine.offload_params=true"], ["engine.offload_params needs engine.zero_stage: 3", "got 2"]),
-        (["engine.name=deepspeed", "engine.world_size=4", "train.batch_size=6"],
-         ["train.batch_size=6", "engine.world_size=4", "6 / 4 = 1.5", "train.batch_size × train.grad_accum_steps"]),
+        (
+            ["engine.name=deepspeed", "engine.zero_stage=2", "engine.offload_params=true"],
+            ["engine.offload_params needs engine.zero_stage: 3", "got 2"],
+        ),
+        (
+            ["engine.name=deepspeed", "engine.world_size=4", "train.batch_size=6"],
+            ["train.batch_size=6", "engine.world_size=4", "6 / 4 = 1.5", "train.batch_size × train.grad_accum_steps"],
+        ),
     ],
 )
-def test_inconsistent_engine_settings_exit_2_with_the_fields_and_the_arithmetic(tmp_path, tiny_model_dir, sets, expected):
+def test_inconsistent_engine_settings_exit_2_with_the_fields_and_the_arithmetic(
+    tmp_path, tiny_model_dir, sets, expected
+):
     args = [a for s in sets for a in ("--set", s)]
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", *args, "-o", str(tmp_path / "r"), cwd=tmp_path)
+    proc = oxrl(
+        "run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", *args, "-o", str(tmp_path / "r"), cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     for text in expected:
@@ -143,11 +207,16 @@ def test_inconsistent_engine_settings_exit_2_with_the_fields_and_the_arithmetic(
 
 
 def test_rollout_shards_must_deal_evenly_to_the_ranks():
-    config = load_run_config(overrides=["engine.name=deepspeed", "engine.world_size=2", "engine.rollout_shards=3", "train.batch_size=6"],
-                             algorithm="sgrpo")
+    config = load_run_config(
+        overrides=["engine.name=deepspeed", "engine.world_size=2", "engine.rollout_shards=3", "train.batch_size=6"],
+        algorithm="sgrpo",
+    )
     from oxrl_core.engines import check_engine
 
-    with pytest.raises(OxrlError, match=r"engine.rollout_shards=3 rollout shards cannot be dealt evenly to engine.world_size=2 ranks \(3 / 2 = 1.5\)"):
+    with pytest.raises(
+        OxrlError,
+        match=r"engine.rollout_shards=3 rollout shards cannot be dealt evenly to engine.world_size=2 ranks \(3 / 2 = 1.5\)",
+    ):
         check_engine(config, "rl", needs_rollouts=True)
     config = load_run_config(overrides=["engine.rollout_shards=3", "train.batch_size=4"], algorithm="sgrpo")
     with pytest.raises(OxrlError, match=r"train.batch_size=4 prompts cannot be cut into 3 equal rollout shards"):
@@ -163,14 +232,33 @@ def test_world_size_beyond_the_gpus_is_refused(monkeypatch):
     engine = load_run_config(overrides=["engine.name=deepspeed", "engine.world_size=2"], algorithm="sft").engine
     with pytest.raises(OxrlError, match=r"engine.world_size=2 ranks need 2 GPUs \(one each\) but this machine has 1"):
         check_local_gpus(engine)
-    check_local_gpus(load_run_config(overrides=["engine.name=deepspeed", "engine.world_size=2", "engine.device=cpu"], algorithm="sft").engine)
+    check_local_gpus(
+        load_run_config(
+            overrides=["engine.name=deepspeed", "engine.world_size=2", "engine.device=cpu"], algorithm="sft"
+        ).engine
+    )
 
 
 @requires_ray
 @pytest.mark.slow
 def test_more_ranks_than_the_cluster_holds_are_refused_at_launch(tmp_path, tiny_model_dir):
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", *DS, "--set", "engine.device=cpu",
-                "--set", "engine.world_size=512", "--set", "train.batch_size=512", "-o", str(tmp_path / "r"), cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        *DS,
+        "--set",
+        "engine.device=cpu",
+        "--set",
+        "engine.world_size=512",
+        "--set",
+        "train.batch_size=512",
+        "-o",
+        str(tmp_path / "r"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "engine.world_size=512 CPU ranks need 512 CPUs" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -178,14 +266,26 @@ def test_more_ranks_than_the_cluster_holds_are_refused_at_launch(tmp_path, tiny_
 def test_deepspeed_json_is_generated_from_the_config():
     from oxrl_core.engines.deepspeed_engine import deepspeed_config
 
-    config = load_run_config(overrides=[
-        "engine.name=deepspeed", "engine.zero_stage=3", "engine.world_size=2", "engine.offload_optimizer=true",
-        "engine.offload_params=true", "train.batch_size=8", "train.grad_accum_steps=4", "train.max_grad_norm=0.5",
-    ], algorithm="sft")
+    config = load_run_config(
+        overrides=[
+            "engine.name=deepspeed",
+            "engine.zero_stage=3",
+            "engine.world_size=2",
+            "engine.offload_optimizer=true",
+            "engine.offload_params=true",
+            "train.batch_size=8",
+            "train.grad_accum_steps=4",
+            "train.max_grad_norm=0.5",
+        ],
+        algorithm="sft",
+    )
     ds = deepspeed_config(config.train, config.engine, bf16=True)
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * config.engine.world_size == 8 * 4
     assert ds["zero_optimization"]["stage"] == 3 and ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
-    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert (
+        ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+        and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    )
     assert ds["managed_gradient_accumulation"] is False  # the loops own accumulation
 
 
@@ -258,7 +358,9 @@ def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(tmp_path, torc
     shutil.rmtree(run / "final")
     proc = oxrl("run", "--resume", "-o", str(run), *DS, "--set", "engine.zero_stage=2", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert "was written with engine.name=torch but this run has engine.name=deepspeed, engine.zero_stage=2" in proc.stderr
+    assert (
+        "was written with engine.name=torch but this run has engine.name=deepspeed, engine.zero_stage=2" in proc.stderr
+    )
 
 
 @requires_deepspeed
@@ -290,7 +392,9 @@ def test_two_zero3_ranks_follow_the_single_process_sft_trajectory(work, tiny_mod
     assert [r["rank"] for r in json.loads((run / "ranks.json").read_text())] == [0, 1]
     state = run / "checkpoints" / "step-2"
     assert sorted(p.name for p in (state / "deepspeed" / "state").glob("*optim_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]
     assert (state / "rng-rank1.pt").is_file()
 
 
@@ -327,12 +431,35 @@ def test_two_zero3_ranks_train_lora_like_one_process(work, tiny_model_dir):
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_model_dir):
     run = work / "killed"
-    args = ["run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={work / 'sft.jsonl'}",
-            "--set", "train.max_steps=60", "--set", "train.batch_size=8", "--set", "train.lr=1e-3",
-            "--set", "train.save_steps=4", *DP2, "-o", str(run)]
+    args = [
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={work / 'sft.jsonl'}",
+        "--set",
+        "train.max_steps=60",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "train.save_steps=4",
+        *DP2,
+        "-o",
+        str(run),
+    ]
     exe = Path(sys.executable).with_name("oxrl")
-    driver = subprocess.Popen([str(exe), *args], cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    driver = subprocess.Popen(
+        [str(exe), *args],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     deadline = time.time() + 300
     while not (run / "checkpoints" / "step-4").is_dir():
         assert driver.poll() is None, driver.communicate()

@@ -42,8 +42,26 @@ def test_run_directory_contract(tmp_path, tiny_model_dir, sft_jsonl):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run = tmp_path / "run"
-    _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-             "--set", "train.max_steps=4", "--set", "train.save_steps=2", "--set", "train.batch_size=4", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"data.train={sft_jsonl}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.save_steps=2",
+            "--set",
+            "train.batch_size=4",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     config = (run / "config.yaml").read_text()
     assert "algorithm: sft" in config and "label_smoothing: 0.0" in config and f"train: {sft_jsonl}" in config
     metrics = read_metrics(run)
@@ -87,17 +105,53 @@ def test_kd_without_teacher_is_a_clear_error(tmp_path, tiny_model_dir):
 
 def test_cpt_learns_packed_text(tmp_path, tiny_model_dir, text_jsonl):
     run = tmp_path / "cpt"
-    _ok(oxrl("run", "--alg", "cpt", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={text_jsonl}",
-             "--set", "data.max_length=64", "--set", "train.max_steps=30", "--set", "train.lr=3e-3",
-             "--set", "train.batch_size=4", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "cpt",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"data.train={text_jsonl}",
+            "--set",
+            "data.max_length=64",
+            "--set",
+            "train.max_steps=30",
+            "--set",
+            "train.lr=3e-3",
+            "--set",
+            "train.batch_size=4",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     losses = [m["loss"] for m in read_metrics(run)]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
 
 def _grad_run(tmp_path, name, tiny_model_dir, sft_jsonl, *sets):
     run = tmp_path / name
-    _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-             "--set", "train.max_steps=3", "--set", "train.lr=1e-3", *sets, "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"data.train={sft_jsonl}",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.lr=1e-3",
+            *sets,
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     return run
 
 
@@ -105,7 +159,9 @@ def _grad_run(tmp_path, name, tiny_model_dir, sft_jsonl, *sets):
 def test_gradient_accumulation_equals_big_batch(tmp_path, tiny_model_dir, sft_jsonl):
     """8 rows in one micro-batch == 4 + 4 accumulated: the loop weights micro-batches by loss tokens."""
     big = _grad_run(tmp_path, "big", tiny_model_dir, sft_jsonl, "--set", "train.batch_size=8")
-    acc = _grad_run(tmp_path, "acc", tiny_model_dir, sft_jsonl, "--set", "train.batch_size=4", "--set", "train.grad_accum_steps=2")
+    acc = _grad_run(
+        tmp_path, "acc", tiny_model_dir, sft_jsonl, "--set", "train.batch_size=4", "--set", "train.grad_accum_steps=2"
+    )
     for a, b in zip(read_metrics(big), read_metrics(acc)):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     _assert_same_weights(big / "final", acc / "final", atol=1e-5)
@@ -137,15 +193,29 @@ def test_runs_are_deterministic(tmp_path, tiny_model_dir, sft_jsonl):
 @pytest.mark.slow
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     """SIGKILL mid-run, `--resume`, and the final weights equal an uninterrupted run's."""
-    sets = ["--set", "train.max_steps=80", "--set", "train.save_steps=10", "--set", "train.save_limit=2",
-            "--set", "train.lr=1e-3", "--set", "train.batch_size=16"]
+    sets = [
+        "--set",
+        "train.max_steps=80",
+        "--set",
+        "train.save_steps=10",
+        "--set",
+        "train.save_limit=2",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "train.batch_size=16",
+    ]
     full = tmp_path / "full"
     _ok(oxrl("run", "--alg", "sft", *sets, "-o", str(full), cwd=tmp_path))
 
     killed = tmp_path / "killed"
     exe = Path(sys.executable).with_name("oxrl")
-    proc = subprocess.Popen([str(exe), "run", "--alg", "sft", *sets, "-o", str(killed), "--quiet"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(exe), "run", "--alg", "sft", *sets, "-o", str(killed), "--quiet"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step-20").exists():
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -171,8 +241,14 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
 def test_python_api_runs_what_the_cli_runs(tmp_path, tiny_model_dir, sft_jsonl):
     from oxrl_core import Trainer
 
-    result = Trainer(alg="sft", model=str(tiny_model_dir), data=str(sft_jsonl), output_dir=tmp_path / "api",
-                     quiet=True, train={"max_steps": 3, "lr": 1e-3}).train()
+    result = Trainer(
+        alg="sft",
+        model=str(tiny_model_dir),
+        data=str(sft_jsonl),
+        output_dir=tmp_path / "api",
+        quiet=True,
+        train={"max_steps": 3, "lr": 1e-3},
+    ).train()
     assert result.steps == 3 and (result.final_dir / "model.safetensors").is_file()
     cli = _grad_run(tmp_path, "cli", tiny_model_dir, sft_jsonl)
     assert [m["loss"] for m in result.metrics] == [m["loss"] for m in read_metrics(cli)]
@@ -182,19 +258,65 @@ def test_python_api_runs_what_the_cli_runs(tmp_path, tiny_model_dir, sft_jsonl):
 def test_quiet_prints_only_the_result(tmp_path, tiny_model_dir, sft_jsonl):
     loud = _grad_run(tmp_path, "loud", tiny_model_dir, sft_jsonl)
     del loud
-    proc = _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-                    "--set", "train.max_steps=3", "-q", "-o", str(tmp_path / "q"), cwd=tmp_path))
+    proc = _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"data.train={sft_jsonl}",
+            "--set",
+            "train.max_steps=3",
+            "-q",
+            "-o",
+            str(tmp_path / "q"),
+            cwd=tmp_path,
+        )
+    )
     assert "step 1/3" not in proc.stderr and "done: 3 steps" in proc.stderr
-    proc = _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-                    "--set", "train.max_steps=3", "-o", str(tmp_path / "v"), cwd=tmp_path))
+    proc = _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"data.train={sft_jsonl}",
+            "--set",
+            "train.max_steps=3",
+            "-o",
+            str(tmp_path / "v"),
+            cwd=tmp_path,
+        )
+    )
     assert "step 1/3 loss" in proc.stderr  # plain progress lines when not on a terminal
 
 
 def test_non_finite_loss_stops_with_a_clear_message_and_keeps_checkpoints(tmp_path, tiny_model_dir, sft_jsonl):
     run = tmp_path / "nan"
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-                "--set", "train.max_steps=20", "--set", "train.save_steps=1", "--set", "train.lr=1e30",
-                "--set", "train.max_grad_norm=0", "-o", str(run), cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--set",
+        "train.max_steps=20",
+        "--set",
+        "train.save_steps=1",
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.max_grad_norm=0",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "not finite" in proc.stderr and "Traceback" not in proc.stderr
     assert (run / "checkpoints" / "step-1" / "trainer_state.json").is_file()
@@ -202,8 +324,16 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_checkpoints(tmp_pa
 
 @pytest.mark.slow
 def test_tracking_tensorboard_and_mlflow(tmp_path, tiny_model_dir, sft_jsonl, monkeypatch):
-    run = _grad_run(tmp_path, "track", tiny_model_dir, sft_jsonl, "--set", "logging.tensorboard=true",
-                    "--set", "logging.mlflow=true")
+    run = _grad_run(
+        tmp_path,
+        "track",
+        tiny_model_dir,
+        sft_jsonl,
+        "--set",
+        "logging.tensorboard=true",
+        "--set",
+        "logging.mlflow=true",
+    )
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run / "tensorboard"))

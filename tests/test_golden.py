@@ -20,8 +20,17 @@ import pytest
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden_runs.json"
 RUNS = ["sft", "cpt", "kd", "dpo", "kto", "rm", "sgrpo", "ppo", "online_dpo"]
-COMMON = ["--set", "train.max_steps=5", "--set", "train.seed=7", "--set", "train.batch_size=8",
-          "--set", "rollout.max_new_tokens=8", "-q"]
+COMMON = [
+    "--set",
+    "train.max_steps=5",
+    "--set",
+    "train.seed=7",
+    "--set",
+    "train.batch_size=8",
+    "--set",
+    "rollout.max_new_tokens=8",
+    "-q",
+]
 KEPT = ("loss", "reward", "rewards/", "eval/")
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import oxrl, read_metrics
 
 from oxrl_core.checkpoint import MANIFEST, checkpoint_problem, latest_checkpoint, list_checkpoints
@@ -76,8 +75,20 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
     """lr=1e38: step 1 (lr 0 in warm-up) is saved; step 2's update makes the weights inf/NaN; that
     checkpoint and final/ are never written and the message names step, parameters, checkpoint, fix."""
     run = tmp_path / "run"
-    proc = oxrl("run", "--alg", "sft", "--set", "train.lr=1e38", "--set", "train.max_steps=3",
-                "--set", "train.warmup_steps=1", *FAST, "-o", str(run))
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        "train.lr=1e38",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.warmup_steps=1",
+        *FAST,
+        "-o",
+        str(run),
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out
@@ -99,9 +110,10 @@ def _load_weights(ckpt: Path) -> dict:
 
 def test_nonfinite_check_refuses_before_writing(base_run, tmp_path):
     """The check itself, on a model with one NaN: the message names the parameter and the newest checkpoint."""
+    from transformers import AutoModelForCausalLM
+
     from oxrl_core.checkpoint import NonFiniteWeights, save_model
     from oxrl_core.tiny import build_tokenizer
-    from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
@@ -223,8 +235,12 @@ def test_disk_full_while_saving_checkpoint_patched(run_copy, monkeypatch):
 def _mount_tmpfs(path: Path, size_kb: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kb}k", "tmpfs", str(path)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     except (OSError, subprocess.CalledProcessError) as exc:
         pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {getattr(exc, 'stderr', exc)}")
 
@@ -263,27 +279,38 @@ def test_disk_full_for_real_on_tmpfs(base_run, tmp_path):
 def test_checkpoints_carry_a_manifest(base_run):
     ckpt = base_run / "checkpoints" / "step-2"
     files = json.loads((ckpt / MANIFEST).read_text())["files"]
-    on_disk = {str(p.relative_to(ckpt)): p.stat().st_size for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST}
+    on_disk = {
+        str(p.relative_to(ckpt)): p.stat().st_size for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST
+    }
     assert files == on_disk and {"engine.pt", "rng.pt", "trainer_state.json", "model.safetensors"} <= set(files)
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda c: (c / "engine.pt").write_bytes((c / "engine.pt").read_bytes()[:100]), "engine.pt is truncated"),
-    (lambda c: (c / "rng.pt").unlink(), "rng.pt is missing"),
-    (lambda c: (c / "trainer_state.json").write_text(""), "trainer_state.json is truncated"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda c: (c / "engine.pt").write_bytes((c / "engine.pt").read_bytes()[:100]), "engine.pt is truncated"),
+        (lambda c: (c / "rng.pt").unlink(), "rng.pt is missing"),
+        (lambda c: (c / "trainer_state.json").write_text(""), "trainer_state.json is truncated"),
+    ],
+)
 def test_damaged_checkpoint_is_skipped(run_copy, damage, reason):
     damage(run_copy / "checkpoints" / "step-2")
     assert reason in checkpoint_problem(run_copy / "checkpoints" / "step-2")
     assert [c.name for c in list_checkpoints(run_copy)] == ["step-1"]
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (None, None),
-    (lambda c: (c / "engine.pt").write_bytes((c / "engine.pt").read_bytes()[:100]), "engine.pt is truncated or unreadable"),
-    (lambda c: (c / "rng.pt").unlink(), "rng.pt is missing"),
-    (lambda c: (c / "trainer_state.json").write_text(""), "trainer_state.json is empty or unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (None, None),
+        (
+            lambda c: (c / "engine.pt").write_bytes((c / "engine.pt").read_bytes()[:100]),
+            "engine.pt is truncated or unreadable",
+        ),
+        (lambda c: (c / "rng.pt").unlink(), "rng.pt is missing"),
+        (lambda c: (c / "trainer_state.json").write_text(""), "trainer_state.json is empty or unreadable"),
+    ],
+)
 def test_checkpoint_without_manifest_is_judged_by_its_files(run_copy, damage, reason):
     """Checkpoints from before manifests: complete if their own files are whole."""
     ckpt = run_copy / "checkpoints" / "step-2"
@@ -354,8 +381,13 @@ def killed_run(tmp_path: Path, where: str, *args: str) -> subprocess.CompletedPr
 
     script = tmp_path / "kill_inside.py"
     script.write_text(KILL_INSIDE)
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OXRL_TEST_KILL_IN": where})
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OXRL_TEST_KILL_IN": where},
+    )
 
 
 @pytest.mark.slow
@@ -366,8 +398,9 @@ def test_sigkill_inside_a_write_loses_nothing_and_resume_goes_on(tmp_path, run_c
 
     # summary.json: the run finished at step 3; resuming it to 4 is killed as the new summary lands
     before = json.loads((run_copy / "summary.json").read_text())
-    proc = killed_run(tmp_path, "summary", "run", "--alg", "sft", "--resume", "--set", "train.max_steps=4",
-                      *FAST, "-o", str(run_copy))
+    proc = killed_run(
+        tmp_path, "summary", "run", "--alg", "sft", "--resume", "--set", "train.max_steps=4", *FAST, "-o", str(run_copy)
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert json.loads((run_copy / "summary.json").read_text()) == before
     code, out = resume(run_copy, steps=4)

@@ -54,14 +54,25 @@ def gpt2_dir(tmp_path_factory) -> Path:
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator([f"What is {a}+{b}? {a + b}" for a in range(10) for b in range(10)], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     assert tokenizer("", add_special_tokens=True)["input_ids"] == [] and not tokenizer.chat_template
     path = tmp_path_factory.mktemp("models") / "gpt2"
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2,
-                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=128,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     assert config.tie_word_embeddings
     GPT2LMHeadModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -95,7 +106,9 @@ def test_names_longer_than_the_file_system_allows_name_the_field(tmp_path, sft_j
     assert_user_error(proc.returncode, proc.stdout + proc.stderr, "data.train", "File name too long")
     assert not run.exists()
     for key, value in (("data.eval", f"/tmp/{LONG}.jsonl"), ("model.name", f"/tmp/{LONG}"), ("model.ref", LONG)):
-        code, out = cli("run", "--alg", "sft", "--set", f"data.train={sft_jsonl}", "--set", f"{key}={value}", "-o", str(run))
+        code, out = cli(
+            "run", "--alg", "sft", "--set", f"data.train={sft_jsonl}", "--set", f"{key}={value}", "-o", str(run)
+        )
         assert_user_error(code, out, key, "File name too long")
         assert not run.exists()
 
@@ -105,7 +118,9 @@ def test_python_api_refuses_rows_and_takes_a_list_of_sources(sft_jsonl):
     `Trainer(data=[paths])` is a mixture, as data.train takes it."""
     from oxrl_core import Trainer
 
-    with pytest.raises(OxrlError, match=r"data\[0\]: expected a data source .*a row with keys \['prompt', 'response'\].*JSONL"):
+    with pytest.raises(
+        OxrlError, match=r"data\[0\]: expected a data source .*a row with keys \['prompt', 'response'\].*JSONL"
+    ):
         Trainer(alg="sft", data=[{"prompt": "2+2?", "response": "4"}] * 3)
     trainer = Trainer(alg="sft", data=[sft_jsonl, {"source": str(sft_jsonl), "ratio": 2}])
     assert [getattr(s, "source", s) for s in trainer.config.data.train] == [str(sft_jsonl), str(sft_jsonl)]
@@ -140,8 +155,17 @@ def test_non_utf8_byte_in_run_eval_and_score_names_file_line_and_offset(tmp_path
     assert_user_error(proc.returncode, proc.stdout + proc.stderr, where, "not valid UTF-8", "iconv")
     code, out = cli("eval", "--model", str(tiny_model_dir), "--data", str(bad))
     assert_user_error(code, out, where, "not valid UTF-8")
-    code, out = cli("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={bad}",
-                    "-o", str(tmp_path / "run"))
+    code, out = cli(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={bad}",
+        "-o",
+        str(tmp_path / "run"),
+    )
     assert_user_error(code, out, where, "not valid UTF-8")
 
 
@@ -161,7 +185,9 @@ def test_non_utf8_in_json_compressed_jsonl_and_dataset_plugin_files(tmp_path):
         load_source(str(gz), "train")
     plain = tmp_path / "plain.jsonl"
     plain.write_bytes(GOOD_LINE + BAD_LINE)
-    with pytest.raises(OxrlError, match=rf"{plain}: line 2: byte 0xe9 at byte offset {len(GOOD_LINE) + BAD_LINE.index(0xE9)}"):
+    with pytest.raises(
+        OxrlError, match=rf"{plain}: line 2: byte 0xe9 at byte offset {len(GOOD_LINE) + BAD_LINE.index(0xE9)}"
+    ):
         load_source("hf", "train", registry(), {"path": str(plain)})
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE)
@@ -191,9 +217,14 @@ def test_empty_completions_are_refused_naming_row_and_field(tmp_path, gpt2_dir):
     from oxrl_core.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(gpt2_dir))
-    for fmt, row, field in (("prompt_response", {"prompt": "1+1?", "response": "  "}, "response"),
-                            ("preference", {"prompt": "1+1?", "chosen": "2", "rejected": ""}, "rejected")):
-        source = Source([{"prompt": "1+1?", "response": "2", "chosen": "2", "rejected": "3", "_row": 1}, {**row, "_row": 2}], "d.jsonl")
+    for fmt, row, field in (
+        ("prompt_response", {"prompt": "1+1?", "response": "  "}, "response"),
+        ("preference", {"prompt": "1+1?", "chosen": "2", "rejected": ""}, "rejected"),
+    ):
+        source = Source(
+            [{"prompt": "1+1?", "response": "2", "chosen": "2", "rejected": "3", "_row": 1}, {**row, "_row": 2}],
+            "d.jsonl",
+        )
         with pytest.raises(OxrlError, match=rf"d.jsonl: row 2: field '{field}' is empty"):
             prepare_examples(source, fmt, tokenizer, 64)
 
@@ -204,10 +235,23 @@ def test_empty_completions_are_refused_naming_row_and_field(tmp_path, gpt2_dir):
 def test_reward_model_used_as_policy_is_refused_in_run_and_eval(tmp_path, rm_dir, sft_jsonl):
     """An RM's final/ (a `score` head, no `lm_head`) as model.name / --model: refused with the missing and
     unexpected keys, instead of training or scoring a randomly-headed model."""
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={rm_dir}", "--set", f"data.train={sft_jsonl}",
-                "--set", "train.max_steps=1", "-o", str(tmp_path / "run"))
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={rm_dir}",
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--set",
+        "train.max_steps=1",
+        "-o",
+        str(tmp_path / "run"),
+    )
     out = proc.stdout + proc.stderr
-    assert_user_error(proc.returncode, out, "model.name:", str(rm_dir), "lm_head.weight", "score.weight", "reward model")
+    assert_user_error(
+        proc.returncode, out, "model.name:", str(rm_dir), "lm_head.weight", "score.weight", "reward model"
+    )
     assert not (tmp_path / "run" / "final").exists()
     code, out = cli("eval", "--model", str(rm_dir), "--data", str(sft_jsonl), "--reward", "exact_match", "--limit", "1")
     assert_user_error(code, out, "--model:", "lm_head.weight", "reward model")
@@ -238,30 +282,63 @@ def test_identical_pairs_are_dropped_with_a_note_and_refused_when_none_remain(tm
     from oxrl_core.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
-    rows = [{"prompt": "1+1?", "chosen": "2", "rejected": "2"},  # identical
-            {"prompt": "1+1?", "chosen": "2 is right", "rejected": "3"},
-            {"prompt": "1+1?", "chosen": "22222222222222222222a", "rejected": "22222222222222222222b"}]  # same once cut
+    rows = [
+        {"prompt": "1+1?", "chosen": "2", "rejected": "2"},  # identical
+        {"prompt": "1+1?", "chosen": "2 is right", "rejected": "3"},
+        {"prompt": "1+1?", "chosen": "22222222222222222222a", "rejected": "22222222222222222222b"},
+    ]  # same once cut
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    prompt_len = len(prepare_examples(load_source(str(data), "train"), "preference", tokenizer, 512).examples[0]["prompt_ids"])
+    prompt_len = len(
+        prepare_examples(load_source(str(data), "train"), "preference", tokenizer, 512).examples[0]["prompt_ids"]
+    )
     out = prepare_examples(load_source(str(data), "train"), "preference", tokenizer, prompt_len + 10)
     assert [ex["_row"] for ex in out.examples] == [2]
     assert out.identical == [(str(data), 1), (str(data), 3)]
-    note = (f"2 preference pairs dropped: chosen equals rejected (after truncation to data.max_length={prompt_len + 10}), "
-            f"nothing to prefer: {data} rows 1, 3")
+    note = (
+        f"2 preference pairs dropped: chosen equals rejected (after truncation to data.max_length={prompt_len + 10}), "
+        f"nothing to prefer: {data} rows 1, 3"
+    )
     assert out.notes(prompt_len + 10) == [note]
     none_left = write_jsonl(tmp_path / "same.jsonl", [rows[0]] * 4)
-    proc = oxrl("run", "--alg", "dpo", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={none_left}",
-                "-o", str(tmp_path / "run"))
-    assert_user_error(proc.returncode, proc.stdout + proc.stderr, f"{none_left}: no usable preference pair", "4 pairs have chosen equal to rejected",
-                      "rows 1, 2, 3, 4")
+    proc = oxrl(
+        "run",
+        "--alg",
+        "dpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={none_left}",
+        "-o",
+        str(tmp_path / "run"),
+    )
+    assert_user_error(
+        proc.returncode,
+        proc.stdout + proc.stderr,
+        f"{none_left}: no usable preference pair",
+        "4 pairs have chosen equal to rejected",
+        "rows 1, 2, 3, 4",
+    )
 
 
 def test_dpo_run_notes_identical_pairs_and_trains_on_the_rest(tmp_path, tiny_model_dir):
     rows = [{"prompt": f"What is {a}+1?", "chosen": str(a + 1), "rejected": str(a + 2)} for a in range(6)]
     rows[1] = {"prompt": "What is 9+9?", "chosen": "18", "rejected": "18"}
     data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    code, output = cli("run", "--alg", "dpo", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={data}",
-                       "--set", "train.max_steps=1", "--set", "train.batch_size=2", "-o", str(tmp_path / "run"))
+    code, output = cli(
+        "run",
+        "--alg",
+        "dpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={data}",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.batch_size=2",
+        "-o",
+        str(tmp_path / "run"),
+    )
     assert code == 0, output
     assert "1 preference pairs dropped: chosen equals rejected" in output and f"{data} row 2" in output
     assert (tmp_path / "run" / "final" / "config.json").is_file()
@@ -280,13 +357,19 @@ def test_empty_and_corrupt_model_directories_are_named_for_what_they_are(tmp_pat
     no_weights.mkdir()
     shutil.copy(tiny_model_dir / "config.json", no_weights)
     run = tmp_path / "run"
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={empty}", "--set", f"data.train={sft_jsonl}", "-o", str(run))
+    proc = oxrl(
+        "run", "--alg", "sft", "--set", f"model.name={empty}", "--set", f"data.train={sft_jsonl}", "-o", str(run)
+    )
     out = proc.stdout + proc.stderr
     assert_user_error(proc.returncode, out, f"model.name: no config.json in {empty}", "it is empty")
     assert "sentencepiece" not in out and not run.exists()
-    code, out = cli("run", "--alg", "sft", "--set", f"model.name={truncated}", "--set", f"data.train={sft_jsonl}", "-o", str(run))
+    code, out = cli(
+        "run", "--alg", "sft", "--set", f"model.name={truncated}", "--set", f"data.train={sft_jsonl}", "-o", str(run)
+    )
     assert_user_error(code, out, f"model.safetensors in {truncated} is corrupt or truncated", "re-download")
-    code, out = cli("run", "--alg", "sft", "--set", f"model.name={no_weights}", "--set", f"data.train={sft_jsonl}", "-o", str(run))
+    code, out = cli(
+        "run", "--alg", "sft", "--set", f"model.name={no_weights}", "--set", f"data.train={sft_jsonl}", "-o", str(run)
+    )
     assert_user_error(code, out, f"model.name: no weights in {no_weights}")
     code, out = cli("eval", "--model", str(truncated), "--data", str(sft_jsonl), "--reward", "exact_match")
     assert_user_error(code, out, f"--model: model.safetensors in {truncated} is corrupt or truncated")

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import oxrl, read_metrics
 
 HELD_ALG = '''
@@ -73,8 +72,11 @@ def assert_user_error(status: int, output: str, *parts: str) -> None:
 
 def snapshot(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under root (the lock file aside: it names its last holder)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".oxrl.lock"}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".oxrl.lock"
+    }
 
 
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -97,8 +99,18 @@ def work(tmp_path_factory, tiny_model_dir) -> dict:
     (root / "held.py").write_text(HELD_ALG)
     rows = [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(6) for b in range(6)]
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = ["--set", f"model.name={tiny_model_dir}", "--set", f"data.train={root / 'sft.jsonl'}",
-            "--set", "train.batch_size=4", "--set", "train.lr=1e-3", "--set", "train.lr_scheduler=constant"]
+    base = [
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={root / 'sft.jsonl'}",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "train.lr_scheduler=constant",
+    ]
     return {"root": root, "base": base, "held": f"{root / 'held.py'}:HeldSFT"}
 
 
@@ -108,9 +120,14 @@ def start_held(work: dict, run: Path, *sets: str) -> tuple[subprocess.Popen, Pat
     hold.touch()
     exe = Path(sys.executable).with_name("oxrl")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]
-    proc = subprocess.Popen(cmd + ["run", "--alg", work["held"], *work["base"], *sets, "-o", str(run)],
-                            cwd=work["root"], env={**os.environ, "OXRL_TEST_HOLD": str(hold)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd + ["run", "--alg", work["held"], *work["base"], *sets, "-o", str(run)],
+        cwd=work["root"],
+        env={**os.environ, "OXRL_TEST_HOLD": str(hold)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     return proc, hold
 
 
@@ -153,11 +170,14 @@ def uninterrupted(work) -> Path:
 
 
 @pytest.mark.slow
-def test_second_run_in_the_same_dir_is_refused_then_sigterm_saves_and_resume_equals_an_uninterrupted_run(work, uninterrupted):
+def test_second_run_in_the_same_dir_is_refused_then_sigterm_saves_and_resume_equals_an_uninterrupted_run(
+    work, uninterrupted
+):
     """Item 11 (the lock), 12 and 20 (SIGTERM: a checkpoint, exit 143; --resume = an uninterrupted run)."""
     run = work["root"] / "cut"
-    first, hold = start_held(work, run, "--set", "train.max_steps=12", "--set", "train.save_steps=0",
-                             "--set", "train.save_minutes=0")
+    first, hold = start_held(
+        work, run, "--set", "train.max_steps=12", "--set", "train.save_steps=0", "--set", "train.save_minutes=0"
+    )
     wait_for_steps(first, run, 2)  # ... and now it waits inside step 3
     before = (run / "config.yaml").read_text()
 
@@ -182,7 +202,9 @@ def test_second_run_in_the_same_dir_is_refused_then_sigterm_saves_and_resume_equ
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {run / 'checkpoints' / 'step-3'}" in resumed.stderr
     assert [m["step"] for m in read_metrics(run)] == list(range(1, 13))
-    assert [m["loss"] for m in read_metrics(run)] == pytest.approx([m["loss"] for m in read_metrics(uninterrupted)], abs=1e-6)
+    assert [m["loss"] for m in read_metrics(run)] == pytest.approx(
+        [m["loss"] for m in read_metrics(uninterrupted)], abs=1e-6
+    )
     assert_same_weights(run / "final", uninterrupted / "final")
 
 
@@ -211,11 +233,16 @@ def test_ctrl_c_saves_a_checkpoint_and_a_second_ctrl_c_stops_at_once(work, monke
     stderr = proc.communicate(timeout=60)[1]
     hold.unlink()
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
-    assert "stopped at once (Ctrl-C again) during step 3" in stderr and f"resume with: oxrl run --resume -o {twice}" in stderr
+    assert (
+        "stopped at once (Ctrl-C again) during step 3" in stderr
+        and f"resume with: oxrl run --resume -o {twice}" in stderr
+    )
     assert snapshot(twice / "checkpoints" / "step-2") == saved  # the complete checkpoint is untouched
     assert len(read_metrics(twice)) == 2
     # --resume continues from the complete checkpoint
-    status, output = cli_main(monkeypatch, capsys, "run", "--resume", "-o", str(twice), "--set", "train.max_steps=4", "-q")
+    status, output = cli_main(
+        monkeypatch, capsys, "run", "--resume", "-o", str(twice), "--set", "train.max_steps=4", "-q"
+    )
     assert status == 0, output
     assert [m["step"] for m in read_metrics(twice)] == [1, 2, 3, 4]
 
@@ -224,8 +251,18 @@ def test_ctrl_c_saves_a_checkpoint_and_a_second_ctrl_c_stops_at_once(work, monke
 def test_sigterm_to_the_driver_of_a_data_parallel_run_saves_on_every_rank(work):
     """Item 20 on the Ray path: the driver passes the stop to the ranks, which save together at the step's end."""
     run = work["root"] / "dp"
-    proc, hold = start_held(work, run, "--set", "train.max_steps=50", "--set", "engine.name=deepspeed",
-                            "--set", "engine.world_size=2", "--set", "engine.timeout_s=120")
+    proc, hold = start_held(
+        work,
+        run,
+        "--set",
+        "train.max_steps=50",
+        "--set",
+        "engine.name=deepspeed",
+        "--set",
+        "engine.world_size=2",
+        "--set",
+        "engine.timeout_s=120",
+    )
     wait_for_steps(proc, run, 2)  # both ranks now wait inside step 3
     proc.send_signal(signal.SIGTERM)
     while not (run / ".oxrl-stop").exists():  # the driver's request to the ranks (it polls Ray once a second)
@@ -244,14 +281,16 @@ def test_signal_before_the_first_step_ends_at_once_and_the_directory_is_reused(w
 
     run = work["root"] / "early"
     monkeypatch.setattr("oxrl_core.checkpoint.clean_partial", _raise_sigint)  # inside train(), before the loop
-    status, output = cli_main(monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=2",
-                              "-o", str(run))
+    status, output = cli_main(
+        monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=2", "-o", str(run)
+    )
     assert status == 130 and "interrupted before the first step (Ctrl-C); nothing to save" in output, output
     assert "Traceback" not in output
     assert lifecycle.STATE.phase == "setup"
     monkeypatch.undo()
-    status, output = cli_main(monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=2",
-                              "-o", str(run))
+    status, output = cli_main(
+        monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=2", "-o", str(run)
+    )
     assert status == 0, output
     assert [m["step"] for m in read_metrics(run)] == [1, 2]
 
@@ -270,8 +309,9 @@ def test_resume_of_a_finished_run_without_checkpoint_refuses_and_keeps_everythin
     assert status == 0, output
     before = snapshot(run)
     status, output = cli_main(monkeypatch, capsys, "run", "--resume", "-o", str(run), "--set", "train.max_steps=4")
-    assert_user_error(status, output, f"--resume: {run} finished", "no optimizer state",
-                      f"--set model.name={run / 'final'}")
+    assert_user_error(
+        status, output, f"--resume: {run} finished", "no optimizer state", f"--set model.name={run / 'final'}"
+    )
     assert snapshot(run) == before  # final/, metrics.jsonl, summary.json untouched
 
     # steps logged, then killed before any checkpoint: --resume would start over on top of them
@@ -302,7 +342,9 @@ def test_resume_without_config_yaml_uses_the_checkpoints_copy(work, checkpointed
     run = tmp_path / "copy"
     shutil.copytree(checkpointed, run)
     (run / "config.yaml").unlink()
-    status, output = cli_main(monkeypatch, capsys, "run", "--resume", "-o", str(run), "--set", "train.max_steps=4", "-q")
+    status, output = cli_main(
+        monkeypatch, capsys, "run", "--resume", "-o", str(run), "--set", "train.max_steps=4", "-q"
+    )
     assert status == 0, output
     assert f"using the copy stored in {run / 'checkpoints' / 'step-2'}" in output
     config = (run / "config.yaml").read_text()
@@ -318,14 +360,41 @@ def test_resume_refuses_a_set_that_changes_what_the_checkpoint_is(work, checkpoi
     before = snapshot(run)
     other = work["root"] / "other.jsonl"
     other.write_text('{"prompt": "Hi", "response": "there"}\n' * 8)
-    status, output = cli_main(monkeypatch, capsys, "run", "--resume", "-o", str(run), "--set", f"data.train={other}",
-                              "--set", "train.max_steps=4")
-    assert_user_error(status, output, f"changes what {run / 'checkpoints' / 'step-2'} was trained as",
-                      f"data.train: '{work['root'] / 'sft.jsonl'}' → '{other}'", "--force-config")
+    status, output = cli_main(
+        monkeypatch,
+        capsys,
+        "run",
+        "--resume",
+        "-o",
+        str(run),
+        "--set",
+        f"data.train={other}",
+        "--set",
+        "train.max_steps=4",
+    )
+    assert_user_error(
+        status,
+        output,
+        f"changes what {run / 'checkpoints' / 'step-2'} was trained as",
+        f"data.train: '{work['root'] / 'sft.jsonl'}' → '{other}'",
+        "--force-config",
+    )
     assert snapshot(run) == before
 
-    status, output = cli_main(monkeypatch, capsys, "run", "--resume", "--force-config", "-o", str(run),
-                              "--set", f"data.train={other}", "--set", "train.max_steps=4", "-q")
+    status, output = cli_main(
+        monkeypatch,
+        capsys,
+        "run",
+        "--resume",
+        "--force-config",
+        "-o",
+        str(run),
+        "--set",
+        f"data.train={other}",
+        "--set",
+        "train.max_steps=4",
+        "-q",
+    )
     assert status == 0, output
     assert "--force-config: resuming" in output
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
@@ -367,15 +436,43 @@ def test_checkpoints_by_default_by_steps_or_minutes_newest_kept(work, tmp_path, 
     assert TrainConfig(save_limit=5).save_total_limit == 5  # the old name still works
 
     run = tmp_path / "minutes"  # save_minutes tiny: every step is due by time, and only the newest 2 stay
-    status, output = cli_main(monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=5",
-                              "--set", "train.save_steps=0", "--set", "train.save_minutes=1e-9", "-o", str(run))
+    status, output = cli_main(
+        monkeypatch,
+        capsys,
+        "run",
+        "--alg",
+        "sft",
+        *work["base"],
+        "--set",
+        "train.max_steps=5",
+        "--set",
+        "train.save_steps=0",
+        "--set",
+        "train.save_minutes=1e-9",
+        "-o",
+        str(run),
+    )
     assert status == 0, output
     assert f"checkpoints every 1e-09 min → {run / 'checkpoints'}, newest 2 kept" in output
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-3", "step-4"]
 
     run = tmp_path / "steps"
-    status, output = cli_main(monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=5",
-                              "--set", "train.save_steps=1", "--set", "train.save_limit=1", "-o", str(run))
+    status, output = cli_main(
+        monkeypatch,
+        capsys,
+        "run",
+        "--alg",
+        "sft",
+        *work["base"],
+        "--set",
+        "train.max_steps=5",
+        "--set",
+        "train.save_steps=1",
+        "--set",
+        "train.save_limit=1",
+        "-o",
+        str(run),
+    )
     assert status == 0, output
     assert f"checkpoints every step or 30 min → {run / 'checkpoints'}, newest 1 kept" in output
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4"]

@@ -43,7 +43,7 @@ def assert_user_error(proc, *fragments: str) -> str:
 # 17. A reward that fails on every row
 # ---------------------------------------------------------------------------------------------
 
-TYPO_REWARD = '''
+TYPO_REWARD = """
 from oxrl_core import Reward
 
 class Typo(Reward):
@@ -51,13 +51,28 @@ class Typo(Reward):
 
     def score(self, prompts, completions, examples):
         return [float(ex["answr"] in c) for c, ex in zip(completions, examples)]  # the field is 'answer'
-'''
+"""
 
 
 def _rl(tmp_path, model_dir, *args):
-    return oxrl("run", "--alg", "sgrpo", "--set", f"model.name={model_dir}", "--set", "train.batch_size=4",
-                "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=4", "--set", "train.eval_steps=0",
-                *args, cwd=tmp_path, env=CLEAN)
+    return oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={model_dir}",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "rollout.n=2",
+        "--set",
+        "rollout.max_new_tokens=4",
+        "--set",
+        "train.eval_steps=0",
+        *args,
+        cwd=tmp_path,
+        env=CLEAN,
+    )
 
 
 def _failure_lines(stderr: str, prefix: str = "") -> list[str]:
@@ -69,13 +84,31 @@ def test_reward_failing_on_every_row_stops_the_run_naming_reward_exception_row_a
 
     (tmp_path / "typo.py").write_text(TYPO_REWARD)
     run = tmp_path / "run"
-    proc = _rl(tmp_path, tiny_model_dir, "--set", f"reward.name={tmp_path / 'typo.py'}:Typo", "--set", "train.max_steps=8",
-               "--set", "train.save_steps=1", "-o", str(run))
+    proc = _rl(
+        tmp_path,
+        tiny_model_dir,
+        "--set",
+        f"reward.name={tmp_path / 'typo.py'}:Typo",
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.save_steps=1",
+        "-o",
+        str(run),
+    )
     last = latest_checkpoint(run)
     assert last is not None, proc.stderr  # the checkpoints of the steps before the stop are kept
-    text = assert_user_error(proc, "step 3: reward 'typo' failed on 8 of 8 samples (100%)", "KeyError: 'answr'",
-                             "row ", "(prompt '", "rollout.max_reward_error_share=0.5", "each of the last 3 steps",
-                             f"last complete checkpoint: {last}", "--resume")
+    text = assert_user_error(
+        proc,
+        "step 3: reward 'typo' failed on 8 of 8 samples (100%)",
+        "KeyError: 'answr'",
+        "row ",
+        "(prompt '",
+        "rollout.max_reward_error_share=0.5",
+        "each of the last 3 steps",
+        f"last complete checkpoint: {last}",
+        "--resume",
+    )
     assert "done" not in text and not (run / "final").exists()
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]  # step 3 stopped before training on zero rewards
@@ -88,8 +121,19 @@ def test_reward_failing_on_every_row_stops_the_run_naming_reward_exception_row_a
 def test_reward_error_stop_can_be_switched_off_and_still_logs_one_line_per_step(tmp_path, tiny_model_dir):
     (tmp_path / "typo.py").write_text(TYPO_REWARD)
     run = tmp_path / "run"
-    proc = _rl(tmp_path, tiny_model_dir, "--set", f"reward.name={tmp_path / 'typo.py'}:Typo", "--set", "train.max_steps=2",
-               "--set", "rollout.reward_error_steps=0", "-q", "-o", str(run))
+    proc = _rl(
+        tmp_path,
+        tiny_model_dir,
+        "--set",
+        f"reward.name={tmp_path / 'typo.py'}:Typo",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "rollout.reward_error_steps=0",
+        "-q",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stderr
     assert [m["reward/error_share"] for m in read_metrics(run)] == [1.0, 1.0]
     assert len(_failure_lines(proc.stderr, "step ")) == 2, proc.stderr
@@ -122,8 +166,9 @@ def test_reward_watch_counts_consecutive_steps_and_its_off_switches(tmp_path):
 
 
 def test_reward_error_keys_are_validated():
-    from oxrl_core.config import RunConfig
     from pydantic import ValidationError
+
+    from oxrl_core.config import RunConfig
 
     cfg = RunConfig.model_validate({"algorithm": "sgrpo"})
     assert (cfg.rollout.max_reward_error_share, cfg.rollout.reward_error_steps) == (0.5, 3)
@@ -135,9 +180,19 @@ def test_reward_error_keys_are_validated():
 def test_score_summarises_failures_in_one_line(tmp_path):
     """`oxrl score` on 300 rows (two chunks) that all fail: one summary line, and every row's error in the output."""
     (tmp_path / "typo.py").write_text(TYPO_REWARD)
-    data = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"q{i}", "completion": "4", "answer": "4"} for i in range(300)])
-    proc = oxrl("score", "--reward", f"{tmp_path / 'typo.py'}:Typo", "--data", str(data), "-o", str(tmp_path / "out.jsonl"),
-                env=CLEAN)
+    data = write_jsonl(
+        tmp_path / "rows.jsonl", [{"prompt": f"q{i}", "completion": "4", "answer": "4"} for i in range(300)]
+    )
+    proc = oxrl(
+        "score",
+        "--reward",
+        f"{tmp_path / 'typo.py'}:Typo",
+        "--data",
+        str(data),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+        env=CLEAN,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     (line,) = _failure_lines(proc.stderr)
@@ -160,7 +215,9 @@ def test_score_batch_logs_one_line_per_call(caplog):
     with caplog.at_level(logging.WARNING, logger="oxrl.rewards"):
         scores, metrics = score_batch(Typo(), ["q"] * 50, ["4"] * 50, rows)
     assert scores == [0.0] * 50 and metrics["reward/error_share"] == 1.0
-    assert len(caplog.records) == 1 and "50 of 50 samples failed" in caplog.text and "rows 1, 2, 3, 4, 5, …" in caplog.text
+    assert (
+        len(caplog.records) == 1 and "50 of 50 samples failed" in caplog.text and "rows 1, 2, 3, 4, 5, …" in caplog.text
+    )
     caplog.clear()
     failures = RewardFailures("typo")
     with caplog.at_level(logging.WARNING, logger="oxrl.rewards"):
@@ -207,7 +264,9 @@ EVIL_FILES = {
 
 @pytest.fixture(scope="module")
 def evil_site(tmp_path_factory) -> Path:
-    return make_dist(tmp_path_factory.mktemp("evil") / "site", "oxrl-evil", "0.1", EVIL_FILES, {"aaa_evil": "oxrl_evil"})
+    return make_dist(
+        tmp_path_factory.mktemp("evil") / "site", "oxrl-evil", "0.1", EVIL_FILES, {"aaa_evil": "oxrl_evil"}
+    )
 
 
 def test_name_clash_is_listed_with_both_packages_not_as_a_load_failure(evil_site):
@@ -220,7 +279,9 @@ def test_name_clash_is_listed_with_both_packages_not_as_a_load_failure(evil_site
     assert set(clashes) == {("algorithm", "sft"), ("dataset", "arith")}
     assert clashes["algorithm", "sft"]["packages"] == ["oxrl-evil", "oxrl-algs-supervised"]
     assert clashes["algorithm", "sft"]["choose"] == ["oxrl-evil:sft", "oxrl-algs-supervised:sft"]
-    sft_rows = [(r["package"], r["ambiguous"]) for r in listing["plugins"] if r["kind"] == "algorithm" and r["name"] == "sft"]
+    sft_rows = [
+        (r["package"], r["ambiguous"]) for r in listing["plugins"] if r["kind"] == "algorithm" and r["name"] == "sft"
+    ]
     assert sft_rows == [("oxrl-evil", True), ("oxrl-algs-supervised", True)]
 
     table = oxrl("plugins", env=env)
@@ -235,24 +296,57 @@ def test_run_refuses_an_ambiguous_name_naming_both_packages_and_how_to_choose(ev
     env = {**CLEAN, "PYTHONPATH": str(evil_site)}
     run = tmp_path / "run"
     proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "-o", str(run), cwd=tmp_path, env=env)
-    assert_user_error(proc, "algorithm 'sft' is registered by 2 packages: oxrl-evil 0.1", "oxrl-algs-supervised",
-                      "--alg 'oxrl-evil:sft' or 'oxrl-algs-supervised:sft'", "OXRL_PLUGINS")
+    assert_user_error(
+        proc,
+        "algorithm 'sft' is registered by 2 packages: oxrl-evil 0.1",
+        "oxrl-algs-supervised",
+        "--alg 'oxrl-evil:sft' or 'oxrl-algs-supervised:sft'",
+        "OXRL_PLUGINS",
+    )
     assert not run.exists()  # refused before the run directory (and any model)
 
     # the algorithm chosen; the default data set is ambiguous too, and is refused naming its own field
-    proc = oxrl("run", "--alg", "oxrl-algs-supervised:sft", "--set", f"model.name={tiny_model_dir}", "-o", str(run),
-                cwd=tmp_path, env=env)
-    assert_user_error(proc, "dataset 'arith' is registered by 2 packages", "data.train 'oxrl-evil:arith' or 'oxrl:arith'")
+    proc = oxrl(
+        "run",
+        "--alg",
+        "oxrl-algs-supervised:sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env=env,
+    )
+    assert_user_error(
+        proc, "dataset 'arith' is registered by 2 packages", "data.train 'oxrl-evil:arith' or 'oxrl:arith'"
+    )
     assert not run.exists()
 
 
 def test_package_name_form_runs_the_chosen_packages_algorithm_and_data(evil_site, tmp_path, tiny_model_dir):
     env = {**CLEAN, "PYTHONPATH": str(evil_site)}
     run = tmp_path / "run"
-    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"What is {a}+1?", "response": str(a + 1)} for a in range(4)])
-    proc = oxrl("run", "--alg", "oxrl-algs-supervised:sft", "--set", f"model.name={tiny_model_dir}",
-                "--set", "data.train=oxrl:arith", "--set", f"data.eval={held_out}", "--set", "train.max_steps=2", "-q",
-                "-o", str(run), cwd=tmp_path, env=env)
+    held_out = write_jsonl(
+        tmp_path / "eval.jsonl", [{"prompt": f"What is {a}+1?", "response": str(a + 1)} for a in range(4)]
+    )
+    proc = oxrl(
+        "run",
+        "--alg",
+        "oxrl-algs-supervised:sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "data.train=oxrl:arith",
+        "--set",
+        f"data.eval={held_out}",
+        "--set",
+        "train.max_steps=2",
+        "-q",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr  # the built-in loss and data ran (the third party's raise)
     assert "third-party" not in proc.stderr and (run / "final").is_dir() and len(read_metrics(run)) == 2
 
@@ -343,14 +437,24 @@ class NoRows(Dataset):
 """
 
 
-@pytest.mark.parametrize(("cls", "fragments"), [
-    ("NoLoss", ["it does not define loss()"]),
-    ("NoFamily", ["it has no `family` (one of 'rl', 'preference', 'supervised')"]),
-    ("NoAdvantages", ["needs_rollouts = True but it does not define advantages()"]),
-    ("WrongTypes", ["family = 'reinforce' must be one of", "needs_ref = 'yes' must be one of True, False",
-                    "Config = <class", "must be a subclass of oxrl_core.interfaces.StrictModel"]),
-    ("NotAnAlgorithm", ["is not an oxrl_core.Algorithm subclass"]),
-])
+@pytest.mark.parametrize(
+    ("cls", "fragments"),
+    [
+        ("NoLoss", ["it does not define loss()"]),
+        ("NoFamily", ["it has no `family` (one of 'rl', 'preference', 'supervised')"]),
+        ("NoAdvantages", ["needs_rollouts = True but it does not define advantages()"]),
+        (
+            "WrongTypes",
+            [
+                "family = 'reinforce' must be one of",
+                "needs_ref = 'yes' must be one of True, False",
+                "Config = <class",
+                "must be a subclass of oxrl_core.interfaces.StrictModel",
+            ],
+        ),
+        ("NotAnAlgorithm", ["is not an oxrl_core.Algorithm subclass"]),
+    ],
+)
 def test_broken_algorithm_classes_are_refused_with_what_is_missing(tmp_path, cls, fragments):
     from oxrl_core.errors import PluginError
     from oxrl_core.plugins import discover
@@ -369,7 +473,9 @@ def test_broken_reward_and_dataset_classes_are_refused(tmp_path):
 
     (tmp_path / "broken.py").write_text(BROKEN_CLASSES)
     registry = discover()
-    with pytest.raises(PluginError, match=r"breaks the oxrl_core.Reward interface: it does not define score\(\); timeout_s = 0"):
+    with pytest.raises(
+        PluginError, match=r"breaks the oxrl_core.Reward interface: it does not define score\(\); timeout_s = 0"
+    ):
         registry.load_checked("reward", f"{tmp_path / 'broken.py'}:NoScore")
     with pytest.raises(PluginError, match=r"it does not define rows\(\); formats = \('prompt', 'tweets'\) must be"):
         registry.load_checked("dataset", f"{tmp_path / 'broken.py'}:NoRows")
@@ -388,8 +494,12 @@ def test_every_installed_plugin_keeps_its_interface():
 def test_plugin_without_advantages_is_refused_before_any_model_loads(tmp_path, tiny_model_dir):
     """Through the CLI, from an installed package: the message names the package; no run directory is made
     (it used to fail only after the models loaded and the first rollout ran)."""
-    site = make_dist(tmp_path / "site", "oxrl-halfdone", "0.3", {
-        "oxrl_halfdone/__init__.py": """
+    site = make_dist(
+        tmp_path / "site",
+        "oxrl-halfdone",
+        "0.3",
+        {
+            "oxrl_halfdone/__init__.py": """
             from oxrl_core import hookimpl
 
 
@@ -397,12 +507,27 @@ def test_plugin_without_advantages_is_refused_before_any_model_loads(tmp_path, t
             def register_algorithms(register):
                 register("halfdone", "oxrl_halfdone.alg:NoAdvantages")
         """,
-        "oxrl_halfdone/alg.py": BROKEN_CLASSES,
-    }, {"halfdone": "oxrl_halfdone"})
+            "oxrl_halfdone/alg.py": BROKEN_CLASSES,
+        },
+        {"halfdone": "oxrl_halfdone"},
+    )
     run = tmp_path / "run"
-    proc = oxrl("run", "--alg", "halfdone", "--set", f"model.name={tiny_model_dir}", "-o", str(run), cwd=tmp_path,
-                env={**CLEAN, "PYTHONPATH": str(site)})
-    assert_user_error(proc, "algorithm 'halfdone' from oxrl-halfdone 0.3 (entry point 'halfdone', target "
-                      "'oxrl_halfdone.alg:NoAdvantages') breaks the oxrl_core.Algorithm interface",
-                      "does not define advantages()", "Fix the class oxrl_halfdone.alg.NoAdvantages")
+    proc = oxrl(
+        "run",
+        "--alg",
+        "halfdone",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env={**CLEAN, "PYTHONPATH": str(site)},
+    )
+    assert_user_error(
+        proc,
+        "algorithm 'halfdone' from oxrl-halfdone 0.3 (entry point 'halfdone', target "
+        "'oxrl_halfdone.alg:NoAdvantages') breaks the oxrl_core.Algorithm interface",
+        "does not define advantages()",
+        "Fix the class oxrl_halfdone.alg.NoAdvantages",
+    )
     assert not run.exists()

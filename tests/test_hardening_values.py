@@ -77,7 +77,9 @@ def test_a_non_finite_float_in_an_algorithm_plugin_section_is_refused(value):
         validate_alg_section(config, SGRPO.Config)
 
 
-@pytest.mark.parametrize("field", ["train.max_steps", "train.save_steps", "engine.world_size", "rollout.n", "data.max_length"])
+@pytest.mark.parametrize(
+    "field", ["train.max_steps", "train.save_steps", "engine.world_size", "rollout.n", "data.max_length"]
+)
 def test_an_integer_beyond_64_bits_is_refused_naming_the_field(field):
     with pytest.raises(OxrlError, match=rf"{field}: must fit in a signed 64-bit integer"):
         load_run_config(overrides=[f"{field}={10**30}"], algorithm="sft")
@@ -109,8 +111,20 @@ def test_max_new_tokens_past_the_models_context_is_refused_at_start_up(tmp_path,
     """The tiny model has 512 positions: a million new tokens is refused before any step, naming the field,
     the model's limit and the largest value that fits (it used to ask for a KV buffer of ~GBs)."""
     run = tmp_path / "run"
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "rollout.max_new_tokens=1000000",
-                "--set", "train.max_steps=2", "-o", str(run), cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "rollout.max_new_tokens=1000000",
+        "--set",
+        "train.max_steps=2",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+    )
     assert_user_error(proc, "rollout.max_new_tokens=1000000", "512 positions", "set rollout.max_new_tokens <=")
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
 
@@ -121,8 +135,20 @@ def test_oxrl_eval_max_new_tokens_past_the_context_is_refused(tmp_path, tiny_mod
     from oxrl_core.cli import app
 
     data = write_jsonl(tmp_path / "ev.jsonl", [{"prompt": "What is 1+1?", "answer": "2"}])
-    result = CliRunner().invoke(app, ["eval", "--model", str(tiny_model_dir), "--data", str(data), "--reward", "exact_match",
-                                      "--max-new-tokens", "1000000"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--reward",
+            "exact_match",
+            "--max-new-tokens",
+            "1000000",
+        ],
+    )
     # in-process the OxrlError reaches the runner (the console script prints it as one line and exits 2)
     assert isinstance(result.exception, OxrlError), result.output
     message = str(result.exception)
@@ -180,15 +206,32 @@ def test_lr_logged_is_the_rate_the_step_used(tmp_path, tiny_model_dir, alg):
 
     rows = {
         "sft": [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(4) for b in range(4)],
-        "dpo": [{"prompt": f"What is {a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + 1)} for a in range(4) for b in range(4)],
+        "dpo": [
+            {"prompt": f"What is {a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + 1)}
+            for a in range(4)
+            for b in range(4)
+        ],
         "sgrpo": [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(4) for b in range(4)],
     }[alg]
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     extra = ["rollout.n=2", "rollout.max_new_tokens=4", "reward.name=exact_match"] if alg == "sgrpo" else []
     run = tmp_path / alg
-    Trainer(alg=alg, model=str(tiny_model_dir), data=str(data), output_dir=run, quiet=True,
-            overrides=[f"train.max_steps={STEPS}", f"train.lr={LR}", "train.lr_scheduler=linear", "train.warmup_steps=0",
-                       "train.batch_size=4", "train.eval_steps=0", *extra]).train()
+    Trainer(
+        alg=alg,
+        model=str(tiny_model_dir),
+        data=str(data),
+        output_dir=run,
+        quiet=True,
+        overrides=[
+            f"train.max_steps={STEPS}",
+            f"train.lr={LR}",
+            "train.lr_scheduler=linear",
+            "train.warmup_steps=0",
+            "train.batch_size=4",
+            "train.eval_steps=0",
+            *extra,
+        ],
+    ).train()
     lrs = [m["lr"] for m in read_metrics(run) if "lr" in m]
     assert len(lrs) == STEPS
     assert lrs == pytest.approx([LR * (1 - k / STEPS) for k in range(STEPS)], rel=1e-6)
@@ -197,7 +240,7 @@ def test_lr_logged_is_the_rate_the_step_used(tmp_path, tiny_model_dir, alg):
 # ----------------------------------------------------------------------------- item 21: oxrl score rows
 
 
-FAILS_ON_TWO = '''
+FAILS_ON_TWO = """
 from oxrl_core.interfaces import Reward
 
 
@@ -208,7 +251,7 @@ class FailsOnTwo(Reward):
         if "two" in completions:
             raise ValueError("cannot score two")
         return [1.0] * len(completions)
-'''
+"""
 
 
 def test_oxrl_score_numbers_rows_from_one_in_warnings_and_output(tmp_path):
@@ -240,4 +283,6 @@ def test_reward_warnings_name_the_rows_data_file_row(caplog):
     with caplog.at_level("WARNING"):
         scores, _ = score_batch(Fails(), ["", "", ""], ["ok", "bad", "bad"], examples)
     assert scores == [1.0, 0.0, 0.0]
-    assert "failed on row 41" in caplog.text and "rows 41, 3)" in caplog.text  # a row without a file number: its place, 1-based
+    assert (
+        "failed on row 41" in caplog.text and "rows 41, 3)" in caplog.text
+    )  # a row without a file number: its place, 1-based

@@ -48,8 +48,25 @@ def _check_final(final: Path, base_dir: Path, cls_name: str = "AutoModelForCausa
 @pytest.mark.slow
 def test_lora_sft_saves_merged_weights_and_adapter(tmp_path, tiny_model_dir):
     run = tmp_path / "sft"
-    proc = _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", *LORA, "--set", "train.max_steps=8",
-                    "--set", "train.batch_size=8", "--set", "train.lr=1e-2", "-o", str(run), cwd=tmp_path))
+    proc = _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            *LORA,
+            "--set",
+            "train.max_steps=8",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            "train.lr=1e-2",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     assert "LoRA" in proc.stderr  # the trainable share is reported
     losses = [m["loss"] for m in read_metrics(run)]
     assert losses[-1] < losses[0]
@@ -67,9 +84,31 @@ def test_lora_sgrpo_saves_merged_weights_and_adapter(tmp_path, tiny_model_dir):
         "    def score(self, prompts, completions, examples):\n"
         "        return [float(len(c)) for c in completions]\n"
     )
-    _ok(oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", *LORA, "--set", "train.max_steps=3",
-             "--set", "train.batch_size=4", "--set", "rollout.n=4", "--set", "rollout.max_new_tokens=6",
-             "--set", "train.lr=5e-2", "--set", f"reward.name={reward}:LengthReward", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sgrpo",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            *LORA,
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "rollout.n=4",
+            "--set",
+            "rollout.max_new_tokens=6",
+            "--set",
+            "train.lr=5e-2",
+            "--set",
+            f"reward.name={reward}:LengthReward",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
     _check_final(run / "final", tiny_model_dir)
 
@@ -77,8 +116,25 @@ def test_lora_sgrpo_saves_merged_weights_and_adapter(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_lora_reward_model_final_is_a_sequence_classifier(tmp_path, tiny_model_dir):
     run = tmp_path / "rm"
-    _ok(oxrl("run", "--alg", "rm", "--set", f"model.name={tiny_model_dir}", *LORA, "--set", "train.max_steps=3",
-             "--set", "train.batch_size=8", "--set", "train.lr=1e-2", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "rm",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            *LORA,
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            "train.lr=1e-2",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     # the adapter carries the trained `score` head (PEFT modules_to_save): base + adapter = the merged final/
     _check_final(run / "final", tiny_model_dir, "AutoModelForSequenceClassification")
 
@@ -88,8 +144,19 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
     """Resume from step 3's checkpoint (base model + the checkpoint's adapter): steps 4-6 and final/ are the same."""
     import shutil
 
-    sets = ["--set", f"model.name={tiny_model_dir}", *LORA, "--set", "train.batch_size=8", "--set", "train.lr=1e-2",
-            "--set", "train.save_steps=3", "--set", "train.max_steps=6"]
+    sets = [
+        "--set",
+        f"model.name={tiny_model_dir}",
+        *LORA,
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.lr=1e-2",
+        "--set",
+        "train.save_steps=3",
+        "--set",
+        "train.max_steps=6",
+    ]
     full = tmp_path / "full"
     _ok(oxrl("run", "--alg", "sft", *sets, "-o", str(full), "--quiet", cwd=tmp_path))
     cut = tmp_path / "cut"  # the same run as if it had been killed after its step-3 checkpoint
@@ -108,7 +175,18 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
 
 
 def test_lora_bad_target_modules_is_a_clear_error(tmp_path, tiny_model_dir):
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", *LORA,
-                "--set", "lora.target_modules=[no_such_proj]", "-o", str(tmp_path / "r"), cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        *LORA,
+        "--set",
+        "lora.target_modules=[no_such_proj]",
+        "-o",
+        str(tmp_path / "r"),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "lora.target_modules" in proc.stderr and "no_such_proj" in proc.stderr

@@ -40,15 +40,24 @@ def logits_of(*rows: list[list[float]]) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def batch_of(logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None = None,
-             kd_temperature: float = 1.0) -> dict:
+def batch_of(
+    logits: torch.Tensor, labels: torch.Tensor, teacher_logits: torch.Tensor | None = None, kd_temperature: float = 1.0
+) -> dict:
     """The loop's per-token batch (``mask``, ``logp``, ``logp_mean``, ``kl_teacher``) from explicit logits."""
     targets = labels[:, 1:]  # (B, T-1)
     mask = targets != IGNORE
     rows, pos = mask.nonzero(as_tuple=True)
     teacher = None if teacher_logits is None else teacher_logits[:, :-1][rows, pos]
-    stats = head_stats(logits[:, :-1][rows, pos], targets[rows, pos], torch.nn.Identity(), HeadPath(chunk_size=2),
-                       logp_mean=True, h_teacher=teacher, teacher_head=torch.nn.Identity(), kd_temperature=kd_temperature)
+    stats = head_stats(
+        logits[:, :-1][rows, pos],
+        targets[rows, pos],
+        torch.nn.Identity(),
+        HeadPath(chunk_size=2),
+        logp_mean=True,
+        h_teacher=teacher,
+        teacher_head=torch.nn.Identity(),
+        kd_temperature=kd_temperature,
+    )
     return {"labels": labels, "mask": mask, **{k: on_grid(v, rows, pos, mask.shape) for k, v in stats.items()}}
 
 
@@ -400,4 +409,6 @@ def test_algorithms_read_per_token_tensors_and_declare_what_they_need():
     kd = KD(KD.Config(alpha=0.5, temperature=3.0))
     assert kd.distill_temperature() == 3.0
     kl_teacher = torch.tensor([[7.0, 0.1, 0.3]])
-    assert_close(kd.loss({"logp": logp, "mask": mask, "kl_teacher": kl_teacher})[0], 0.5 * nll + 0.5 * 9 * 0.2, tol=1e-5)
+    assert_close(
+        kd.loss({"logp": logp, "mask": mask, "kl_teacher": kl_teacher})[0], 0.5 * nll + 0.5 * 9 * 0.2, tol=1e-5
+    )

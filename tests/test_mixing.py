@@ -108,8 +108,20 @@ def test_bad_source_specs_are_clear_errors(tmp_path, tiny_model_dir, sft_jsonl):
 
 def test_a_bad_row_in_a_mixture_names_its_own_file(tmp_path, tiny_model_dir, sft_jsonl):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "response": "y"}, {"prompt": "x"}])
-    msg = _error(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}",
-                      "--set", f"data.train=[{sft_jsonl}, {bad}]", "-o", str(tmp_path / "r"), cwd=tmp_path))
+    msg = _error(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"data.train=[{sft_jsonl}, {bad}]",
+            "-o",
+            str(tmp_path / "r"),
+            cwd=tmp_path,
+        )
+    )
     assert f"{bad}: row 2: missing field 'response'" in msg
 
 
@@ -125,10 +137,20 @@ def _mix_files(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.mark.slow
 def test_mixed_run_draws_3_to_1_and_resumes_at_the_same_position_after_sigkill(tmp_path, tiny_model_dir):
     plus, minus = _mix_files(tmp_path)
-    sets = ["--set", f"model.name={tiny_model_dir}",
-            "--set", f"data.train=[{{source: {plus}, ratio: 3}}, {{source: {minus}, ratio: 1}}]",
-            "--set", "train.max_steps=60", "--set", "train.batch_size=8", "--set", "train.lr=1e-3",
-            "--set", "train.save_steps=10"]
+    sets = [
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train=[{{source: {plus}, ratio: 3}}, {{source: {minus}, ratio: 1}}]",
+        "--set",
+        "train.max_steps=60",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "train.save_steps=10",
+    ]
     full = tmp_path / "full"
     _ok(oxrl("run", "--alg", "sft", *sets, "-o", str(full), "--quiet", cwd=tmp_path))
     records = read_metrics(full)
@@ -140,8 +162,12 @@ def test_mixed_run_draws_3_to_1_and_resumes_at_the_same_position_after_sigkill(t
     killed = tmp_path / "killed"
     exe = Path(sys.executable).with_name("oxrl")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]
-    proc = subprocess.Popen(cmd + ["run", "--alg", "sft", *sets, "-o", str(killed), "--quiet"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd + ["run", "--alg", "sft", *sets, "-o", str(killed), "--quiet"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step-20").exists():
         assert proc.poll() is None, "the run ended before it could be killed"
@@ -167,9 +193,24 @@ def test_mixed_rl_run_counts_its_sources_and_checks_each_row_with_its_own_plugin
     source = load_data(["arith", {"source": "arith", "ratio": 3}], "train", registry())
     assert isinstance(source.dataset, MixedDataset)
     assert [p.name for p in source.parts] == ["arith", "arith_2"]
-    proc = _ok(oxrl("run", "--alg", "sgrpo", "--set", "data.train=[arith, {source: arith, ratio: 3}]",
-                    "--set", "train.max_steps=2", "--set", "train.batch_size=8", "--set", "rollout.n=2",
-                    "-o", str(tmp_path / "rl"), cwd=tmp_path))
+    proc = _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sgrpo",
+            "--set",
+            "data.train=[arith, {source: arith, ratio: 3}]",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            "rollout.n=2",
+            "-o",
+            str(tmp_path / "rl"),
+            cwd=tmp_path,
+        )
+    )
     records = read_metrics(tmp_path / "rl")
     assert all(r["data/arith"] + r["data/arith_2"] == 8 for r in records)
     assert "eval/accuracy" in records[-1]  # the held-out split of the plugins, checked by them
@@ -191,18 +232,39 @@ def test_pass_at_k_hand_derived():
 def test_eval_reports_higher_accuracy_after_sft(tmp_path):
     from oxrl_core.tiny import default_model_dir, warm_start_dir
 
-    untrained, trained = default_model_dir(), warm_start_dir()  # the built-in model, before and after its SFT warm start
+    untrained, trained = (
+        default_model_dir(),
+        warm_start_dir(),
+    )  # the built-in model, before and after its SFT warm start
     reports = {}
     for name, model in (("untrained", untrained), ("trained", trained)):
-        proc = _ok(oxrl("eval", "--model", str(model), "--data", "arith", "--max-new-tokens", "8", "--json", cwd=tmp_path))
+        proc = _ok(
+            oxrl("eval", "--model", str(model), "--data", "arith", "--max-new-tokens", "8", "--json", cwd=tmp_path)
+        )
         reports[name] = json.loads(proc.stdout)
     assert reports["untrained"]["metrics"]["prompts"] == 100
     before, after = reports["untrained"]["metrics"]["pass@1"], reports["trained"]["metrics"]["pass@1"]
     assert after > before + 0.1, (before, after)  # measured: 0.02 -> 0.22
 
     out = tmp_path / "report.json"
-    proc = _ok(oxrl("eval", "--model", str(trained), "--data", "arith", "-n", "4", "--max-new-tokens", "8",
-                    "--limit", "20", "--output", str(out), cwd=tmp_path))
+    proc = _ok(
+        oxrl(
+            "eval",
+            "--model",
+            str(trained),
+            "--data",
+            "arith",
+            "-n",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--limit",
+            "20",
+            "--output",
+            str(out),
+            cwd=tmp_path,
+        )
+    )
     assert "pass@4" in proc.stdout  # the table
     report = json.loads(out.read_text())
     m = report["metrics"]
@@ -229,8 +291,26 @@ def test_eval_bad_input_is_a_clear_error(tmp_path, tiny_model_dir):
 
 def test_training_evaluates_every_n_steps_into_metrics(tmp_path, tiny_model_dir):
     run = tmp_path / "run"
-    _ok(oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=4",
-             "--set", "train.eval_steps=2", "--set", "train.batch_size=4", "--set", "rollout.max_new_tokens=4",
-             "-o", str(run), "--quiet", cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "sft",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.eval_steps=2",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "rollout.max_new_tokens=4",
+            "-o",
+            str(run),
+            "--quiet",
+            cwd=tmp_path,
+        )
+    )
     evaluated = [r["step"] for r in read_metrics(run) if "eval/accuracy" in r and "eval/loss" in r]
     assert evaluated == [2, 4]

@@ -11,8 +11,16 @@ from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
 def _tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -30,8 +38,13 @@ def test_flops_per_token_is_6n_plus_12lht_and_frozen_weights_cost_4n():
 def test_peaks_by_device_name_and_override(monkeypatch):
     monkeypatch.delenv("OXRL_PEAK_TFLOPS", raising=False)
     assert peak_flops(torch.device("cpu")) is None
-    for name, tflops in [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H200", 989.0),
-                         ("NVIDIA A100-SXM4-80GB", 312.0), ("Some Other GPU", None)]:
+    for name, tflops in [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Some Other GPU", None),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_flops(torch.device("cuda", 0)) == (tflops * 1e12 if tflops else None), name
     monkeypatch.setenv("OXRL_PEAK_TFLOPS", "2.5")
@@ -47,26 +60,73 @@ def test_a_run_logs_mfu_when_the_peak_is_known(tmp_path, tiny_model_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     run = tmp_path / "sft"
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=2",
-                "--set", "train.batch_size=4", "-q", "-o", str(run), cwd=tmp_path, env={"OXRL_PEAK_TFLOPS": "0.5"})
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.batch_size=4",
+        "-q",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env={"OXRL_PEAK_TFLOPS": "0.5"},
+    )
     assert proc.returncode == 0, proc.stderr
     config = AutoConfig.from_pretrained(tiny_model_dir)
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     per_layer_token = 12 * config.num_hidden_layers * config.hidden_size
     for m in read_metrics(run):
         flops_per_token = m["perf/mfu"] * 0.5e12 / m["perf/tokens_per_s"]
-        assert 6 * n + per_layer_token * 1 <= flops_per_token <= 6 * n + per_layer_token * 512  # T between 1 and max length
+        assert (
+            6 * n + per_layer_token * 1 <= flops_per_token <= 6 * n + per_layer_token * 512
+        )  # T between 1 and max length
     plain = tmp_path / "plain"
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=1",
-                "--set", "train.batch_size=4", "-q", "-o", str(plain), cwd=tmp_path, env={"OXRL_PEAK_TFLOPS": ""})
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.batch_size=4",
+        "-q",
+        "-o",
+        str(plain),
+        cwd=tmp_path,
+        env={"OXRL_PEAK_TFLOPS": ""},
+    )
     assert proc.returncode == 0 and "perf/mfu" not in read_metrics(plain)[0]  # CPU, no stated peak
 
 
 def test_an_rl_run_logs_the_mfu_of_its_update_phase(tmp_path, tiny_model_dir):
     run = tmp_path / "sgrpo"
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=1",
-                "--set", "train.batch_size=2", "--set", "rollout.max_new_tokens=4", "--set", "train.eval_steps=0",
-                "-q", "-o", str(run), cwd=tmp_path, env={"OXRL_PEAK_TFLOPS": "0.5"})
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "rollout.max_new_tokens=4",
+        "--set",
+        "train.eval_steps=0",
+        "-q",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env={"OXRL_PEAK_TFLOPS": "0.5"},
+    )
     assert proc.returncode == 0, proc.stderr
     from transformers import AutoModelForCausalLM
 
@@ -81,9 +141,24 @@ def test_a_preference_run_logs_the_mfu_of_its_policy(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "dpo"
-    proc = oxrl("run", "--alg", "dpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=2",
-                "--set", "train.batch_size=2", "--set", "train.eval_steps=0", "-q", "-o", str(run), cwd=tmp_path,
-                env={"OXRL_PEAK_TFLOPS": "0.5"})
+    proc = oxrl(
+        "run",
+        "--alg",
+        "dpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.eval_steps=0",
+        "-q",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env={"OXRL_PEAK_TFLOPS": "0.5"},
+    )
     assert proc.returncode == 0, proc.stderr
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     for m in read_metrics(run):

@@ -107,23 +107,35 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
     proc = oxrl("new-plugin", "myalg", "--dir", str(tmp_path), env=CLEAN)
     assert proc.returncode == 0, proc.stderr
     root = tmp_path / "oxrl-myalg"
-    for rel in ("pyproject.toml", "README.md", "oxrl_myalg/__init__.py", "oxrl_myalg/algorithm.py", "tests/test_myalg.py"):
+    for rel in (
+        "pyproject.toml",
+        "README.md",
+        "oxrl_myalg/__init__.py",
+        "oxrl_myalg/algorithm.py",
+        "tests/test_myalg.py",
+    ):
         assert (root / rel).is_file(), rel
     assert str(root) in flat(proc.stdout)
 
     import setuptools  # noqa: F401  (the scaffold's build backend, used without build isolation; in the test extra)
+
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     py = str(venv / "bin" / "python")
     env = {**os.environ, **CLEAN}
     pip = subprocess.run(
         [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-input", "-q", str(root)],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
 
     def venv_oxrl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([py, "-m", "oxrl_core.cli", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+        return subprocess.run(
+            [py, "-m", "oxrl_core.cli", *args], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+        )
 
     # The shared environment is untouched.
     assert "myalg" not in names(plugins_json(CLEAN))
@@ -139,9 +151,17 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
 
     # The installed copy (not the source tree) is what is found, and finding it imports no torch.
     probe = subprocess.run(
-        [py, "-c", "import sys, oxrl_core.plugins as p; r = p.discover(); assert 'myalg' in r.names('algorithm');"
-                   "import oxrl_myalg; print(oxrl_myalg.__file__); print('torch' in sys.modules)"],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120,
+        [
+            py,
+            "-c",
+            "import sys, oxrl_core.plugins as p; r = p.discover(); assert 'myalg' in r.names('algorithm');"
+            "import oxrl_myalg; print(oxrl_myalg.__file__); print('torch' in sys.modules)",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert probe.returncode == 0, probe.stderr
     location, torch_loaded = probe.stdout.split()
@@ -151,9 +171,17 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
     # It trains.
     run_dir = tmp_path / "run"
     proc = venv_oxrl(
-        "run", "--alg", "myalg",
-        "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-        "--set", "train.max_steps=3", "-o", str(run_dir),
+        "run",
+        "--alg",
+        "myalg",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--set",
+        "train.max_steps=3",
+        "-o",
+        str(run_dir),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = read_metrics(run_dir)
@@ -166,7 +194,11 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
     # The scaffold's own tests pass against the installed package (cwd is not the source tree).
     proc = subprocess.run(
         [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests")],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed" in proc.stdout
@@ -217,9 +249,17 @@ def test_broken_plugin_is_reported_and_does_not_stop_the_cli(broken_site):
 def test_run_that_does_not_use_the_broken_plugin_succeeds(broken_site, tmp_path, tiny_model_dir, sft_jsonl):
     run_dir = tmp_path / "run"
     proc = oxrl(
-        "run", "--alg", "sft",
-        "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-        "--set", "train.max_steps=2", "-o", str(run_dir),
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--set",
+        "train.max_steps=2",
+        "-o",
+        str(run_dir),
         env=env_with(broken_site),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -236,30 +276,41 @@ def test_run_that_does_not_use_the_broken_plugin_succeeds(broken_site, tmp_path,
 def odd_site(tmp_path) -> Path:
     site = tmp_path / "odd-site"
     make_dist(
-        site, "oxrl-typo", "0.2",
-        {"oxrl_typo/__init__.py": """
+        site,
+        "oxrl-typo",
+        "0.2",
+        {
+            "oxrl_typo/__init__.py": """
             from oxrl_core import hookimpl
 
             @hookimpl
             def register_algorithm(register):  # misspelled: the hook is register_algorithms
                 register("typo", "oxrl_typo:Nothing")
-            """},
+            """
+        },
         {"typo": "oxrl_typo"},
     )
     make_dist(
-        site, "oxrl-x", "0.3",
-        {"oxrl_x/__init__.py": """
+        site,
+        "oxrl-x",
+        "0.3",
+        {
+            "oxrl_x/__init__.py": """
             from oxrl_core import hookimpl
 
             @hookimpl
             def register_algorithms(register):
                 register("nope", "oxrl_x.nope:Alg")  # there is no oxrl_x/nope.py
-            """},
+            """
+        },
         {"nope": "oxrl_x"},
     )
     make_dist(
-        site, "oxrl-notalg", "0.4",
-        {"oxrl_notalg/__init__.py": """
+        site,
+        "oxrl-notalg",
+        "0.4",
+        {
+            "oxrl_notalg/__init__.py": """
             from oxrl_core import hookimpl
 
 
@@ -271,7 +322,8 @@ def odd_site(tmp_path) -> Path:
             @hookimpl
             def register_algorithms(register):
                 register("notalg", "oxrl_notalg:NotAnAlgorithm")
-            """},
+            """
+        },
         {"notalg": "oxrl_notalg"},
     )
     return site
@@ -292,12 +344,25 @@ def test_misspelled_hook_is_a_load_error_that_stops_nothing(odd_site):
     assert_clean_failure(proc, "typo", "oxrl-typo", "PluginValidationError")
 
 
-def test_registration_of_a_missing_module_lists_but_fails_clearly_when_run(odd_site, tmp_path, tiny_model_dir, sft_jsonl):
+def test_registration_of_a_missing_module_lists_but_fails_clearly_when_run(
+    odd_site, tmp_path, tiny_model_dir, sft_jsonl
+):
     (row,) = [r for r in plugins_json(env_with(odd_site))["plugins"] if r["name"] == "nope"]
     assert (row["package"], row["version"]) == ("oxrl-x", "0.3")
     proc = oxrl(
-        "run", "--alg", "nope", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-        "--set", "train.max_steps=1", "-o", str(tmp_path / "run"), env=env_with(odd_site), timeout=300,
+        "run",
+        "--alg",
+        "nope",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--set",
+        "train.max_steps=1",
+        "-o",
+        str(tmp_path / "run"),
+        env=env_with(odd_site),
+        timeout=300,
     )
     assert_clean_failure(proc, "nope", "oxrl-x", "oxrl_x.nope:Alg", "ModuleNotFoundError")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -306,10 +371,23 @@ def test_registration_of_a_missing_module_lists_but_fails_clearly_when_run(odd_s
 def test_registration_of_a_non_algorithm_fails_clearly_when_run(odd_site, tmp_path, tiny_model_dir, sft_jsonl):
     assert "notalg" in names(plugins_json(env_with(odd_site)))
     proc = oxrl(
-        "run", "--alg", "notalg", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
-        "--set", "train.max_steps=1", "-o", str(tmp_path / "run"), env=env_with(odd_site), timeout=300,
+        "run",
+        "--alg",
+        "notalg",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        f"data.train={sft_jsonl}",
+        "--set",
+        "train.max_steps=1",
+        "-o",
+        str(tmp_path / "run"),
+        env=env_with(odd_site),
+        timeout=300,
     )
-    assert_clean_failure(proc, "notalg", "oxrl-notalg", "oxrl_notalg:NotAnAlgorithm", "not an oxrl_core.Algorithm subclass")
+    assert_clean_failure(
+        proc, "notalg", "oxrl-notalg", "oxrl_notalg:NotAnAlgorithm", "not an oxrl_core.Algorithm subclass"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -320,8 +398,11 @@ def test_one_module_behind_two_entry_points_is_not_an_error(tmp_path):
     error (which OXRL_STRICT_PLUGINS would turn into a CI failure).
     """
     site = make_dist(
-        tmp_path / "two-site", "oxrl-two", "0.5",
-        {"oxrl_two/__init__.py": """
+        tmp_path / "two-site",
+        "oxrl-two",
+        "0.5",
+        {
+            "oxrl_two/__init__.py": """
             from oxrl_core import hookimpl
 
             @hookimpl
@@ -331,7 +412,8 @@ def test_one_module_behind_two_entry_points_is_not_an_error(tmp_path):
             @hookimpl
             def register_rewards(register):
                 register("tworew", "oxrl_two.reward:TwoReward")
-            """},
+            """
+        },
         {"twoalg": "oxrl_two", "tworew": "oxrl_two"},
     )
     listing = plugins_json(env_with(site, OXRL_STRICT_PLUGINS="1"))
@@ -395,7 +477,11 @@ def test_discovery_and_plugins_command_do_not_import_torch(broken_site):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env_with(broken_site)}, timeout=120
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env_with(broken_site)},
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.rstrip().endswith("LIGHT")
@@ -414,11 +500,11 @@ def test_help_works():
 
 
 def test_in_process_plugin_registering_a_class_and_a_duplicate(monkeypatch):
+    from oxrl_algs_supervised.sft import SFT
     from oxrl_core import Algorithm, hookimpl
     from oxrl_core.errors import PluginError
     from oxrl_core.plugins import discover
     from oxrl_core.trainer import load_algorithm
-    from oxrl_algs_supervised.sft import SFT
 
     monkeypatch.delenv("OXRL_PLUGINS", raising=False)
     monkeypatch.delenv("OXRL_STRICT_PLUGINS", raising=False)
@@ -449,11 +535,16 @@ def test_in_process_plugin_registering_a_class_and_a_duplicate(monkeypatch):
     assert registry.load("algorithm", "mine:direct") is Direct and registry.load("algorithm", "second:direct") is SFT
     assert load_algorithm("mine:direct", registry) is Direct
     rows = [r for r in registry.rows() if r["name"] == "direct"]
-    assert [(r["plugin"], r["package"], r["ambiguous"]) for r in rows] == [("mine", "(in-process)", True), ("second", "(in-process)", True)]
+    assert [(r["plugin"], r["package"], r["ambiguous"]) for r in rows] == [
+        ("mine", "(in-process)", True),
+        ("second", "(in-process)", True),
+    ]
 
     assert registry.get("algorithm", "oxrl-algs-supervised:sft").package == "oxrl-algs-supervised"
     assert registry.get("algorithm", "oxrl_algs_supervised:sft").package == "oxrl-algs-supervised"  # pip's name rules
-    assert load_algorithm("oxrl-algs-supervised:sft", registry) is SFT and load_algorithm("mine:sft", registry) is Direct
+    assert (
+        load_algorithm("oxrl-algs-supervised:sft", registry) is SFT and load_algorithm("mine:sft", registry) is Direct
+    )
     assert {(c["kind"], c["name"]) for c in registry.clash_rows()} == {("algorithm", "sft"), ("algorithm", "direct")}
     assert registry.errors == [], registry.errors  # a clash is not a load error: both plugins loaded
 

@@ -11,7 +11,15 @@ from conftest import ROOT, oxrl, read_metrics, write_jsonl
 
 from oxrl_core import Trainer
 
-PAIR_METRICS = {"loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"}
+PAIR_METRICS = {
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+}
 
 
 def _ok(proc):
@@ -25,7 +33,9 @@ def _summary(run: Path) -> dict:
 
 
 def _pairs(n: int = 24) -> list[dict]:
-    return [{"prompt": f"What is {i}+{i % 5}?", "chosen": str(i + i % 5), "rejected": str(i + i % 5 + 1)} for i in range(n)]
+    return [
+        {"prompt": f"What is {i}+{i % 5}?", "chosen": str(i + i % 5), "rejected": str(i + i % 5 + 1)} for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- the offline default and the examples
@@ -78,8 +88,25 @@ def test_reward_model_ranks_held_out_pairs_and_serves_rlhf(tmp_path, tiny_model_
         assert float(model(ids).logits[0, 0]) == pytest.approx(chosen[0], abs=1e-4)
 
     rlhf = tmp_path / "rlhf"
-    _ok(oxrl("run", "--alg", "rlhf", "--set", f"model.name={tiny_model_dir}", "--set", f"reward.model={run / 'final'}",
-             "--set", "train.max_steps=2", "--set", "train.batch_size=4", "-q", "-o", str(rlhf), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "rlhf",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            f"reward.model={run / 'final'}",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.batch_size=4",
+            "-q",
+            "-o",
+            str(rlhf),
+            cwd=tmp_path,
+        )
+    )
     assert all(m["reward/errors"] == 0 for m in read_metrics(rlhf))
 
 
@@ -87,9 +114,27 @@ def test_reward_model_ranks_held_out_pairs_and_serves_rlhf(tmp_path, tiny_model_
 @pytest.mark.parametrize("alg", ["dpo", "ipo", "orpo", "kto", "simpo", "rm", "online_dpo", "spin"])
 def test_example_configs_run(alg, tmp_path, tiny_model_dir):
     run = tmp_path / "run"
-    _ok(oxrl("run", "--config", str(ROOT / "examples" / f"{alg}.yaml"), "--set", f"model.name={tiny_model_dir}",
-             "--set", "train.max_steps=2", "--set", "train.batch_size=4", "--set", "train.eval_steps=0",
-             "--set", "train.save_steps=1", "-q", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--config",
+            str(ROOT / "examples" / f"{alg}.yaml"),
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "train.eval_steps=0",
+            "--set",
+            "train.save_steps=1",
+            "-q",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     expected = {"loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies"}
@@ -100,15 +145,32 @@ def test_example_configs_run(alg, tmp_path, tiny_model_dir):
     assert expected <= set(metrics[-1]), set(metrics[-1])
     assert (run / "checkpoints" / "step-1" / "trainer_state.json").is_file() and (run / "final").is_dir()
     if alg == "rm":
-        assert json.loads((run / "final" / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+        assert json.loads((run / "final" / "config.json").read_text())["architectures"] == [
+            "LlamaForSequenceClassification"
+        ]
 
 
 @pytest.mark.slow
 def test_online_dpo_and_spin_log_their_metrics(tmp_path, tiny_model_dir):
     # the warm-started built-in model: some of its samples are right, so groups have a best and a worst
     run = tmp_path / "online"
-    _ok(oxrl("run", "--alg", "online_dpo", "--set", "train.max_steps=3", "--set", "train.batch_size=8",
-             "--set", "rollout.n=4", "-q", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "online_dpo",
+            "--set",
+            "train.max_steps=3",
+            "--set",
+            "train.batch_size=8",
+            "--set",
+            "rollout.n=4",
+            "-q",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert {"loss", "pairs/used", "reward/mean", "kl/ref", "policy/version", "rollout/logprob_diff"} <= set(metrics[0])
@@ -118,8 +180,25 @@ def test_online_dpo_and_spin_log_their_metrics(tmp_path, tiny_model_dir):
     assert [m["policy/version"] for m in metrics] == [0, 1, 2]  # fresh pairs from the current policy every step
 
     run = tmp_path / "spin"
-    _ok(oxrl("run", "--alg", "spin", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=4",
-             "--set", "train.batch_size=4", "--set", "alg.iterations=2", "-q", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--alg",
+            "spin",
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "alg.iterations=2",
+            "-q",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     metrics = read_metrics(run)
     assert [m["iteration"] for m in metrics] == [1, 1, 2, 2]
     assert PAIR_METRICS | {"time/generate_s"} <= set(metrics[0])
@@ -130,8 +209,15 @@ def test_online_dpo_and_spin_log_their_metrics(tmp_path, tiny_model_dir):
 
 def test_spin_resume_restores_the_iteration_reference(tmp_path, tiny_model_dir):
     """Resuming inside iteration 2 needs that iteration's reference (saved with the checkpoint)."""
-    overrides = [f"model.name={tiny_model_dir}", "train.max_steps=6", "train.batch_size=2", "train.save_steps=1",
-                 "alg.iterations=2", "rollout.max_new_tokens=4", "train.lr=1e-3"]
+    overrides = [
+        f"model.name={tiny_model_dir}",
+        "train.max_steps=6",
+        "train.batch_size=2",
+        "train.save_steps=1",
+        "alg.iterations=2",
+        "rollout.max_new_tokens=4",
+        "train.lr=1e-3",
+    ]
     full = tmp_path / "full"
     Trainer(alg="spin", overrides=overrides, output_dir=full, quiet=True).train()
     part = tmp_path / "part"
@@ -153,8 +239,14 @@ def test_spin_resume_restores_the_iteration_reference(tmp_path, tiny_model_dir):
 def _dpo_losses(tmp_path, tiny_model_dir, name, *overrides):
     data = write_jsonl(tmp_path / "pairs.jsonl", _pairs())
     run = tmp_path / name
-    Trainer(alg="dpo", model=str(tiny_model_dir), data=str(data), output_dir=run, quiet=True,
-            overrides=["train.max_steps=3", "train.lr=1e-3", "alg.beta=0.5", *overrides]).train()
+    Trainer(
+        alg="dpo",
+        model=str(tiny_model_dir),
+        data=str(data),
+        output_dir=run,
+        quiet=True,
+        overrides=["train.max_steps=3", "train.lr=1e-3", "alg.beta=0.5", *overrides],
+    ).train()
     return [m["loss"] for m in read_metrics(run)]
 
 
@@ -172,7 +264,9 @@ def test_dpo_gradient_accumulation_and_packing_are_exact(tmp_path, tiny_model_di
 def test_precomputed_reference_gives_the_same_run(tmp_path, tiny_model_dir, teacher_model_dir):
     ref = f"model.ref={teacher_model_dir}"  # a separate reference: the log-ratios start away from 0
     live = _dpo_losses(tmp_path, tiny_model_dir, "live", "train.batch_size=4", ref)
-    stored = _dpo_losses(tmp_path, tiny_model_dir, "stored", "train.batch_size=4", ref, "train.precompute_ref_logps=true")
+    stored = _dpo_losses(
+        tmp_path, tiny_model_dir, "stored", "train.batch_size=4", ref, "train.precompute_ref_logps=true"
+    )
     assert stored == pytest.approx(live, abs=1e-5)
     assert live[0] != pytest.approx(0.6931, abs=1e-3)
 
@@ -203,7 +297,10 @@ def test_empty_completion_is_refused(tmp_path, tiny_model_dir):
     rows[2]["chosen"] = ""
     err = _fails(tmp_path, tiny_model_dir, "simpo", rows)
     assert "bad.jsonl: row 3: field 'chosen' is empty" in err
-    unpaired = [{"prompt": "1+1?", "completion": "2", "label": True}, {"prompt": "1+2?", "completion": "  ", "label": False}]
+    unpaired = [
+        {"prompt": "1+1?", "completion": "2", "label": True},
+        {"prompt": "1+2?", "completion": "  ", "label": False},
+    ]
     err = _fails(tmp_path, tiny_model_dir, "kto", unpaired)
     assert "bad.jsonl: row 2: field 'completion' is empty" in err
 
@@ -215,7 +312,10 @@ def test_kto_label_must_be_boolean(tmp_path, tiny_model_dir):
 
 
 def test_preference_config_errors(tmp_path, tiny_model_dir):
-    unpaired = [{"prompt": "1+1?", "completion": "2", "label": True}, {"prompt": "1+2?", "completion": "4", "label": False}]
+    unpaired = [
+        {"prompt": "1+1?", "completion": "2", "label": True},
+        {"prompt": "1+2?", "completion": "4", "label": False},
+    ]
     err = _fails(tmp_path, tiny_model_dir, "kto", unpaired, "train.batch_size=1")
     assert "train.batch_size" in err and "at least 2 rows" in err
     err = _fails(tmp_path, tiny_model_dir, "kto", unpaired, "train.precompute_ref_logps=true")

@@ -127,7 +127,9 @@ def test_kto_desirable_undesirable_and_clamped_kl():
     loss, m = KTO(KTO.Config(beta=beta, desirable_weight=1.5, undesirable_weight=0.5)).loss(batch)
     z = (0.6 + 0.3 + 0.0) / 3  # mean of log π − log π_ref on the mismatched pairs = 0.3
     r = (1.0, -1.0, 0.5)
-    expected = (1.5 * (1 - sig(beta * (r[0] - z))) + 0.5 * (1 - sig(beta * (z - r[1]))) + 1.5 * (1 - sig(beta * (r[2] - z)))) / 3
+    expected = (
+        1.5 * (1 - sig(beta * (r[0] - z))) + 0.5 * (1 - sig(beta * (z - r[1]))) + 1.5 * (1 - sig(beta * (r[2] - z)))
+    ) / 3
     assert float(m["kl"]) == pytest.approx(z, abs=1e-6)
     assert float(loss) == pytest.approx(expected, abs=1e-6)
     assert float(m["rewards/chosen"]) == pytest.approx(beta * (1.0 + 0.5) / 2)
@@ -195,7 +197,13 @@ def test_online_dpo_all_ties_gives_zero_loss_with_graph():
     alg = OnlineDPO()
     added, _ = alg.advantages({"rewards": t(1.0, 1.0), "group_size": 2})
     logp = torch.zeros(2, 2, requires_grad=True)
-    batch = {"logp": logp, "logp_ref": torch.zeros(2, 2), "mask": torch.ones(2, 2), "role": added["role"], "group_size": 2}
+    batch = {
+        "logp": logp,
+        "logp_ref": torch.zeros(2, 2),
+        "mask": torch.ones(2, 2),
+        "role": added["role"],
+        "group_size": 2,
+    }
     loss, _ = alg.loss(batch)
     loss.backward()
     assert float(loss.detach()) == 0.0 and logp.grad is not None
@@ -263,7 +271,9 @@ def test_shared_prompt_gradients_equal_separate_sequences(tiny_lm):
             model.config._attn_implementation = packed_attn_implementation("sdpa")
             batch = collate_shared_prompts(prompts, chosen, rejected)
         else:
-            batch = collate_sequences(list(zip(prompts, chosen)) + list(zip(prompts, rejected)), tok.pad_token_id, False)
+            batch = collate_sequences(
+                list(zip(prompts, chosen)) + list(zip(prompts, rejected)), tok.pad_token_id, False
+            )
         try:
             sums, _ = sequence_logps(model, batch)
             (sums[:2] - 0.5 * sums[2:]).sum().backward()
@@ -300,8 +310,17 @@ def test_reward_head_reads_the_same_scores_in_every_layout():
     from oxrl_core.packed_attention import packed_attn_implementation
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-                         num_key_value_heads=1, head_dim=64, num_labels=1, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_labels=1,
+        pad_token_id=0,
+    )
     model = LlamaForSequenceClassification(config).eval()
     prompts, chosen, rejected = [[5, 9, 11], [7, 8]], [[20, 21, 3], [30, 3]], [[22, 3], [31, 32, 33, 3]]
     seqs = list(zip(prompts, chosen)) + list(zip(prompts, rejected))

@@ -182,8 +182,15 @@ def compare(name: str, ours: dict, theirs: dict, keys: dict[str, str]) -> float:
     return max(diffs.values())
 
 
-PAIR_KEYS = ["loss", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected", "rewards/margins",
-             "rewards/accuracies"]
+PAIR_KEYS = [
+    "loss",
+    "logps/chosen",
+    "logps/rejected",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+]
 
 
 # ----------------------------------------------------------------------------- DPO / IPO
@@ -193,23 +200,31 @@ PAIR_KEYS = ["loss", "logps/chosen", "logps/rejected", "rewards/chosen", "reward
 def test_dpo_sigmoid_matches_trl(models, tmp_path, beta):
     # label_smoothing stays 0: TRL 1.16's sigmoid loss has no label smoothing (cDPO is tested by hand elsewhere)
     ours = run_oxrl("dpo", models["policy"], PAIRS, tmp_path, ref=models["ref"], beta=beta, label_smoothing=0.0)
-    theirs = trl_reference.trl_dpo(models["policy"], models["ref"], pair_examples(models["policy"], PAIRS),
-                                   beta=beta, loss_type="sigmoid")
+    theirs = trl_reference.trl_dpo(
+        models["policy"], models["ref"], pair_examples(models["policy"], PAIRS), beta=beta, loss_type="sigmoid"
+    )
     compare(f"dpo beta={beta}", ours, theirs, {k: k for k in PAIR_KEYS})
 
 
 def test_dpo_rpo_nll_matches_trl(models, tmp_path):
     # our nll_alpha (RPO) = TRL's loss_type=["sigmoid", "sft"], loss_weights=[1, alpha]
     ours = run_oxrl("dpo", models["policy"], PAIRS, tmp_path, ref=models["ref"], beta=0.1, nll_alpha=0.5)
-    theirs = trl_reference.trl_dpo(models["policy"], models["ref"], pair_examples(models["policy"], PAIRS),
-                                   beta=0.1, loss_type="sigmoid", rpo_alpha=0.5)
+    theirs = trl_reference.trl_dpo(
+        models["policy"],
+        models["ref"],
+        pair_examples(models["policy"], PAIRS),
+        beta=0.1,
+        loss_type="sigmoid",
+        rpo_alpha=0.5,
+    )
     compare("dpo+rpo", ours, theirs, {k: k for k in PAIR_KEYS})
 
 
 def test_ipo_matches_trl(models, tmp_path):
     ours = run_oxrl("ipo", models["policy"], PAIRS, tmp_path, ref=models["ref"], beta=0.1)
-    theirs = trl_reference.trl_dpo(models["policy"], models["ref"], pair_examples(models["policy"], PAIRS),
-                                   beta=0.1, loss_type="ipo")
+    theirs = trl_reference.trl_dpo(
+        models["policy"], models["ref"], pair_examples(models["policy"], PAIRS), beta=0.1, loss_type="ipo"
+    )
     # rewards are defined differently (module docstring): loss and the summed logps only
     compare("ipo", ours, theirs, {k: k for k in ("loss", "logps/chosen", "logps/rejected")})
 
@@ -224,11 +239,14 @@ def kto_batch_order(model_dir, rows: list[dict], seed: int) -> list[int]:
     from oxrl_core.data import BatchPlan, Source, prepare_examples
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    examples = prepare_examples(Source(rows=[{**r, "_row": i} for i, r in enumerate(rows)], origin="test"),
-                                "unpaired", tok, 1024).examples
+    examples = prepare_examples(
+        Source(rows=[{**r, "_row": i} for i, r in enumerate(rows)], origin="test"), "unpaired", tok, 1024
+    ).examples
     # as run_preference computes them (the order does not depend on them without group_by_length)
-    lengths = [len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
-               for ex in examples]
+    lengths = [
+        len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
+        for ex in examples
+    ]
     order = BatchPlan(lengths, len(rows), seed, group_by_length=False).micro_batch(0)
     assert sorted(order) == list(range(len(rows)))
     return order
@@ -247,8 +265,11 @@ def test_kto_matches_trl(models, tmp_path, swap):
     tok = AutoTokenizer.from_pretrained(policy)
     order = kto_batch_order(policy, UNPAIRED, seed=0)
     examples = [
-        {"prompt_input_ids": encode_prompt(tok, UNPAIRED[i]["prompt"]),
-         "completion_input_ids": encode_completion(tok, UNPAIRED[i]["completion"]), "label": UNPAIRED[i]["label"]}
+        {
+            "prompt_input_ids": encode_prompt(tok, UNPAIRED[i]["prompt"]),
+            "completion_input_ids": encode_completion(tok, UNPAIRED[i]["completion"]),
+            "label": UNPAIRED[i]["label"],
+        }
         for i in order
     ]
     theirs = trl_reference.trl_kto(policy, ref, examples, beta=0.1, desirable_weight=1.0, undesirable_weight=1.33)
@@ -256,8 +277,12 @@ def test_kto_matches_trl(models, tmp_path, swap):
         assert ours["kl"] == 0.0 and theirs["kl"] == 0.0, "expected the clamped case"
     else:
         assert theirs["kl"] > 1e-2, f"raw KL not positive ({theirs['kl']}): the clamp would hide a mismatch"
-    compare(f"kto ({'clamped' if swap else 'kl>0'})", ours, theirs,
-            {k: k for k in ("loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected")})
+    compare(
+        f"kto ({'clamped' if swap else 'kl>0'})",
+        ours,
+        theirs,
+        {k: k for k in ("loss", "kl", "logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected")},
+    )
 
 
 # ----------------------------------------------------------------------------- ORPO / SimPO
@@ -269,19 +294,29 @@ def test_orpo_matches_trl(orpo_dir, tmp_path):
     assert all(len(e["prompt_input_ids"]) == 1 for e in examples), "ORPO prompts must be exactly one token"
     ours = run_oxrl("orpo", orpo_dir, ORPO_PAIRS, tmp_path, lam=lam)
     theirs = trl_reference.trl_orpo(orpo_dir, examples, beta=lam)
-    compare("orpo", ours, theirs, {
-        "loss": "loss", "loss/nll": "nll_loss", "log_odds_ratio": "log_odds_chosen",
-        "rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
-        "rewards/margins": "rewards/margins", "rewards/accuracies": "rewards/accuracies",
-    })
+    compare(
+        "orpo",
+        ours,
+        theirs,
+        {
+            "loss": "loss",
+            "loss/nll": "nll_loss",
+            "log_odds_ratio": "log_odds_chosen",
+            "rewards/chosen": "rewards/chosen",
+            "rewards/rejected": "rewards/rejected",
+            "rewards/margins": "rewards/margins",
+            "rewards/accuracies": "rewards/accuracies",
+        },
+    )
 
 
 def test_simpo_matches_trl(models, tmp_path):
     # our gamma is TRL's absolute simpo_gamma; cpo_alpha=0 is pure SimPO (TRL's default 1.0 adds an NLL term)
     beta, gamma = 2.0, 1.0
     ours = run_oxrl("simpo", models["policy"], PAIRS, tmp_path, beta=beta, gamma=gamma, label_smoothing=0.0)
-    theirs = trl_reference.trl_simpo(models["policy"], pair_examples(models["policy"], PAIRS), beta=beta,
-                                     simpo_gamma=gamma, cpo_alpha=0.0)
+    theirs = trl_reference.trl_simpo(
+        models["policy"], pair_examples(models["policy"], PAIRS), beta=beta, simpo_gamma=gamma, cpo_alpha=0.0
+    )
     compare("simpo", ours, theirs, {k: k for k in PAIR_KEYS if not k.startswith("logps/")})
 
 
@@ -291,10 +326,19 @@ def test_simpo_matches_trl(models, tmp_path):
 @pytest.mark.parametrize("margin,center", [(0.0, 0.0), (0.5, 0.01)])
 def test_rm_matches_trl(rm_dir, tmp_path, margin, center):
     ours = run_oxrl("rm", rm_dir, PAIRS, tmp_path, margin=margin, center_coeff=center)
-    theirs = trl_reference.trl_rm(rm_dir, pair_examples(rm_dir, PAIRS), margin=margin or None,
-                                  center_rewards_coefficient=center or None)
+    theirs = trl_reference.trl_rm(
+        rm_dir, pair_examples(rm_dir, PAIRS), margin=margin or None, center_rewards_coefficient=center or None
+    )
     assert max(abs(s) for s in theirs["scores/chosen"] + theirs["scores/rejected"]) > 0.1  # not a degenerate head
-    compare(f"rm margin={margin} c={center}", ours, theirs, {
-        "loss": "loss", "rewards/chosen": "rewards/chosen", "rewards/rejected": "rewards/rejected",
-        "rewards/accuracies": "accuracy", "rewards/margins": "margin",
-    })
+    compare(
+        f"rm margin={margin} c={center}",
+        ours,
+        theirs,
+        {
+            "loss": "loss",
+            "rewards/chosen": "rewards/chosen",
+            "rewards/rejected": "rewards/rejected",
+            "rewards/accuracies": "accuracy",
+            "rewards/margins": "margin",
+        },
+    )

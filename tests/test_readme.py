@@ -4,7 +4,11 @@ from conftest import ROOT
 
 
 def _ci_command() -> str:
-    lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    lines = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
     assert len(lines) == 1, lines
     return lines[0]
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from archs import FAMILIES, LENGTH_REWARD, run_cli
 from conftest import oxrl, read_metrics, write_jsonl
 
@@ -28,8 +27,16 @@ def _rl_sets(tmp_path: Path, model_dir: Path) -> list[str]:
     data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
-    return [f"model.name={model_dir}", f"data.train={data}", "train.max_steps=1", f"train.batch_size={len(PROMPTS)}",
-            "rollout.n=2", "rollout.max_new_tokens=6", f"reward.name={reward}:LengthReward", "train.precision=fp32"]
+    return [
+        f"model.name={model_dir}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        f"train.batch_size={len(PROMPTS)}",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        f"reward.name={reward}:LengthReward",
+        "train.precision=fp32",
+    ]
 
 
 # ----------------------------------------------------------------------------- LoRA: default targets, every family
@@ -42,7 +49,9 @@ def _check_lora_final(final: Path, base_dir: Path) -> None:
 
     merged, info = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), final / "adapter")
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), final / "adapter"
+    )
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     ids = torch.tensor([[5, 17, 23, 9, 40, 41, 12, 7, 30, 31]])
     with torch.no_grad():
@@ -57,8 +66,19 @@ def test_lora_default_targets_save_a_loadable_final(family, arch_model, tmp_path
     model_dir = arch_model(family)
     data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "What is 2+3?", "response": "The answer is 5."}] * 2)
     run = tmp_path / "run"
-    run_cli("sft", run, f"model.name={model_dir}", f"data.train={data}", "train.max_steps=1", "train.batch_size=2",
-            "train.lr=1e-2", "lora.enabled=true", "lora.r=4", "train.save_steps=0", "train.precision=fp32")
+    run_cli(
+        "sft",
+        run,
+        f"model.name={model_dir}",
+        f"data.train={data}",
+        "train.max_steps=1",
+        "train.batch_size=2",
+        "train.lr=1e-2",
+        "lora.enabled=true",
+        "lora.r=4",
+        "train.save_steps=0",
+        "train.precision=fp32",
+    )
     _check_lora_final(run / "final", model_dir)
 
 
@@ -70,7 +90,10 @@ def test_lora_default_targets_leave_moe_experts_router_and_vision_tower_out(arch
     from oxrl_core.lora import _peft_config
 
     cfg = LoraConfig(enabled=True, r=4)
-    for family, absent in (("qwen3_moe", ("experts", "mlp.gate")), ("gemma3_mm", ("vision_tower", "multi_modal_projector"))):
+    for family, absent in (
+        ("qwen3_moe", ("experts", "mlp.gate")),
+        ("gemma3_mm", ("vision_tower", "multi_modal_projector")),
+    ):
         model = AutoModelForCausalLM.from_pretrained(arch_model(family))
         peft_model = get_peft_model(model, _peft_config(cfg, "lm", model))
         adapted = {k.rsplit(".lora_A", 1)[0] for k in peft_model.state_dict() if ".lora_A" in k}
@@ -85,7 +108,10 @@ def test_hf_name_strips_every_peft_infix_and_a_bad_save_is_an_error(arch_model, 
     from oxrl_core.errors import OxrlError
     from oxrl_core.lora import hf_name, save_lora
 
-    assert hf_name("model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj") == "model.layers.0.mlp.experts.gate_up_proj"
+    assert (
+        hf_name("model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj")
+        == "model.layers.0.mlp.experts.gate_up_proj"
+    )
     assert hf_name("score.modules_to_save.default.weight") == "score.weight"
     assert hf_name("model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
     # PEFT's own all-linear on a MoE model (what oxRL used to pass through): the experts are wrapped twice,
@@ -152,8 +178,16 @@ def test_ppo_clip_frac_counts_the_tokens_whose_clipped_term_is_active():
     logp_old = torch.full_like(ratio, -1.0)
     logp = (logp_old + ratio.log()).requires_grad_()
     zeros = torch.zeros_like(ratio)
-    batch = {"logp": logp, "logp_old": logp_old, "adv": adv, "mask": torch.ones_like(ratio),
-             "values_new": zeros, "values": zeros, "returns": zeros, "entropy": zeros}
+    batch = {
+        "logp": logp,
+        "logp_old": logp_old,
+        "adv": adv,
+        "mask": torch.ones_like(ratio),
+        "values_new": zeros,
+        "values": zeros,
+        "returns": zeros,
+        "entropy": zeros,
+    }
     loss, metrics = PPO().loss(batch)
     assert float(metrics["clip/frac"]) == pytest.approx(2 / 5)
     # independently: the clipped tokens are exactly those with no gradient through ρ
@@ -195,7 +229,10 @@ def test_mismatch_alarm_stops_the_run_and_keeps_the_checkpoint(arch_model, tmp_p
     backend = tmp_path / "offset_backend.py"
     backend.write_text(OFFSET_BACKEND)
     sets = _rl_sets(tmp_path, arch_model("qwen3")) + [
-        "train.max_steps=2", "train.save_steps=1", f"rollout.backend={backend}:OffsetBackend"]
+        "train.max_steps=2",
+        "train.save_steps=1",
+        f"rollout.backend={backend}:OffsetBackend",
+    ]
     run = tmp_path / "run"
     proc = oxrl("run", "--alg", "sgrpo", *[a for s in sets for a in ("--set", s)], "-q", "-o", str(run), cwd=tmp_path)
     out = proc.stdout + proc.stderr

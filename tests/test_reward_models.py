@@ -12,7 +12,11 @@ import torch
 from oxrl_core.errors import OxrlError
 from oxrl_core.rewards import build_reward, score_batch
 
-PROMPTS = ["What is 2+3?", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}], "Hi"]
+PROMPTS = [
+    "What is 2+3?",
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+    "Hi",
+]
 COMPLETIONS = ["5", "A colour that is quite long to make this the longest row of the batch: blue.", ""]
 
 
@@ -26,9 +30,17 @@ def make_rm(path: Path, pad_is_eos: bool = False, seed: int = 0) -> Path:
     if pad_is_eos:  # the common fallback that breaks transformers' own pooling
         tokenizer.pad_token = tokenizer.eos_token
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
-        num_labels=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(config)
@@ -126,7 +138,9 @@ def test_reward_model_through_build_reward_and_score_batch(rm_dir):
     from oxrl_core.plugins import registry
     from oxrl_rewards.reward_model import RewardModelReward
 
-    config = run_config("reward.name=reward_model", f"reward.model={rm_dir}", "reward.batch_size=2", "reward.device=cpu")
+    config = run_config(
+        "reward.name=reward_model", f"reward.model={rm_dir}", "reward.batch_size=2", "reward.device=cpu"
+    )
     reward = build_reward(config, registry())
     assert isinstance(reward, RewardModelReward) and reward.name == "reward_model" and reward.timeout_s == 300
     assert reward.config.batch_size == 2 and reward.config.max_length == 1024
@@ -149,11 +163,15 @@ def test_reward_model_config_errors_name_the_field(tmp_path, rm_dir, judge_dir):
     with pytest.raises(OxrlError, match=r"reward\.model.*not found.*no-such-rm"):
         build_reward(run_config("reward.name=reward_model", f"reward.model={missing}"), registry())
     with pytest.raises(OxrlError, match=r"reward\.modle: unknown field \(did you mean 'model'\?\)"):
-        build_reward(run_config("reward.name=reward_model", f"reward.model={rm_dir}", f"reward.modle={rm_dir}"), registry())
+        build_reward(
+            run_config("reward.name=reward_model", f"reward.model={rm_dir}", f"reward.modle={rm_dir}"), registry()
+        )
     with pytest.raises(OxrlError, match=r"reward\.model: Field required"):
         build_reward(run_config("reward.name=reward_model"), registry())
     with pytest.raises(OxrlError, match=r"reward\.batch_size"):
-        build_reward(run_config("reward.name=reward_model", f"reward.model={rm_dir}", "reward.batch_size=0"), registry())
+        build_reward(
+            run_config("reward.name=reward_model", f"reward.model={rm_dir}", "reward.batch_size=0"), registry()
+        )
     # a causal LM is not a reward model: its head would be random
     with pytest.raises(OxrlError, match=r"reward\.model: .* has 2 output labels"):
         rm_reward(judge_dir)
@@ -215,7 +233,7 @@ def test_judge_template_and_pattern_are_validated():
     from oxrl_rewards.llm_judge import LLMJudgeReward
 
     Config = LLMJudgeReward.Config
-    assert Config(template="Q: {prompt} A: {completion} {\"json\": 1}").template.startswith("Q:")
+    assert Config(template='Q: {prompt} A: {completion} {"json": 1}').template.startswith("Q:")
     with pytest.raises(ValidationError, match=r"(?s)template.*\{completion\}"):
         Config(template="Rate this: {prompt}")
     with pytest.raises(ValidationError, match="pattern"):
@@ -248,7 +266,9 @@ def test_judge_defaults_to_the_builtin_tiny_model_through_build_reward():
     from oxrl_core.plugins import registry
     from oxrl_rewards.llm_judge import LLMJudgeReward
 
-    reward = build_reward(run_config("reward.name=llm_judge", "reward.max_new_tokens=4", "reward.device=cpu"), registry())
+    reward = build_reward(
+        run_config("reward.name=llm_judge", "reward.max_new_tokens=4", "reward.device=cpu"), registry()
+    )
     assert isinstance(reward, LLMJudgeReward) and reward.config.model == "" and reward.timeout_s == 300
     values, metrics = score_batch(reward, ["q"], ["a"], [{}])
     assert 0.0 <= values[0] <= 1.0 and metrics["reward/timeouts"] == 0

@@ -139,7 +139,9 @@ def test_arith_is_the_builtin_task_check():
 
     completions = ["12", " 12 and then 13", "13", "x", "-4"]
     answers = ["12", "12", "12", "12", "-4"]
-    assert scores(reward("arith"), completions, answers) == [float(is_correct(c, a)) for c, a in zip(completions, answers)]
+    assert scores(reward("arith"), completions, answers) == [
+        float(is_correct(c, a)) for c, a in zip(completions, answers)
+    ]
     assert scores(reward("arith"), completions, answers) == [1, 1, 0, 0, 1]
 
 
@@ -232,8 +234,13 @@ def batch(n: int) -> tuple[list, list, list]:
 def test_score_batch_passes_good_scores_through_with_mean_and_std():
     values, metrics = score_batch(Constant(), *batch(4))
     assert values == [1.0, 2.0, 3.0, 4.0]
-    assert metrics == {"reward/mean": 2.5, "reward/std": pytest.approx(math.sqrt(1.25)), "reward/errors": 0.0, "reward/timeouts": 0.0,
-                       "reward/error_share": 0.0}
+    assert metrics == {
+        "reward/mean": 2.5,
+        "reward/std": pytest.approx(math.sqrt(1.25)),
+        "reward/errors": 0.0,
+        "reward/timeouts": 0.0,
+        "reward/error_share": 0.0,
+    }
 
 
 def test_score_batch_counts_an_exception_as_errors():
@@ -278,5 +285,13 @@ def test_score_batch_non_finite_and_wrong_length_results(returned, expected, err
 
 
 def test_score_batch_on_an_empty_batch():
-    assert score_batch(Constant(), [], [], []) == ([], {"reward/mean": 0.0, "reward/std": 0.0, "reward/errors": 0.0, "reward/timeouts": 0.0,
-                                                        "reward/error_share": 0.0})
+    assert score_batch(Constant(), [], [], []) == (
+        [],
+        {
+            "reward/mean": 0.0,
+            "reward/std": 0.0,
+            "reward/errors": 0.0,
+            "reward/timeouts": 0.0,
+            "reward/error_share": 0.0,
+        },
+    )

@@ -77,8 +77,20 @@ def _summary(run: Path) -> dict:
 
 
 RL_METRICS = {
-    "loss", "reward/mean", "reward/std", "reward/errors", "reward/timeouts", "response/length", "entropy",
-    "clip/frac", "rollout/logprob_diff", "policy/version", "perf/gen_s", "perf/train_s", "grad_norm", "lr",
+    "loss",
+    "reward/mean",
+    "reward/std",
+    "reward/errors",
+    "reward/timeouts",
+    "response/length",
+    "entropy",
+    "clip/frac",
+    "rollout/logprob_diff",
+    "policy/version",
+    "perf/gen_s",
+    "perf/train_s",
+    "grad_norm",
+    "lr",
 }
 
 
@@ -106,9 +118,17 @@ def _tiny_reward_model(path: Path, tokenizer_dir: Path) -> Path:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1, head_dim=64, num_labels=1,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(3)
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -124,9 +144,28 @@ def test_example_configs_run(alg, tmp_path, tiny_model_dir):
     if alg == "rlaif":
         extra = ["--set", f"reward.model={tiny_model_dir}"]
     run = tmp_path / "run"
-    _ok(oxrl("run", "--config", str(ROOT / "examples" / f"{alg}.yaml"), "--set", f"model.name={tiny_model_dir}",
-             "--set", "train.max_steps=2", "--set", "train.batch_size=4", "--set", "train.eval_steps=0",
-             "--set", "train.save_steps=1", *extra, "-q", "-o", str(run), cwd=tmp_path))
+    _ok(
+        oxrl(
+            "run",
+            "--config",
+            str(ROOT / "examples" / f"{alg}.yaml"),
+            "--set",
+            f"model.name={tiny_model_dir}",
+            "--set",
+            "train.max_steps=2",
+            "--set",
+            "train.batch_size=4",
+            "--set",
+            "train.eval_steps=0",
+            "--set",
+            "train.save_steps=1",
+            *extra,
+            "-q",
+            "-o",
+            str(run),
+            cwd=tmp_path,
+        )
+    )
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     assert {"loss", "reward/mean", "rollout/logprob_diff", "perf/gen_s"} <= set(metrics[-1])
@@ -139,7 +178,7 @@ def test_example_configs_run(alg, tmp_path, tiny_model_dir):
         assert (run / "final" / "critic.pt").is_file()
 
 
-FAULTY = '''
+FAULTY = """
 import time
 from oxrl_core.interfaces import Reward
 from oxrl_algs_rl.sgrpo import SGRPO
@@ -180,24 +219,61 @@ class NaNAdvantages(SGRPO):
         out, metrics = super().advantages(batch)
         out["adv"][0, -1] = float("inf")
         return out, metrics
-'''
+"""
 
 
 def _rl(tmp_path, model_dir, *args):
-    return oxrl("run", "--set", f"model.name={model_dir}", "--set", "train.batch_size=4", "--set", "rollout.n=2",
-                "--set", "rollout.max_new_tokens=4", "--set", "train.eval_steps=0", *args, cwd=tmp_path)
+    return oxrl(
+        "run",
+        "--set",
+        f"model.name={model_dir}",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "rollout.n=2",
+        "--set",
+        "rollout.max_new_tokens=4",
+        "--set",
+        "train.eval_steps=0",
+        *args,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.slow
 def test_reward_that_raises_or_hangs_scores_zero_and_the_run_goes_on(tmp_path, tiny_model_dir):
     plugin = tmp_path / "faulty.py"
     plugin.write_text(FAULTY)
-    _ok(_rl(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", f"reward.name={plugin}:Raises",
-            "--set", "train.max_steps=3", "-o", str(tmp_path / "raises")))
+    _ok(
+        _rl(
+            tmp_path,
+            tiny_model_dir,
+            "--alg",
+            "sgrpo",
+            "--set",
+            f"reward.name={plugin}:Raises",
+            "--set",
+            "train.max_steps=3",
+            "-o",
+            str(tmp_path / "raises"),
+        )
+    )
     metrics = read_metrics(tmp_path / "raises")
     assert len(metrics) == 3 and sum(m["reward/errors"] for m in metrics) > 0
-    proc = _ok(_rl(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", f"reward.name={plugin}:Sleeps",
-                   "--set", "train.max_steps=2", "-o", str(tmp_path / "sleeps")))
+    proc = _ok(
+        _rl(
+            tmp_path,
+            tiny_model_dir,
+            "--alg",
+            "sgrpo",
+            "--set",
+            f"reward.name={plugin}:Sleeps",
+            "--set",
+            "train.max_steps=2",
+            "-o",
+            str(tmp_path / "sleeps"),
+        )
+    )
     metrics = read_metrics(tmp_path / "sleeps")
     assert [m["reward/timeouts"] for m in metrics] == [8.0, 8.0] and all(m["reward/mean"] == 0 for m in metrics)
     assert "timed out" in proc.stderr
@@ -209,8 +285,18 @@ def test_non_finite_values_stop_the_run_naming_the_tensor_and_keep_checkpoints(t
     plugin = tmp_path / "faulty.py"
     plugin.write_text(FAULTY)
     run = tmp_path / "nan"
-    proc = _rl(tmp_path, tiny_model_dir, "--alg", f"{plugin}:{alg}", "--set", "train.max_steps=5",
-               "--set", "train.save_steps=1", "-o", str(run))
+    proc = _rl(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        f"{plugin}:{alg}",
+        "--set",
+        "train.max_steps=5",
+        "--set",
+        "train.save_steps=1",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 2, proc.stderr
     assert tensor in proc.stderr and "non-finite" in proc.stderr and "Traceback" not in proc.stderr
     if alg == "NaNLoss":  # steps 1 and 2 were good and are checkpointed; step 3's update never happened
@@ -238,11 +324,36 @@ def test_strict_on_policy_refuses_samples_from_a_stale_policy(tmp_path, tiny_mod
     plugin = tmp_path / "stale.py"
     plugin.write_text(STALE)
     backend = f"rollout.backend={plugin}:NeverSyncs"
-    proc = _rl(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", backend, "--set", "train.max_steps=3", "-o", str(tmp_path / "a"))
+    proc = _rl(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "sgrpo",
+        "--set",
+        backend,
+        "--set",
+        "train.max_steps=3",
+        "-o",
+        str(tmp_path / "a"),
+    )
     assert proc.returncode == 2 and "step 2: samples from policy version(s) [0]" in proc.stderr
     assert "Traceback" not in proc.stderr
-    _ok(_rl(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", backend, "--set", "rollout.strict_on_policy=false",
-            "--set", "train.max_steps=3", "-o", str(tmp_path / "b")))
+    _ok(
+        _rl(
+            tmp_path,
+            tiny_model_dir,
+            "--alg",
+            "sgrpo",
+            "--set",
+            backend,
+            "--set",
+            "rollout.strict_on_policy=false",
+            "--set",
+            "train.max_steps=3",
+            "-o",
+            str(tmp_path / "b"),
+        )
+    )
 
 
 @pytest.mark.slow
@@ -268,9 +379,13 @@ def test_rl_config_errors_are_clear(tmp_path, tiny_model_dir):
     assert proc.returncode == 2 and "rollout.n" in proc.stderr and "n >= 2" in proc.stderr
     proc = oxrl("run", "--alg", "rlhf", "--set", f"model.name={tiny_model_dir}", cwd=tmp_path)
     assert proc.returncode == 2 and "reward.model" in proc.stderr and "Traceback" not in proc.stderr
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "alg.clip_hihg=0.3", cwd=tmp_path)
+    proc = oxrl(
+        "run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "alg.clip_hihg=0.3", cwd=tmp_path
+    )
     assert proc.returncode == 2 and "alg.clip_hihg" in proc.stderr and "clip_high" in proc.stderr
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "reward.name=nope.py:R", cwd=tmp_path)
+    proc = oxrl(
+        "run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "reward.name=nope.py:R", cwd=tmp_path
+    )
     assert proc.returncode == 2 and "file not found: nope.py" in proc.stderr
 
 
@@ -283,7 +398,12 @@ def test_shared_prompt_forward_equals_separate_rows(tiny_model_dir):
 
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=packed_attn_implementation("sdpa"))
     prompts = [[5, 9, 11, 12], [7, 8]]
-    completions = [_c([20, 21, EOS]), _c([22, EOS]), _c([30, 31, 32, EOS]), _c([EOS])]  # 2 samples per prompt (one only EOS)
+    completions = [
+        _c([20, 21, EOS]),
+        _c([22, EOS]),
+        _c([30, 31, 32, EOS]),
+        _c([EOS]),
+    ]  # 2 samples per prompt (one only EOS)
     batch = rollout_tensors([prompts[0], prompts[0], prompts[1], prompts[1]], completions, pad_id=0)
     batch["group"] = torch.tensor([0, 0, 1, 1])
     batch["prompt_len"] = torch.tensor([4, 4, 2, 2])
@@ -310,9 +430,29 @@ def test_rl_packing_gives_the_same_run(tmp_path, tiny_model_dir):
     runs = {}
     for packing in ("false", "true"):
         run = tmp_path / packing
-        _ok(oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=3",
-                 "--set", "train.batch_size=4", "--set", "rollout.n=4", "--set", "alg.kl_coeff=0.05",
-                 "--set", f"data.packing={packing}", "-q", "-o", str(run), cwd=tmp_path))
+        _ok(
+            oxrl(
+                "run",
+                "--alg",
+                "sgrpo",
+                "--set",
+                f"model.name={tiny_model_dir}",
+                "--set",
+                "train.max_steps=3",
+                "--set",
+                "train.batch_size=4",
+                "--set",
+                "rollout.n=4",
+                "--set",
+                "alg.kl_coeff=0.05",
+                "--set",
+                f"data.packing={packing}",
+                "-q",
+                "-o",
+                str(run),
+                cwd=tmp_path,
+            )
+        )
         runs[packing] = read_metrics(run)
     for key in ("loss", "kl/ref", "reward/mean", "entropy"):
         assert [m[key] for m in runs["true"]] == pytest.approx([m[key] for m in runs["false"]], abs=1e-4), key

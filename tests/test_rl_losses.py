@@ -59,8 +59,13 @@ def test_sgrpo_kl_term_and_token_level_aggregation():
     alg = SGRPO(SGRPO.Config(kl_coeff=0.1))
     assert alg.uses_ref() and not SGRPO().uses_ref()
     logp = [[math.log(0.5), math.log(0.5), math.log(0.5)], [math.log(0.5), 0.0, 0.0]]
-    batch = _batch(logp, logp, [[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]], mask=[[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]],
-                   logp_ref=torch.log(torch.full((2, 3), 0.25)))
+    batch = _batch(
+        logp,
+        logp,
+        [[1.0, 1.0, 1.0], [-1.0, 0.0, 0.0]],
+        mask=[[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]],
+        logp_ref=torch.log(torch.full((2, 3), 0.25)),
+    )
     loss, metrics = alg.loss(batch)
     kl = 0.5 + math.log(2) - 1
     # token level: 4 tokens, surrogates 1, 1, 1, -1 -> mean 0.5; plus β·KL on every token
@@ -111,8 +116,11 @@ def test_ppo_advantages_fold_kl_into_the_reward():
     alg = PPO(PPO.Config(gamma=1.0, lam=1.0, kl_coeff=0.5, whiten_advantages=False))
     mask = torch.tensor([[0.0, 1.0, 1.0]])
     batch = {
-        "mask": mask, "rewards": torch.tensor([2.0]), "values": torch.zeros(1, 3),
-        "logp_old": torch.tensor([[0.0, -1.0, -1.0]]), "logp_ref": torch.tensor([[0.0, -2.0, -1.5]]),
+        "mask": mask,
+        "rewards": torch.tensor([2.0]),
+        "values": torch.zeros(1, 3),
+        "logp_old": torch.tensor([[0.0, -1.0, -1.0]]),
+        "logp_ref": torch.tensor([[0.0, -2.0, -1.5]]),
     }
     out, _ = alg.advantages(batch)
     # r = −β·(logp_old − logp_ref) = [−0.5, −0.25], plus R = 2 at the last token; γ=λ=1, V=0 -> A = reward-to-go
@@ -124,10 +132,13 @@ def test_ppo_loss_by_hand():
     alg = PPO(PPO.Config(clip_eps=0.2, value_clip=0.2, vf_coef=0.5, ent_coef=0.1))
     batch = {
         "mask": torch.ones(1, 2),
-        "logp": torch.tensor([[math.log(1.5), 0.0]]), "logp_old": torch.zeros(1, 2),
+        "logp": torch.tensor([[math.log(1.5), 0.0]]),
+        "logp_old": torch.zeros(1, 2),
         "adv": torch.tensor([[1.0, -1.0]]),
-        "values_new": torch.tensor([[1.0, 0.0]]), "values": torch.tensor([[0.5, 0.0]]),
-        "returns": torch.tensor([[2.0, 0.5]]), "entropy": torch.tensor([[1.0, 3.0]]),
+        "values_new": torch.tensor([[1.0, 0.0]]),
+        "values": torch.tensor([[0.5, 0.0]]),
+        "returns": torch.tensor([[2.0, 0.5]]),
+        "entropy": torch.tensor([[1.0, 3.0]]),
     }
     loss, metrics = alg.loss(batch)
     policy = -(min(1.5, 1.2) * 1.0 + -1.0) / 2

@@ -9,12 +9,28 @@ from conftest import oxrl, read_metrics
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 
-COMMON = ["--set", "train.max_steps=3", "--set", "train.batch_size=4", "--set", "rollout.n=4",
-          "--set", "rollout.max_new_tokens=8", "--set", "engine.rollout_shards=2", "--set", "train.eval_steps=0",
-          "--set", "train.lr=1e-2", "--set", "train.lr_scheduler=constant", "-q"]
+COMMON = [
+    "--set",
+    "train.max_steps=3",
+    "--set",
+    "train.batch_size=4",
+    "--set",
+    "rollout.n=4",
+    "--set",
+    "rollout.max_new_tokens=8",
+    "--set",
+    "engine.rollout_shards=2",
+    "--set",
+    "train.eval_steps=0",
+    "--set",
+    "train.lr=1e-2",
+    "--set",
+    "train.lr_scheduler=constant",
+    "-q",
+]
 ENV = {"OMP_NUM_THREADS": "1"}
 
-DYING = '''
+DYING = """
 import os
 from oxrl_core.rollout_hf import HFRolloutBackend
 
@@ -26,13 +42,24 @@ class DiesAtVersion2(HFRolloutBackend):
         if self.policy_version >= 2:
             os._exit(3)  # the actor's process dies (as from an out-of-memory kill)
         return super().generate(prompt_token_ids, sampling)
-'''
+"""
 
 
 def _run(tmp_path, tiny_model_dir, name: str, *sets: str):
     run = tmp_path / name
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", *COMMON, *sets, "-o", str(run),
-                cwd=tmp_path, env=ENV)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        *COMMON,
+        *sets,
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        env=ENV,
+    )
     return run, proc
 
 
@@ -41,7 +68,9 @@ def _same_steps(a, b, loss_atol: float = 1e-5) -> None:
     assert [m["step"] for m in ma] == [m["step"] for m in mb] == [1, 2, 3]
     for x, y in zip(ma, mb):
         assert x["reward/mean"] == y["reward/mean"] and x["response/length"] == y["response/length"]
-        assert x["loss"] == pytest.approx(y["loss"], abs=loss_atol) and x["grad_norm"] == pytest.approx(y["grad_norm"], abs=1e-4)
+        assert x["loss"] == pytest.approx(y["loss"], abs=loss_atol) and x["grad_norm"] == pytest.approx(
+            y["grad_norm"], abs=1e-4
+        )
 
 
 @pytest.mark.slow
@@ -62,7 +91,9 @@ def test_vllm_in_two_rollout_actors_draws_the_in_process_vllm_samples(tmp_path, 
     pytest.importorskip("vllm")
     local, proc = _run(tmp_path, tiny_model_dir, "vllm-local", "--set", "rollout.backend=vllm")
     assert proc.returncode == 0, proc.stderr
-    actors, proc = _run(tmp_path, tiny_model_dir, "vllm-actors", "--set", "rollout.backend=vllm", "--set", "rollout.actors=2")
+    actors, proc = _run(
+        tmp_path, tiny_model_dir, "vllm-actors", "--set", "rollout.backend=vllm", "--set", "rollout.actors=2"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "RolloutWorker" not in proc.stderr  # the engines' logs stay out of the run's output
     _same_steps(local, actors)
@@ -74,8 +105,21 @@ def test_two_training_ranks_and_one_rollout_actor_follow_the_single_process_run(
     pytest.importorskip("deepspeed")
     local, proc = _run(tmp_path, tiny_model_dir, "local")
     assert proc.returncode == 0, proc.stderr
-    both, proc = _run(tmp_path, tiny_model_dir, "ranks", "--set", "rollout.actors=1", "--set", "engine.name=deepspeed",
-                      "--set", "engine.zero_stage=3", "--set", "engine.world_size=2", "--set", "engine.timeout_s=120")
+    both, proc = _run(
+        tmp_path,
+        tiny_model_dir,
+        "ranks",
+        "--set",
+        "rollout.actors=1",
+        "--set",
+        "engine.name=deepspeed",
+        "--set",
+        "engine.zero_stage=3",
+        "--set",
+        "engine.world_size=2",
+        "--set",
+        "engine.timeout_s=120",
+    )
     assert proc.returncode == 0, proc.stderr
     _same_steps(local, both)
 
@@ -83,8 +127,17 @@ def test_two_training_ranks_and_one_rollout_actor_follow_the_single_process_run(
 @pytest.mark.slow
 def test_a_dying_rollout_actor_stops_the_run_clearly_and_keeps_the_checkpoint(tmp_path, tiny_model_dir):
     (tmp_path / "dying.py").write_text(DYING)
-    run, proc = _run(tmp_path, tiny_model_dir, "dies", "--set", "rollout.actors=1", "--set",
-                     f"rollout.backend={tmp_path / 'dying.py'}:DiesAtVersion2", "--set", "train.save_steps=1")
+    run, proc = _run(
+        tmp_path,
+        tiny_model_dir,
+        "dies",
+        "--set",
+        "rollout.actors=1",
+        "--set",
+        f"rollout.backend={tmp_path / 'dying.py'}:DiesAtVersion2",
+        "--set",
+        "train.save_steps=1",
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "rollout actors" in proc.stderr and "could not generate" in proc.stderr

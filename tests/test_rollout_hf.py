@@ -122,7 +122,9 @@ def test_the_models_own_generation_config_does_not_reshape_sampling(backend, mod
     result = backend.generate(prompt_ids, SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=7))
     for prompt, group in zip(prompt_ids, result):
         for c in group:
-            torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced_logprobs(model, prompt, c.token_ids), atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(c.logprobs), teacher_forced_logprobs(model, prompt, c.token_ids), atol=1e-4, rtol=0
+            )
     assert model.generation_config.top_k == 5 and model.generation_config.repetition_penalty == 1.5  # restored
 
 
@@ -206,7 +208,9 @@ def test_discover_lists_hf_from_the_core_package(monkeypatch):
 # ----------------------------------------------------------------------------- the KV cache generate starts from
 
 
-def test_prefill_once_and_the_preallocated_cache_sample_what_plain_generate_samples(backend, model, prompt_ids, tokenizer):
+def test_prefill_once_and_the_preallocated_cache_sample_what_plain_generate_samples(
+    backend, model, prompt_ids, tokenizer
+):
     """Each prompt prefilled once and repeated n times, decoding into a preallocated buffer: the same seeded
     samples and (up to float rounding) the same logprobs as plain `generate` over the P·n repeated rows."""
     n, steps = 3, 10
@@ -217,9 +221,19 @@ def test_prefill_once_and_the_preallocated_cache_sample_what_plain_generate_samp
     model.generation_config = backend._clean_generation_config()
     with torch.random.fork_rng(), torch.no_grad():
         torch.manual_seed(5)
-        out = model.generate(input_ids=torch.tensor(rows), attention_mask=torch.tensor(mask), max_new_tokens=steps,
-                             do_sample=True, temperature=1.0, top_p=1.0, top_k=0, output_scores=True,
-                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            input_ids=torch.tensor(rows),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=steps,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     scores = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)  # (P·n, steps, V)
     flat = [c for group in got for c in group]
     for i, c in enumerate(flat):
@@ -254,9 +268,18 @@ def test_a_model_with_a_sliding_window_cache_generates_with_transformers_default
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=1, num_key_value_heads=1, head_dim=64, sliding_window=4,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=4,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     model = MistralForCausalLM(config).eval()
     backend = HFRolloutBackend(model, tokenizer)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])

@@ -52,7 +52,9 @@ def test_sgrpo_weights_each_tokens_clipped_surrogate_by_hand():
     alg = SGRPO(SGRPO.Config(clip_low=0.2, clip_high=0.28))
     logp = torch.tensor([[math.log(1.5), math.log(0.5)], [0.0, 5.0]], requires_grad=True)
     tis = torch.tensor([[0.5, 2.0], [1.5, 7.0]])  # the masked token's weight must not count
-    batch = _batch(logp, [[0.0, 0.0], [0.0, 0.0]], [[1.0, -1.0], [2.0, 0.0]], mask=[[1.0, 1.0], [1.0, 0.0]], tis_weight=tis)
+    batch = _batch(
+        logp, [[0.0, 0.0], [0.0, 0.0]], [[1.0, -1.0], [2.0, 0.0]], mask=[[1.0, 1.0], [1.0, 0.0]], tis_weight=tis
+    )
     loss, metrics = alg.loss(batch)
     # surrogates 1.28 (clipped), −0.8 (clipped), 2.0, weighted 0.5, 2, 1.5; token mean over 3
     expected = -(0.5 * 1.28 + 2.0 * -0.8 + 1.5 * 2.0) / 3
@@ -66,8 +68,13 @@ def test_sgrpo_weights_each_tokens_clipped_surrogate_by_hand():
 def test_sgrpo_tis_leaves_the_kl_term_unweighted():
     alg = SGRPO(SGRPO.Config(kl_coeff=0.1))
     half = math.log(0.5)
-    batch = _batch([[half, half]], [[half, half]], [[1.0, 1.0]], logp_ref=torch.log(torch.full((1, 2), 0.25)),
-                   tis_weight=torch.tensor([[2.0, 0.5]]))
+    batch = _batch(
+        [[half, half]],
+        [[half, half]],
+        [[1.0, 1.0]],
+        logp_ref=torch.log(torch.full((1, 2), 0.25)),
+        tis_weight=torch.tensor([[2.0, 0.5]]),
+    )
     loss, _ = alg.loss(batch)
     kl = 0.5 + math.log(2) - 1  # k3 of log π_ref − log π = −log 2
     assert loss.item() == pytest.approx((-2.0 + 0.1 * kl - 0.5 + 0.1 * kl) / 2, abs=1e-6)
@@ -76,8 +83,13 @@ def test_sgrpo_tis_leaves_the_kl_term_unweighted():
 def test_cispo_tis_by_hand():
     alg = CISPO(CISPO.Config(eps_low=1.0, eps_high=0.28))
     logp = torch.tensor([[math.log(0.3), math.log(0.9)]], requires_grad=True)
-    batch = {"logp": logp, "logp_old": torch.log(torch.tensor([[0.1, 0.9]])), "adv": torch.tensor([[1.0, -2.0]]),
-             "mask": torch.ones(1, 2), "tis_weight": torch.tensor([[0.5, 2.0]])}
+    batch = {
+        "logp": logp,
+        "logp_old": torch.log(torch.tensor([[0.1, 0.9]])),
+        "adv": torch.tensor([[1.0, -2.0]]),
+        "mask": torch.ones(1, 2),
+        "tis_weight": torch.tensor([[0.5, 2.0]]),
+    }
     loss, _ = alg.loss(batch)
     # IS weights clip(3.0) = 1.28 and 1.0, times the TIS weights 0.5 and 2
     expected = -(0.5 * 1.28 * 1.0 * math.log(0.3) + 2.0 * 1.0 * -2.0 * math.log(0.9)) / 2
@@ -90,10 +102,13 @@ def test_ppo_tis_weights_the_policy_term_only():
     alg = PPO(PPO.Config(clip_eps=0.2, value_clip=0.2, vf_coef=0.5, ent_coef=0.1))
     batch = {
         "mask": torch.ones(1, 2),
-        "logp": torch.tensor([[math.log(1.5), 0.0]]), "logp_old": torch.zeros(1, 2),
+        "logp": torch.tensor([[math.log(1.5), 0.0]]),
+        "logp_old": torch.zeros(1, 2),
         "adv": torch.tensor([[1.0, -1.0]]),
-        "values_new": torch.tensor([[1.0, 0.0]]), "values": torch.tensor([[0.5, 0.0]]),
-        "returns": torch.tensor([[2.0, 0.5]]), "entropy": torch.tensor([[1.0, 3.0]]),
+        "values_new": torch.tensor([[1.0, 0.0]]),
+        "values": torch.tensor([[0.5, 0.0]]),
+        "returns": torch.tensor([[2.0, 0.5]]),
+        "entropy": torch.tensor([[1.0, 3.0]]),
         "tis_weight": torch.tensor([[2.0, 0.5]]),
     }
     loss, metrics = alg.loss(batch)
@@ -110,10 +125,15 @@ def _random_batch(seed: int = 0) -> dict:
     mask = (torch.rand(B, T, generator=g) > 0.3).float()
     logp_old = -torch.rand(B, T, generator=g) * 3
     return {
-        "logp": logp_old + 0.3 * torch.randn(B, T, generator=g), "logp_old": logp_old,
-        "logp_ref": logp_old + 0.2 * torch.randn(B, T, generator=g), "adv": torch.randn(B, T, generator=g) * mask,
-        "mask": mask, "entropy": torch.rand(B, T, generator=g), "values_new": torch.randn(B, T, generator=g),
-        "values": torch.randn(B, T, generator=g), "returns": torch.randn(B, T, generator=g),
+        "logp": logp_old + 0.3 * torch.randn(B, T, generator=g),
+        "logp_old": logp_old,
+        "logp_ref": logp_old + 0.2 * torch.randn(B, T, generator=g),
+        "adv": torch.randn(B, T, generator=g) * mask,
+        "mask": mask,
+        "entropy": torch.rand(B, T, generator=g),
+        "values_new": torch.randn(B, T, generator=g),
+        "values": torch.randn(B, T, generator=g),
+        "returns": torch.randn(B, T, generator=g),
     }
 
 
@@ -239,16 +259,29 @@ def test_backend_options_are_validated_by_the_backends_config():
     with pytest.raises(OxrlError, match=r"rollout.options: the 'hf' rollout backend takes no options, got \['tp'\]"):
         HFRolloutBackend.parse_options(RolloutConfig(options={"tp": 2}))
     assert _WithOptions.parse_options(RolloutConfig(options={"tensor_parallel_size": 2})).tensor_parallel_size == 2
-    with pytest.raises(OxrlError, match="rollout.options.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"):
+    with pytest.raises(
+        OxrlError, match="rollout.options.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"
+    ):
         _WithOptions.parse_options(RolloutConfig(options={"tensor_paralel_size": 2}))
     with pytest.raises(OxrlError, match="rollout.options.tensor_parallel_size"):
         _WithOptions.parse_options(RolloutConfig(options={"tensor_parallel_size": "two"}))
 
 
 def test_rollout_config_errors(tmp_path, tiny_model_dir):
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "rollout.tis_cap=0.5", cwd=tmp_path)
+    proc = oxrl(
+        "run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "rollout.tis_cap=0.5", cwd=tmp_path
+    )
     assert proc.returncode == 2 and "rollout.tis_cap" in proc.stderr and "at least 1" in proc.stderr
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "rollout.options.batch=2", cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "rollout.options.batch=2",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "rollout.options" in proc.stderr and "takes no options" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -313,16 +346,45 @@ class WrongModel(HFRolloutBackend):
 def rl_run(tmp_path: Path, model_dir, *args):
     plugin = tmp_path / "sync_plugins.py"
     plugin.write_text(PLUGINS)
-    return oxrl("run", "--set", f"model.name={model_dir}", "--set", "train.batch_size=4", "--set", "rollout.n=2",
-                "--set", "rollout.max_new_tokens=6", "--set", "train.eval_steps=0", "--set", "train.lr=1e-2",
-                "--set", "train.lr_scheduler=constant", "--set", f"reward.name={plugin}:Varied", *args, cwd=tmp_path)
+    return oxrl(
+        "run",
+        "--set",
+        f"model.name={model_dir}",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "rollout.n=2",
+        "--set",
+        "rollout.max_new_tokens=6",
+        "--set",
+        "train.eval_steps=0",
+        "--set",
+        "train.lr=1e-2",
+        "--set",
+        "train.lr_scheduler=constant",
+        "--set",
+        f"reward.name={plugin}:Varied",
+        *args,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.slow
 def test_run_logs_the_probe_check_and_tis(tmp_path, tiny_model_dir):
     run = tmp_path / "run"
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", "train.max_steps=2", "--set", "rollout.tis_cap=2",
-                  "-q", "-o", str(run))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "sgrpo",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "rollout.tis_cap=2",
+        "-q",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stderr
     metrics = read_metrics(run)
     for m in metrics:
@@ -333,13 +395,35 @@ def test_run_logs_the_probe_check_and_tis(tmp_path, tiny_model_dir):
     assert metrics[0]["loss"] != 0  # a real update (the rewards differ within groups)
     # a backend with a copy of its own is checked after every sync
     copied = tmp_path / "copy"
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", f"rollout.backend={tmp_path / 'sync_plugins.py'}:Copy",
-                  "--set", "train.max_steps=2", "-q", "-o", str(copied))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"rollout.backend={tmp_path / 'sync_plugins.py'}:Copy",
+        "--set",
+        "train.max_steps=2",
+        "-q",
+        "-o",
+        str(copied),
+    )
     assert proc.returncode == 0, proc.stderr
     for m in read_metrics(copied):
         assert m["sync/probe_tolerance"] == 1e-3 and m["sync/probe_logprob_diff"] <= 1e-5
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", "train.max_steps=1", "--set", "rollout.sync_check=false",
-                  "-q", "-o", str(tmp_path / "off"))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "sgrpo",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "rollout.sync_check=false",
+        "-q",
+        "-o",
+        str(tmp_path / "off"),
+    )
     assert proc.returncode == 0, proc.stderr
     off = read_metrics(tmp_path / "off")[0]
     assert not any(k.startswith(("sync/", "tis/")) for k in off)
@@ -349,8 +433,20 @@ def test_run_logs_the_probe_check_and_tis(tmp_path, tiny_model_dir):
 def test_a_skipped_weight_sync_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_model_dir):
     run = tmp_path / "stale"
     backend = f"rollout.backend={tmp_path / 'sync_plugins.py'}:StaleCopy"
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "cispo", "--set", backend, "--set", "train.max_steps=4",
-                  "--set", "train.save_steps=1", "-o", str(run))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "cispo",
+        "--set",
+        backend,
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.save_steps=1",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "weight sync check failed after the weight sync, policy version 2" in proc.stderr
@@ -360,21 +456,58 @@ def test_a_skipped_weight_sync_stops_the_run_and_keeps_the_last_checkpoint(tmp_p
     assert [m["step"] for m in read_metrics(run)] == [1]
     # the versions moved on, so strict on-policy alone does not notice: without the sync check the
     # trainer-vs-rollout logprob alarm is the second line of defence ...
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "cispo", "--set", backend, "--set", "train.max_steps=3",
-                  "--set", "rollout.sync_check=false", "-q", "-o", str(tmp_path / "unchecked"))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "cispo",
+        "--set",
+        backend,
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "rollout.sync_check=false",
+        "-q",
+        "-o",
+        str(tmp_path / "unchecked"),
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "rollout/logprob_diff" in proc.stderr and "stale weights" in proc.stderr
     # ... and with both turned off the run goes on, training on stale samples
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "cispo", "--set", backend, "--set", "train.max_steps=3",
-                  "--set", "rollout.sync_check=false", "--set", "rollout.max_logprob_diff=0", "-q",
-                  "-o", str(tmp_path / "unguarded"))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "cispo",
+        "--set",
+        backend,
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "rollout.sync_check=false",
+        "--set",
+        "rollout.max_logprob_diff=0",
+        "-q",
+        "-o",
+        str(tmp_path / "unguarded"),
+    )
     assert proc.returncode == 0, proc.stderr
 
 
 def test_a_backend_with_the_wrong_model_is_caught_before_training(tmp_path, tiny_model_dir):
     run = tmp_path / "wrong"
-    proc = rl_run(tmp_path, tiny_model_dir, "--alg", "sgrpo", "--set", f"rollout.backend={tmp_path / 'sync_plugins.py'}:WrongModel",
-                  "--set", "train.max_steps=2", "-o", str(run))
+    proc = rl_run(
+        tmp_path,
+        tiny_model_dir,
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"rollout.backend={tmp_path / 'sync_plugins.py'}:WrongModel",
+        "--set",
+        "train.max_steps=2",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "weight sync check failed at the start" in proc.stderr and "policy version 0" in proc.stderr
     assert not (run / "metrics.jsonl").is_file() or read_metrics(run) == []

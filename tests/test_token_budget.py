@@ -33,8 +33,11 @@ def test_regrouping_keeps_every_row_of_the_optimiser_step():
 
 def _rows(n: int) -> list[dict]:
     # very different lengths, so a small budget splits the batch unevenly
-    return [{"prompt": f"What is {a}+{b}?" + " please" * (a % 4), "response": str(a + b) * (1 + b % 3)}
-            for a in range(n) for b in range(2)]
+    return [
+        {"prompt": f"What is {a}+{b}?" + " please" * (a % 4), "response": str(a + b) * (1 + b % 3)}
+        for a in range(n)
+        for b in range(2)
+    ]
 
 
 def _weights(run) -> dict[str, torch.Tensor]:
@@ -45,8 +48,14 @@ def _weights(run) -> dict[str, torch.Tensor]:
 
 def _run(tmp_path, name, model_dir, alg, data, *overrides):
     run = tmp_path / name
-    Trainer(alg=alg, model=str(model_dir), data=str(data), output_dir=run, quiet=True,
-            overrides=["train.max_steps=2", "train.lr=1e-3", *overrides]).train()
+    Trainer(
+        alg=alg,
+        model=str(model_dir),
+        data=str(data),
+        output_dir=run,
+        quiet=True,
+        overrides=["train.max_steps=2", "train.lr=1e-3", *overrides],
+    ).train()
     return run
 
 
@@ -64,18 +73,34 @@ def _assert_same_run(a, b, atol=1e-5):
 def test_sft_token_budget_equals_one_big_batch(tmp_path, tiny_model_dir, packing):
     data = write_jsonl(tmp_path / "sft.jsonl", _rows(8))
     whole = _run(tmp_path, "whole", tiny_model_dir, "sft", data, "train.batch_size=8", f"data.packing={packing}")
-    budget = _run(tmp_path, "budget", tiny_model_dir, "sft", data, "train.batch_size=8", f"data.packing={packing}",
-                  "train.max_tokens_per_micro_batch=60")
+    budget = _run(
+        tmp_path,
+        "budget",
+        tiny_model_dir,
+        "sft",
+        data,
+        "train.batch_size=8",
+        f"data.packing={packing}",
+        "train.max_tokens_per_micro_batch=60",
+    )
     _assert_same_run(whole, budget)
 
 
 def test_dpo_token_budget_equals_one_big_batch(tmp_path, tiny_model_dir):
-    pairs = [{"prompt": f"What is {a}+{b}?" + " now" * (a % 3), "chosen": str(a + b), "rejected": str(a + b + 1) * (1 + a % 2)}
-             for a in range(6) for b in range(2)]
+    pairs = [
+        {
+            "prompt": f"What is {a}+{b}?" + " now" * (a % 3),
+            "chosen": str(a + b),
+            "rejected": str(a + b + 1) * (1 + a % 2),
+        }
+        for a in range(6)
+        for b in range(2)
+    ]
     data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
     whole = _run(tmp_path, "whole", tiny_model_dir, "dpo", data, "train.batch_size=6")
-    budget = _run(tmp_path, "budget", tiny_model_dir, "dpo", data, "train.batch_size=6",
-                  "train.max_tokens_per_micro_batch=80")
+    budget = _run(
+        tmp_path, "budget", tiny_model_dir, "dpo", data, "train.batch_size=6", "train.max_tokens_per_micro_batch=80"
+    )
     _assert_same_run(whole, budget)
 
 
@@ -84,9 +109,21 @@ def test_rl_token_budget_equals_whole_minibatch(tmp_path, tiny_model_dir):
     runs = {}
     for name, extra in (("whole", []), ("budget", ["train.max_tokens_per_micro_batch=64"])):
         run = tmp_path / name
-        Trainer(alg="sgrpo", model=str(tiny_model_dir), output_dir=run, quiet=True,
-                overrides=["train.max_steps=2", "train.batch_size=4", "rollout.n=4", "rollout.minibatches=2",
-                           "alg.kl_coeff=0.05", "train.lr=1e-3", *extra]).train()
+        Trainer(
+            alg="sgrpo",
+            model=str(tiny_model_dir),
+            output_dir=run,
+            quiet=True,
+            overrides=[
+                "train.max_steps=2",
+                "train.batch_size=4",
+                "rollout.n=4",
+                "rollout.minibatches=2",
+                "alg.kl_coeff=0.05",
+                "train.lr=1e-3",
+                *extra,
+            ],
+        ).train()
         runs[name] = read_metrics(run)
     assert all(m["perf/micro_batches"] == 1 for m in runs["whole"])  # one per optimiser step (minibatch)
     assert all(m["perf/micro_batches"] > 1 for m in runs["budget"])

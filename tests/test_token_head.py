@@ -16,9 +16,9 @@ import math
 
 import pytest
 import torch
-
 from archs import FAMILIES
 from conftest import oxrl, read_metrics
+
 from oxrl_core.token_head import HeadPath, choose_path, head_stats, on_grid, path_of, stats_from_logits, token_stats
 
 LN3 = math.log(3)
@@ -35,8 +35,16 @@ def test_hand_derived_quantities_of_one_distribution():
     Teacher [0, 0] at τ = 1: KL([½, ½] ‖ [¼, ¾]) = ½ ln 2 + ½ ln(2/3) = ½ ln(4/3) = 0.143841.
     """
     logits, target = torch.tensor([[0.0, LN3]]), torch.tensor([1])
-    out = head_stats(logits, target, torch.nn.Identity(), HeadPath(chunk_size=1), entropy=True, logp_mean=True,
-                     h_teacher=torch.zeros(1, 2), teacher_head=torch.nn.Identity())
+    out = head_stats(
+        logits,
+        target,
+        torch.nn.Identity(),
+        HeadPath(chunk_size=1),
+        entropy=True,
+        logp_mean=True,
+        h_teacher=torch.zeros(1, 2),
+        teacher_head=torch.nn.Identity(),
+    )
     assert float(out["logp"]) == pytest.approx(math.log(3 / 4), abs=1e-6)
     assert float(out["entropy"]) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
     assert float(out["logp_mean"]) == pytest.approx((math.log(0.25) + math.log(0.75)) / 2, abs=1e-6)
@@ -67,11 +75,36 @@ def test_chunks_equal_full_logits_values_and_gradients(softcap, scale, temperatu
         sum((stats[k] * weights[k]).sum() for k in stats).backward()
         return {k: v.detach() for k, v in stats.items()}, [h.grad, head.weight.grad, head.bias.grad]
 
-    plain = run(stats_from_logits(transform(head(h)), targets, temperature, True, True,
-                                  transform(teacher_head(h_teacher)) if teacher else None, 2.0))
-    chunked = run(head_stats(h, targets, head, HeadPath(4, softcap, scale), temperature, True, True,
-                             h_teacher if teacher else None, teacher_head, 2.0))
-    assert plain[0].keys() == chunked[0].keys() == ({"logp", "entropy", "logp_mean"} | ({"kl_teacher"} if teacher else set()))
+    plain = run(
+        stats_from_logits(
+            transform(head(h)),
+            targets,
+            temperature,
+            True,
+            True,
+            transform(teacher_head(h_teacher)) if teacher else None,
+            2.0,
+        )
+    )
+    chunked = run(
+        head_stats(
+            h,
+            targets,
+            head,
+            HeadPath(4, softcap, scale),
+            temperature,
+            True,
+            True,
+            h_teacher if teacher else None,
+            teacher_head,
+            2.0,
+        )
+    )
+    assert (
+        plain[0].keys()
+        == chunked[0].keys()
+        == ({"logp", "entropy", "logp_mean"} | ({"kl_teacher"} if teacher else set()))
+    )
     for k in plain[0]:
         assert torch.allclose(plain[0][k], chunked[0][k], atol=1e-5), k
     for a, b in zip(plain[1], chunked[1]):
@@ -115,7 +148,9 @@ def _both_paths(model, fn):
         assert path.chunked == bool(chunk), path.note
         model.zero_grad()
         out = fn()
-        results.append(([o.detach() for o in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(
+            ([o.detach() for o in out], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        )
     (out_plain, g_plain), (out_chunked, g_chunked) = results
     for a, b in zip(out_plain, out_chunked):
         assert torch.allclose(a, b, atol=1e-5)
@@ -154,12 +189,14 @@ def test_rl_logprobs_equal_the_models_own_logits(arch_model, family):
 def test_lora_gradients_equal_the_plain_path(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
 
-    from oxrl_core.loops.supervised import supervised_tokens
     from oxrl_algs_supervised.sft import SFT
+    from oxrl_core.loops.supervised import supervised_tokens
     from oxrl_core.models import load_causal_lm
 
     torch.manual_seed(0)
-    model = get_peft_model(load_causal_lm(str(tiny_model_dir)), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model = get_peft_model(
+        load_causal_lm(str(tiny_model_dir)), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    )
     ids, attention_mask, mask = _padded_rows(model.get_output_embeddings().weight.shape[0])
     labels = torch.where(torch.cat([torch.zeros(2, 1), mask], 1) > 0, ids, -100)
     sft = SFT(SFT.Config(label_smoothing=0.1))
@@ -187,22 +224,30 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
     assert choose_path(model, 2).chunked
     prompts, chosen, rejected = [[5, 9, 11], [7, 8]], [[20, 21, 3], [30, 3]], [[22, 3], [31, 32, 33, 3]]
     seqs = list(zip(prompts, chosen)) + list(zip(prompts, rejected))
-    batch = (collate_shared_prompts(prompts, chosen, rejected) if layout == "shared"
-             else collate_sequences(seqs, 0, layout == "packed"))
+    batch = (
+        collate_shared_prompts(prompts, chosen, rejected)
+        if layout == "shared"
+        else collate_sequences(seqs, 0, layout == "packed")
+    )
     with torch.no_grad():
         sums, _ = sequence_logps(model, batch)
         for i, (p, c) in enumerate(seqs):
             ids = torch.tensor([p + c])
-            direct = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[len(p) - 1 :, 0]
+            direct = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[
+                len(p) - 1 :, 0
+            ]
             assert float(sums[i]) == pytest.approx(float(direct.sum()), abs=1e-4)
         if layout == "shared":  # the RL form: 2 samples of each prompt in one packed row
             from oxrl_core.loops.rl import token_logprobs
 
             rows = [p + c for p, c in seqs[:1] + seqs[2:3] + seqs[1:2] + seqs[3:]]  # prompt 0 twice, prompt 1 twice
             L = max(map(len, rows))
-            mb = {"input_ids": torch.tensor([r + [0] * (L - len(r)) for r in rows]),
-                  "attention_mask": torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows]),
-                  "prompt_len": torch.tensor([3, 3, 2, 2]), "group": torch.tensor([0, 0, 1, 1])}
+            mb = {
+                "input_ids": torch.tensor([r + [0] * (L - len(r)) for r in rows]),
+                "attention_mask": torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows]),
+                "prompt_len": torch.tensor([3, 3, 2, 2]),
+                "group": torch.tensor([0, 0, 1, 1]),
+            }
             logp, entropy = token_logprobs_shared(model, mb, 0.7)
             choose_path(model, 0)
             model.config._attn_implementation = "sdpa"
@@ -239,7 +284,9 @@ def test_an_unknown_output_transform_falls_back_to_the_models_logits(tiny_model_
     rows, pos = torch.zeros(3, dtype=torch.long), torch.arange(3)
     with torch.no_grad():
         logp = token_stats(model, {"input_ids": ids}, rows, pos, ids[0, 1:])["logp"]
-        expected = torch.log_softmax(2.0 * original(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        expected = torch.log_softmax(2.0 * original(input_ids=ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[
+            :, 0
+        ]
     assert torch.allclose(logp, expected, atol=1e-6)
     # an untouched model keeps the chunked path, without a note
     assert choose_path(load_causal_lm(str(tiny_model_dir)), 1024, notes.append).chunked and len(notes) == 1
@@ -261,8 +308,13 @@ def test_cli_sft_and_kd_losses_are_the_same_chunked_and_plain(tmp_path, tiny_mod
     """`oxrl run` (the console script) with the default chunked head, and in process with chunking off."""
     from test_archs import run_cli
 
-    common = [f"model.name={tiny_model_dir}", f"data.train={sft_jsonl}", "train.max_steps=2", "train.batch_size=2",
-              "train.lr=1e-3"]
+    common = [
+        f"model.name={tiny_model_dir}",
+        f"data.train={sft_jsonl}",
+        "train.max_steps=2",
+        "train.batch_size=2",
+        "train.lr=1e-3",
+    ]
     for alg, extra in (("sft", ["alg.label_smoothing=0.1"]), ("kd", [f"model.teacher={teacher_model_dir}"])):
         sets = common + extra
         args = ["run", "--alg", alg, "-q", "-o", str(tmp_path / f"{alg}-chunked")]

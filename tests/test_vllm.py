@@ -107,7 +107,9 @@ def test_seeds_reproduce_and_prompts_get_their_own_streams(engine, tokenizer):
     a, b = engine.generate(prompts, sampling), engine.generate(prompts, sampling)
     assert tokens(a) == tokens(b)
     torch.testing.assert_close(logprobs(a), logprobs(b), atol=1e-6, rtol=0)
-    assert tokens(engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=124))) != tokens(a)
+    assert tokens(engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, temperature=1.0, seed=124))) != tokens(
+        a
+    )
     assert a[0][0].token_ids != a[1][0].token_ids and a[0][0].token_ids != a[0][1].token_ids
     assert request_seed(123, 0) != request_seed(123, 1) and request_seed(123, 0) == request_seed(123, 0) < 2**63
 
@@ -116,8 +118,10 @@ def test_many_seeded_prompts_in_one_call_reproduce(engine, tokenizer):
     """More prompt tokens in one call than the engine's step budget (4096 on CPU), every request seeded:
     the held-out evaluation's shape. With chunked prefill vLLM rewound the seeded generators of the
     split prompts (`CPU Generator does not use offset` on CPU); the backend prefills each prompt whole."""
-    prompts = [tokenizer.encode(f"Question {i}: what is {i} plus {i + 1}? Think about it step by step, please. " * 2)
-               for i in range(80)]
+    prompts = [
+        tokenizer.encode(f"Question {i}: what is {i} plus {i + 1}? Think about it step by step, please. " * 2)
+        for i in range(80)
+    ]
     assert sum(map(len, prompts)) > 8192
     sampling = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=11)
     a, b = engine.generate(prompts, sampling), engine.generate(prompts, sampling)
@@ -130,7 +134,9 @@ def test_an_engine_exception_is_one_clear_error(engine, prompt_ids, monkeypatch)
         raise RuntimeError("CPU Generator does not use offset")
 
     monkeypatch.setattr(engine.llm, "generate", broken)
-    with pytest.raises(OxrlError, match="rollout backend 'vllm': generate failed inside vLLM: RuntimeError: CPU Generator"):
+    with pytest.raises(
+        OxrlError, match="rollout backend 'vllm': generate failed inside vLLM: RuntimeError: CPU Generator"
+    ):
         engine.generate(prompt_ids, SamplingParams(n=1, max_new_tokens=2, seed=0))
 
 
@@ -181,21 +187,34 @@ def test_update_weights_in_place_then_the_probe_matches(engine, model, hf, token
         assert tokens(after) == tokens(hf.generate(prompt_ids, greedy))
         assert all(c.policy_version == start + 1 for g in after for c in g)
         for prompt, group in zip(prompt_ids, after):  # no stale prefix-cache blocks
-            torch.testing.assert_close(torch.tensor(group[0].logprobs), teacher_forced_logprobs(model, prompt, group[0].token_ids),
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(group[0].logprobs),
+                teacher_forced_logprobs(model, prompt, group[0].token_ids),
+                atol=1e-4,
+                rtol=0,
+            )
         with pytest.raises(OxrlError, match="must increase"):
             engine.update_weights(model, start + 1)
     finally:
         model.load_state_dict(original)
         engine.update_weights(original, engine.policy_version + 1)  # a state_dict works as well as a module
-    assert check_weight_sync(engine, model, probe, engine.policy_version, 1e-3, nullcontext)["sync/probe_logprob_diff"] < 1e-4
+    assert (
+        check_weight_sync(engine, model, probe, engine.policy_version, 1e-3, nullcontext)["sync/probe_logprob_diff"]
+        < 1e-4
+    )
 
 
 def test_options_are_validated_before_the_engine_starts(tiny_model_dir, model, tokenizer):
-    with pytest.raises(OxrlError, match="rollout.options.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"):
-        VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"tensor_paralel_size": 1}))
+    with pytest.raises(
+        OxrlError, match="rollout.options.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"
+    ):
+        VLLMRolloutBackend.build(
+            model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"tensor_paralel_size": 1})
+        )
     with pytest.raises(OxrlError, match=r"rollout.options.engine_kwargs: \['seed'\] are set by the backend"):
-        VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"engine_kwargs": {"seed": 1}}))
+        VLLMRolloutBackend.build(
+            model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"engine_kwargs": {"seed": 1}})
+        )
 
 
 @pytest.mark.slow
@@ -246,17 +265,47 @@ class SkipsSyncs(VLLMRolloutBackend):
 def vllm_run(tmp_path: Path, model_dir, *args):
     plugin = tmp_path / "vllm_plugins.py"
     plugin.write_text(PLUGINS)
-    return oxrl("run", "--alg", "sgrpo", "--set", f"model.name={model_dir}", "--set", "train.batch_size=4",
-                "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=6", "--set", "train.eval_steps=0",
-                "--set", "train.lr=1e-2", "--set", "train.lr_scheduler=constant", "--set", f"reward.name={plugin}:Varied",
-                *args, cwd=tmp_path)
+    return oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={model_dir}",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "rollout.n=2",
+        "--set",
+        "rollout.max_new_tokens=6",
+        "--set",
+        "train.eval_steps=0",
+        "--set",
+        "train.lr=1e-2",
+        "--set",
+        "train.lr_scheduler=constant",
+        "--set",
+        f"reward.name={plugin}:Varied",
+        *args,
+        cwd=tmp_path,
+    )
 
 
 @pytest.mark.slow
 def test_cli_run_with_vllm_syncs_and_verifies_every_step(tmp_path, tiny_model_dir):
     run = tmp_path / "run"
-    proc = vllm_run(tmp_path, tiny_model_dir, "--set", "rollout.backend=vllm", "--set", "train.max_steps=2",
-                    "--set", "rollout.tis_cap=2", "-q", "-o", str(run))
+    proc = vllm_run(
+        tmp_path,
+        tiny_model_dir,
+        "--set",
+        "rollout.backend=vllm",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "rollout.tis_cap=2",
+        "-q",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = read_metrics(run)
     assert [m["policy/version"] for m in metrics] == [0.0, 1.0]  # strictly on-policy
@@ -271,8 +320,18 @@ def test_cli_run_with_vllm_syncs_and_verifies_every_step(tmp_path, tiny_model_di
 @pytest.mark.slow
 def test_cli_skipped_sync_is_caught_by_the_probe(tmp_path, tiny_model_dir):
     run = tmp_path / "stale"
-    proc = vllm_run(tmp_path, tiny_model_dir, "--set", f"rollout.backend={tmp_path / 'vllm_plugins.py'}:SkipsSyncs",
-                    "--set", "train.max_steps=4", "--set", "train.save_steps=1", "-o", str(run))
+    proc = vllm_run(
+        tmp_path,
+        tiny_model_dir,
+        "--set",
+        f"rollout.backend={tmp_path / 'vllm_plugins.py'}:SkipsSyncs",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.save_steps=1",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert "weight sync check failed after the weight sync, policy version 2" in proc.stderr
@@ -282,8 +341,18 @@ def test_cli_skipped_sync_is_caught_by_the_probe(tmp_path, tiny_model_dir):
 
 
 def test_cli_bad_vllm_option_is_a_clear_error(tmp_path, tiny_model_dir):
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "rollout.backend=vllm",
-                "--set", "rollout.options.gpu_memory_utilisation=0.5", cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "rollout.backend=vllm",
+        "--set",
+        "rollout.options.gpu_memory_utilisation=0.5",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "rollout.options.gpu_memory_utilisation" in proc.stderr and "gpu_memory_utilization" in proc.stderr
 
@@ -295,8 +364,21 @@ def test_cli_builtin_task_sgrpo_with_vllm_including_the_held_out_evaluation(tmp_
     directory stands in for the built-in model to skip its 450-step warm start (the data, rewards and
     evaluation are the built-in task's)."""
     run = tmp_path / "run"
-    proc = oxrl("run", "--alg", "sgrpo", "--set", "rollout.backend=vllm", "--set", "train.max_steps=1",
-                "--set", f"model.name={tiny_model_dir}", "-o", str(run), cwd=tmp_path, timeout=1500)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        "rollout.backend=vllm",
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+        timeout=1500,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "Traceback" not in out

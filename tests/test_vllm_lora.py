@@ -50,7 +50,9 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model, tokenizer, tiny_model_dir):
-    backend = VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"}))
+    backend = VLLMRolloutBackend.build(
+        model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"})
+    )
     yield backend
     backend.close()
 
@@ -70,7 +72,9 @@ def test_the_engine_serves_the_adapter_from_the_start(engine, model, tokenizer, 
     assert check_weight_sync(engine, model, probe, 0, 1e-3, nullcontext)["sync/probe_logprob_diff"] < 1e-5
 
 
-def test_a_pushed_adapter_gives_the_trainers_logprobs_and_leaves_its_tensors_alone(engine, model, tokenizer, prompt_ids):
+def test_a_pushed_adapter_gives_the_trainers_logprobs_and_leaves_its_tensors_alone(
+    engine, model, tokenizer, prompt_ids
+):
     """Train-like change of lora_B (the base stays frozen): stale until the push, exact after it;
     generations follow the adapter model, and the trainer's tensors are not touched by vLLM."""
     probe = probe_sequence(tokenizer, prompt_ids[0])
@@ -95,15 +99,22 @@ def test_a_pushed_adapter_gives_the_trainers_logprobs_and_leaves_its_tensors_alo
         assert tokens(got) == tokens(HFRolloutBackend(model, tokenizer).generate(prompt_ids, greedy))
         assert all(c.policy_version == start + 1 for g in got for c in g)
         for prompt, group in zip(prompt_ids, got):
-            torch.testing.assert_close(torch.tensor(group[0].logprobs), teacher_forced_logprobs(model, prompt, group[0].token_ids),
-                                       atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(group[0].logprobs),
+                teacher_forced_logprobs(model, prompt, group[0].token_ids),
+                atol=1e-4,
+                rtol=0,
+            )
     finally:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in original:
                     p.copy_(original[name])
         engine.update_weights(model, engine.policy_version + 1)
-    assert check_weight_sync(engine, model, probe, engine.policy_version, 1e-3, nullcontext)["sync/probe_logprob_diff"] < 1e-5
+    assert (
+        check_weight_sync(engine, model, probe, engine.policy_version, 1e-3, nullcontext)["sync/probe_logprob_diff"]
+        < 1e-5
+    )
 
 
 def test_lora_auto_merges_on_cpu(tiny_model_dir, tokenizer, model, monkeypatch):
@@ -124,7 +135,9 @@ def test_lora_auto_merges_on_cpu(tiny_model_dir, tokenizer, model, monkeypatch):
     for mode, lora_enabled in [("auto", False), ("merged", False), ("adapter", True)]:
         seen.clear()
         with pytest.raises(OxrlError, match="did not start"):
-            VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": mode}))
+            VLLMRolloutBackend.build(
+                model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": mode})
+            )
         assert seen.get("enable_lora", False) is lora_enabled, mode
     assert seen["max_lora_rank"] == 8 and seen["max_loras"] == 1  # rank 4 served in vLLM's smallest bucket >= 4
 
@@ -137,14 +150,16 @@ def test_adapter_mode_needs_the_peft_model(engine, model):
 def test_a_rank_vllm_cannot_serve_is_refused_before_the_engine_starts(tiny_model_dir, tokenizer):
     big = apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(enabled=True, r=1024, alpha=8))
     with pytest.raises(OxrlError, match="lora.r: vLLM serves adapters up to rank 512, got 1024"):
-        VLLMRolloutBackend.build(big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"}))
+        VLLMRolloutBackend.build(
+            big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"})
+        )
 
 
 # ----------------------------------------------------------------------------- the real CLI and final/ in vLLM
 
 #: run in a fresh process (one vLLM engine per process): prompt logprobs of `ids` from vLLM serving
 #: the merged `final/`, and from vLLM serving the base model with `final/adapter` as a disk adapter
-SCORE_FINAL = '''
+SCORE_FINAL = """
 import json, sys
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.lora.request import LoRARequest
@@ -159,15 +174,19 @@ if __name__ == "__main__":
         lora = LoRARequest("final", 1, adapter_dir)
     out = LLM(model=model_dir, **kwargs).generate([TokensPrompt(prompt_token_ids=ids)], params, lora_request=lora, use_tqdm=False)
     print("LOGPROBS", json.dumps([p[t].logprob for p, t in zip(out[0].prompt_logprobs[1:], ids[1:])]))
-'''
+"""
 
 
 def _vllm_logprobs(tmp_path: Path, model_dir: Path, adapter_dir: Path | None, ids: list[int]) -> torch.Tensor:
     script = tmp_path / "score_final.py"
     script.write_text(SCORE_FINAL)
-    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(adapter_dir or ""), json.dumps(ids)],
-                          capture_output=True, text=True, timeout=600,
-                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ})
+    proc = subprocess.run(
+        [sys.executable, str(script), str(model_dir), str(adapter_dir or ""), json.dumps(ids)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **os.environ},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("LOGPROBS "))
     return torch.tensor(json.loads(line.split(" ", 1)[1]))
@@ -190,7 +209,9 @@ def _check_final_in_vllm(tmp_path: Path, final: Path, base_dir: Path, tokenizer)
 
     base = AutoModelForCausalLM.from_pretrained(base_dir).eval()
     with torch.no_grad():
-        base_logp = torch.log_softmax(base(torch.tensor([ids])).logits[0, :-1], -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        base_logp = torch.log_softmax(base(torch.tensor([ids])).logits[0, :-1], -1).gather(
+            -1, torch.tensor(ids[1:])[:, None]
+        )[:, 0]
     assert (want - base_logp).abs().max() > 1e-3  # the adapter learned something the comparison can see
     torch.testing.assert_close(_vllm_logprobs(tmp_path, final, None, ids), want, atol=1e-4, rtol=0)
     torch.testing.assert_close(_vllm_logprobs(tmp_path, base_dir, final / "adapter", ids), want, atol=1e-4, rtol=0)
@@ -200,8 +221,22 @@ def _check_final_in_vllm(tmp_path: Path, final: Path, base_dir: Path, tokenizer)
 @pytest.mark.parametrize("mode", ["adapter", "auto"])
 def test_cli_lora_sgrpo_with_vllm_verifies_every_sync(tmp_path, tiny_model_dir, tokenizer, mode):
     run = tmp_path / "run"
-    proc = vllm_run(tmp_path, tiny_model_dir, "--set", "rollout.backend=vllm", "--set", f"rollout.options.lora={mode}",
-                    *LORA, "--set", "train.lr=5e-2", "--set", "train.max_steps=3", "-q", "-o", str(run))
+    proc = vllm_run(
+        tmp_path,
+        tiny_model_dir,
+        "--set",
+        "rollout.backend=vllm",
+        "--set",
+        f"rollout.options.lora={mode}",
+        *LORA,
+        "--set",
+        "train.lr=5e-2",
+        "--set",
+        "train.max_steps=3",
+        "-q",
+        "-o",
+        str(run),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = read_metrics(run)
     assert [m["policy/version"] for m in metrics] == [0.0, 1.0, 2.0]
@@ -215,14 +250,41 @@ def test_cli_lora_sgrpo_with_vllm_verifies_every_sync(tmp_path, tiny_model_dir, 
 @pytest.mark.slow
 def test_lora_sft_final_loads_in_vllm_with_the_adapter_models_logprobs(tmp_path, tiny_model_dir, tokenizer):
     run = tmp_path / "sft"
-    proc = oxrl("run", "--alg", "sft", "--set", f"model.name={tiny_model_dir}", *LORA, "--set", "train.max_steps=8",
-                "--set", "train.batch_size=8", "--set", "train.lr=1e-2", "-q", "-o", str(run), cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        *LORA,
+        "--set",
+        "train.max_steps=8",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.lr=1e-2",
+        "-q",
+        "-o",
+        str(run),
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     _check_final_in_vllm(tmp_path, run / "final", tiny_model_dir, tokenizer)
 
 
 def test_cli_bad_lora_mode_is_a_clear_error(tmp_path, tiny_model_dir):
-    proc = oxrl("run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "rollout.backend=vllm",
-                *LORA, "--set", "rollout.options.lora=fused", cwd=tmp_path)
+    proc = oxrl(
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={tiny_model_dir}",
+        "--set",
+        "rollout.backend=vllm",
+        *LORA,
+        "--set",
+        "rollout.options.lora=fused",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "rollout.options.lora" in proc.stderr and "adapter" in proc.stderr

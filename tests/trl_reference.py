@@ -73,8 +73,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # bf16/fp16 off: TRL configs default bf16=True (trainer/base_config.py:108), and accelerate then wraps the
 # prepared reference model in bf16 autocast, even on CPU (rewards then drift by ~1e-3).
-_COMMON = dict(report_to=[], use_cpu=True, bf16=False, fp16=False, save_strategy="no", logging_strategy="no", seed=0,
-               disable_tqdm=True)
+_COMMON = dict(
+    report_to=[],
+    use_cpu=True,
+    bf16=False,
+    fp16=False,
+    save_strategy="no",
+    logging_strategy="no",
+    seed=0,
+    disable_tqdm=True,
+)
 
 
 def _load(model_dir, cls=None, **kwargs):
@@ -124,12 +132,31 @@ def trl_dpo(policy_dir, ref_dir, examples, *, beta, loss_type="sigmoid", label_s
         loss_types, weights = [loss_type, "sft"], [1.0, float(rpo_alpha)]
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = DPOConfig(output_dir=out, per_device_train_batch_size=len(examples), max_length=None, beta=beta,
-                         loss_type=loss_types, loss_weights=weights, label_smoothing=label_smoothing, **_COMMON)
-        trainer = DPOTrainer(model=_load(policy_dir), ref_model=_load(ref_dir), args=args,
-                             train_dataset=_pref_text(), processing_class=_tokenizer(policy_dir))
-        rows = [{"prompt_ids": list(e["prompt_input_ids"]), "chosen_ids": list(e["chosen_input_ids"]),
-                 "rejected_ids": list(e["rejected_input_ids"])} for e in examples]
+        args = DPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(examples),
+            max_length=None,
+            beta=beta,
+            loss_type=loss_types,
+            loss_weights=weights,
+            label_smoothing=label_smoothing,
+            **_COMMON,
+        )
+        trainer = DPOTrainer(
+            model=_load(policy_dir),
+            ref_model=_load(ref_dir),
+            args=args,
+            train_dataset=_pref_text(),
+            processing_class=_tokenizer(policy_dir),
+        )
+        rows = [
+            {
+                "prompt_ids": list(e["prompt_input_ids"]),
+                "chosen_ids": list(e["chosen_input_ids"]),
+                "rejected_ids": list(e["rejected_input_ids"]),
+            }
+            for e in examples
+        ]
         loss = _run(trainer, trainer.data_collator(rows))
         return {"loss": loss, **_last(trainer._metrics["train"])}
 
@@ -148,15 +175,33 @@ def trl_kto(policy_dir, ref_dir, examples, *, beta, desirable_weight=1.0, undesi
         raise ValueError("TRL's KTO needs a batch of at least 2 rows")
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = KTOConfig(output_dir=out, per_device_train_batch_size=len(examples), max_length=None, beta=beta,
-                         desirable_weight=desirable_weight, undesirable_weight=undesirable_weight, **_COMMON)
+        args = KTOConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(examples),
+            max_length=None,
+            beta=beta,
+            desirable_weight=desirable_weight,
+            undesirable_weight=undesirable_weight,
+            **_COMMON,
+        )
         text = Dataset.from_dict({"prompt": ["ab", "cd"], "completion": ["e", "f"], "label": [True, False]})
-        trainer = KTOTrainer(model=_load(policy_dir), ref_model=_load(ref_dir), args=args, train_dataset=text,
-                             processing_class=_tokenizer(policy_dir))
+        trainer = KTOTrainer(
+            model=_load(policy_dir),
+            ref_model=_load(ref_dir),
+            args=args,
+            train_dataset=text,
+            processing_class=_tokenizer(policy_dir),
+        )
         completions = [list(e["completion_input_ids"]) for e in examples]
-        rows = [{"prompt_ids": list(e["prompt_input_ids"]), "completion_ids": c, "KL_completion_ids": kl,
-                 "label": bool(e["label"])}
-                for e, c, kl in zip(examples, completions, kto_kl_completions(completions))]
+        rows = [
+            {
+                "prompt_ids": list(e["prompt_input_ids"]),
+                "completion_ids": c,
+                "KL_completion_ids": kl,
+                "label": bool(e["label"]),
+            }
+            for e, c, kl in zip(examples, completions, kto_kl_completions(completions))
+        ]
         loss = _run(trainer, trainer.data_collator(rows))
         return {"loss": loss, **_last(trainer._metrics["train"])}
 
@@ -166,13 +211,18 @@ def _orpo_cpo_rows(examples):
     rows = []
     for e in examples:
         p, c, r = list(e["prompt_input_ids"]), list(e["chosen_input_ids"]), list(e["rejected_input_ids"])
-        rows.append({
-            "prompt_input_ids": p, "prompt_attention_mask": [1] * len(p),
-            "chosen_input_ids": p + c, "chosen_attention_mask": [1] * (len(p) + len(c)),
-            "chosen_labels": [-100] * len(p) + c,
-            "rejected_input_ids": p + r, "rejected_attention_mask": [1] * (len(p) + len(r)),
-            "rejected_labels": [-100] * len(p) + r,
-        })
+        rows.append(
+            {
+                "prompt_input_ids": p,
+                "prompt_attention_mask": [1] * len(p),
+                "chosen_input_ids": p + c,
+                "chosen_attention_mask": [1] * (len(p) + len(c)),
+                "chosen_labels": [-100] * len(p) + c,
+                "rejected_input_ids": p + r,
+                "rejected_attention_mask": [1] * (len(p) + len(r)),
+                "rejected_labels": [-100] * len(p) + r,
+            }
+        )
     return rows
 
 
@@ -182,10 +232,17 @@ def trl_orpo(policy_dir, examples, *, beta) -> dict:
 
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = ORPOConfig(output_dir=out, per_device_train_batch_size=len(examples), max_length=4096, beta=beta,
-                          remove_unused_columns=False, **_COMMON)
-        trainer = ORPOTrainer(model=_load(policy_dir), args=args, train_dataset=_pref_text(),
-                              processing_class=_tokenizer(policy_dir))
+        args = ORPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(examples),
+            max_length=4096,
+            beta=beta,
+            remove_unused_columns=False,
+            **_COMMON,
+        )
+        trainer = ORPOTrainer(
+            model=_load(policy_dir), args=args, train_dataset=_pref_text(), processing_class=_tokenizer(policy_dir)
+        )
         loss = _run(trainer, trainer.data_collator(_orpo_cpo_rows(examples)))
         return {"loss": loss, **_last(trainer._stored_metrics["train"])}
 
@@ -201,11 +258,20 @@ def trl_simpo(policy_dir, examples, *, beta, simpo_gamma=None, gamma_beta_ratio=
         simpo_gamma = gamma_beta_ratio * beta
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = CPOConfig(output_dir=out, per_device_train_batch_size=len(examples), max_length=4096, beta=beta,
-                         loss_type="simpo", simpo_gamma=simpo_gamma, cpo_alpha=cpo_alpha,
-                         remove_unused_columns=False, **_COMMON)
-        trainer = CPOTrainer(model=_load(policy_dir), args=args, train_dataset=_pref_text(),
-                             processing_class=_tokenizer(policy_dir))
+        args = CPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(examples),
+            max_length=4096,
+            beta=beta,
+            loss_type="simpo",
+            simpo_gamma=simpo_gamma,
+            cpo_alpha=cpo_alpha,
+            remove_unused_columns=False,
+            **_COMMON,
+        )
+        trainer = CPOTrainer(
+            model=_load(policy_dir), args=args, train_dataset=_pref_text(), processing_class=_tokenizer(policy_dir)
+        )
         loss = _run(trainer, trainer.data_collator(_orpo_cpo_rows(examples)))
         return {"loss": loss, **_last(trainer._stored_metrics["train"])}
 
@@ -221,23 +287,39 @@ def trl_rm(rm_dir, examples, *, margin=None, center_rewards_coefficient=None) ->
     from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
-    rows = [{"chosen_ids": list(e["prompt_input_ids"]) + list(e["chosen_input_ids"]),
-             "rejected_ids": list(e["prompt_input_ids"]) + list(e["rejected_input_ids"])} for e in examples]
+    rows = [
+        {
+            "chosen_ids": list(e["prompt_input_ids"]) + list(e["chosen_input_ids"]),
+            "rejected_ids": list(e["prompt_input_ids"]) + list(e["rejected_input_ids"]),
+        }
+        for e in examples
+    ]
     if margin is not None:
         margins = [float(margin)] * len(rows) if isinstance(margin, (int, float)) else [float(m) for m in margin]
         for row, m in zip(rows, margins):
             row["margin"] = m
     with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = RewardConfig(output_dir=out, per_device_train_batch_size=len(examples), max_length=None,
-                            center_rewards_coefficient=center_rewards_coefficient, **_COMMON)
+        args = RewardConfig(
+            output_dir=out,
+            per_device_train_batch_size=len(examples),
+            max_length=None,
+            center_rewards_coefficient=center_rewards_coefficient,
+            **_COMMON,
+        )
         model = _load(rm_dir, AutoModelForSequenceClassification, num_labels=1)
-        trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                                processing_class=_tokenizer(rm_dir))
+        trainer = RewardTrainer(
+            model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=_tokenizer(rm_dir)
+        )
         batch = trainer._prepare_inputs(trainer.data_collator(rows))
         trainer.model.train()
         loss, outputs = trainer.compute_loss(trainer.model, batch, return_outputs=True)
         chosen, rejected = torch.chunk(outputs.logits.detach().squeeze(-1), 2)
-        return {"loss": float(loss.detach()), "rewards/chosen": float(chosen.mean()),
-                "rewards/rejected": float(rejected.mean()), "scores/chosen": chosen.tolist(),
-                "scores/rejected": rejected.tolist(), **_last(trainer._metrics["train"])}
+        return {
+            "loss": float(loss.detach()),
+            "rewards/chosen": float(chosen.mean()),
+            "rewards/rejected": float(rejected.mean()),
+            "scores/chosen": chosen.tolist(),
+            "scores/rejected": rejected.tolist(),
+            **_last(trainer._metrics["train"]),
+        }

@@ -14,13 +14,22 @@ from pathlib import Path
 from oxrl_core.errors import OxrlError
 
 
-def build_engine(model, train_cfg, engine_cfg, gradient_checkpointing: bool = False, extra_modules=(),
-                 total_steps: int | None = None, run_dir: Path | None = None):
+def build_engine(
+    model,
+    train_cfg,
+    engine_cfg,
+    gradient_checkpointing: bool = False,
+    extra_modules=(),
+    total_steps: int | None = None,
+    run_dir: Path | None = None,
+):
     """The engine ``engine.name`` asks for (see `TorchEngine` for the arguments)."""
     if engine_cfg.name == "deepspeed":
         from oxrl_core.engines.deepspeed_engine import DeepSpeedEngine
 
-        return DeepSpeedEngine(model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps, run_dir)
+        return DeepSpeedEngine(
+            model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps, run_dir
+        )
     from oxrl_core.engines.torch_engine import TorchEngine
 
     return TorchEngine(model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps)
@@ -62,7 +71,9 @@ def check_engine(config, family: str, needs_rollouts: bool) -> None:
                 "(vLLM) is not wired to the Ray launcher yet: use rollout.backend: hf or engine.world_size: 1"
             )
     if engine.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-        raise OxrlError("engine.name: deepspeed needs the deepspeed package: pip install 'oxrl[deepspeed]' (see `oxrl doctor`)")
+        raise OxrlError(
+            "engine.name: deepspeed needs the deepspeed package: pip install 'oxrl[deepspeed]' (see `oxrl doctor`)"
+        )
     if n > 1 and importlib.util.find_spec("ray") is None:
         raise OxrlError(f"engine.world_size={n} runs one Ray actor per rank and needs ray: pip install 'oxrl[ray]'")
     if engine.name == "deepspeed" and not engine.ray_address:

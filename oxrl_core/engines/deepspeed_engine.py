@@ -73,12 +73,16 @@ def import_deepspeed(device_type: str):
     """Import DeepSpeed quietly, for ``device_type`` (its accelerator is chosen at import)."""
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    warnings.filterwarnings("ignore", message=r".*is deprecated.*", category=FutureWarning, module=r"torch\.distributed.*")
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated.*", category=FutureWarning, module=r"torch\.distributed.*"
+    )
     try:
         import deepspeed
         import deepspeed.ops
     except ImportError as exc:
-        raise OxrlError(f"engine.name: deepspeed needs the deepspeed package (pip install 'oxrl[deepspeed]'): {exc}") from None
+        raise OxrlError(
+            f"engine.name: deepspeed needs the deepspeed package (pip install 'oxrl[deepspeed]'): {exc}"
+        ) from None
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     # DeepSpeed compiles a shared-memory all-reduce for CPU *inference* when its group starts (about
     # 100 s on a fresh machine); training never uses it, so mark it unavailable.
@@ -96,8 +100,16 @@ class _Trained(torch.nn.Module):
 
 
 class DeepSpeedEngine(PrecisionAndDevice):
-    def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False,
-                 extra_modules=(), total_steps: int | None = None, run_dir: Path | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_cfg,
+        engine_cfg,
+        gradient_checkpointing: bool = False,
+        extra_modules=(),
+        total_steps: int | None = None,
+        run_dir: Path | None = None,
+    ):
         """As `TorchEngine`; ``run_dir`` receives the generated ``deepspeed_config.json`` (rank 0)."""
         from transformers import get_scheduler
 
@@ -135,7 +147,9 @@ class DeepSpeedEngine(PrecisionAndDevice):
         self.config = deepspeed_config(train_cfg, engine_cfg, bf16, clip_in_deepspeed=not self._norm_in_hook)
         if run_dir is not None and distributed.is_main():
             (Path(run_dir) / CONFIG_FILE).write_text(json.dumps(self.config, indent=2) + "\n")
-        self.ds, *_ = deepspeed.initialize(model=self.module, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=self.config)
+        self.ds, *_ = deepspeed.initialize(
+            model=self.module, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=self.config
+        )
         self._full_depth = 0
 
     # ------------------------------------------------------------------ the training step
@@ -231,7 +245,11 @@ class DeepSpeedEngine(PrecisionAndDevice):
     def load_state(self, directory: Path) -> None:
         path = Path(directory) / STATE_DIR
         if not (path / STATE_TAG).is_dir():
-            raise OxrlError(f"{directory}: no DeepSpeed state ({STATE_DIR}/{STATE_TAG}/) to resume the deepspeed engine from")
-        loaded, _ = self.ds.load_checkpoint(str(path), tag=STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+            raise OxrlError(
+                f"{directory}: no DeepSpeed state ({STATE_DIR}/{STATE_TAG}/) to resume the deepspeed engine from"
+            )
+        loaded, _ = self.ds.load_checkpoint(
+            str(path), tag=STATE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if loaded is None:
             raise OxrlError(f"{path}: DeepSpeed could not load its checkpoint")

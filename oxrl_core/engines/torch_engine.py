@@ -66,7 +66,15 @@ class PrecisionAndDevice:
 
 
 class TorchEngine(PrecisionAndDevice):
-    def __init__(self, model: torch.nn.Module, train_cfg, engine_cfg, gradient_checkpointing: bool = False, extra_modules=(), total_steps: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_cfg,
+        engine_cfg,
+        gradient_checkpointing: bool = False,
+        extra_modules=(),
+        total_steps: int | None = None,
+    ):
         """``extra_modules`` (e.g. a critic) are trained by the same optimiser, after the model's parameters;
         ``total_steps`` is the number of optimiser steps of the run (default ``train.max_steps``)."""
         from transformers import get_scheduler
@@ -83,9 +91,11 @@ class TorchEngine(PrecisionAndDevice):
             module.to(self.device).train()
         # fused: one kernel over all parameters (CPU and CUDA; 4x faster than foreach on the tiny model's CPU step)
         fused = self.device.type in ("cpu", "cuda") and all(
-            p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in model.parameters() if p.requires_grad)
-        self.optimizer = torch.optim.AdamW(adamw_param_groups(model, extra_modules, train_cfg.weight_decay), lr=train_cfg.lr,
-                                           fused=fused or None)
+            p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in model.parameters() if p.requires_grad
+        )
+        self.optimizer = torch.optim.AdamW(
+            adamw_param_groups(model, extra_modules, train_cfg.weight_decay), lr=train_cfg.lr, fused=fused or None
+        )
         self.scheduler = get_scheduler(
             train_cfg.lr_scheduler,
             self.optimizer,

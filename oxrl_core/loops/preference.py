@@ -29,15 +29,15 @@ import torch
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.checkpoint import load_training_state, save_model
-from oxrl_core.lifecycle import Checkpointer
-from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
 from oxrl_core.distributed import is_main, reduce_metrics, shard, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
 from oxrl_core.interfaces import SamplingParams
+from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.loops.supervised import MODEL_INPUTS, check_loss, seed_everything
+from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 from oxrl_core.perf import MfuMeter
@@ -68,7 +68,9 @@ def collate_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int, pack
     else:
         owner = rows
         last = torch.stack([torch.arange(len(seqs)), batch["attention_mask"].sum(1) - 1], dim=1)  # (N, 2)
-    batch.update(pred_index=torch.stack([rows, pos], dim=1), target=targets[rows, pos], owner=owner, last=last, n_seqs=len(seqs))
+    batch.update(
+        pred_index=torch.stack([rows, pos], dim=1), target=targets[rows, pos], owner=owner, last=last, n_seqs=len(seqs)
+    )
     return batch
 
 
@@ -150,7 +152,9 @@ def pair_batch(examples: list[dict], rejected, pad_id: int, packing) -> dict:
     prompts (``packing == "shared"``: our packed attention computes each prompt once)."""
     if packing == "shared":
         rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
-        return collate_shared_prompts([ex["prompt_ids"] for ex in examples], [ex["chosen_ids"] for ex in examples], rejected)
+        return collate_shared_prompts(
+            [ex["prompt_ids"] for ex in examples], [ex["chosen_ids"] for ex in examples], rejected
+        )
     return collate_sequences(_pair_seqs(examples, rejected), pad_id, bool(packing))
 
 
@@ -216,7 +220,9 @@ def policy_tokens(examples: list[dict], rejected: list[list[int]] | None = None,
 
 def generate_rejected(backend, examples: list[dict], ro, seed: int) -> list[list[int]]:
     """Self-play: one completion per prompt from the reference model (the previous iteration's policy)."""
-    sampling = SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, seed=seed)
+    sampling = SamplingParams(
+        n=1, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, seed=seed
+    )
     groups = backend.generate([ex["prompt_ids"] for ex in examples], sampling)
     return [g[0].token_ids for g in groups]
 
@@ -300,13 +306,20 @@ def run_preference(trainer, ckpt: Path | None):
         packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
     start, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
     if spec.head == "score":
-        model = load_score_model(start, pad_token_id=pad_id, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code,
-                                 log=reporter.info)
+        model = load_score_model(
+            start,
+            pad_token_id=pad_id,
+            attn_implementation=attn,
+            trust_remote_code=cfg.model.trust_remote_code,
+            log=reporter.info,
+        )
     else:
         model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     if packing == "shared" and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         packing = True  # decided once: ordinary packing (row by row), each prompt computed twice
-        reporter.info(f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them")
+        reporter.info(
+            f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them"
+        )
     model = apply_lora(model, cfg.lora, spec.head, resume_from=adapter_ckpt)
     if cfg.lora.enabled:
         reporter.info(trainable_summary(model))
@@ -314,7 +327,9 @@ def run_preference(trainer, ckpt: Path | None):
         choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
     ref = None
     if algorithm.uses_ref():  # the initial policy (or model.ref), never the checkpoint being resumed
-        ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
+        ref = load_causal_lm(
+            cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn
+        )
         ref.requires_grad_(False).eval()
         choose_path(ref, cfg.train.logits_chunk_size, reporter.info)
     engine = build_engine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=run_dir)
@@ -339,10 +354,22 @@ def run_preference(trainer, ckpt: Path | None):
         backend = HFRolloutBackend(ref, tokenizer)
     iteration_steps = -(-cfg.train.max_steps // algorithm.iterations()) if self_play else cfg.train.max_steps
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
-    lengths = [len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids") for ex in train.examples]
-    plan = make_plan(train_source, [ex["_source"] for ex in train.examples], lengths, cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length)
+    lengths = [
+        len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
+        for ex in train.examples
+    ]
+    plan = make_plan(
+        train_source,
+        [ex["_source"] for ex in train.examples],
+        lengths,
+        cfg.train.batch_size,
+        cfg.train.seed,
+        cfg.data.group_by_length,
+    )
     accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
-    saver = Checkpointer(run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp))  # (extra_files: below)
+    saver = Checkpointer(
+        run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp)
+    )  # (extra_files: below)
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
         f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} "
@@ -353,9 +380,24 @@ def run_preference(trainer, ckpt: Path | None):
         metrics = {}
         with engine.full_weights():
             if eval_examples and is_main():
-                metrics.update(pair_metrics(algorithm, spec, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size))
+                metrics.update(
+                    pair_metrics(
+                        algorithm, spec, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size
+                    )
+                )
             if eval_rows and is_main():
-                metrics.update(evaluate(model, tokenizer, engine.device, [], eval_rows, eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens))
+                metrics.update(
+                    evaluate(
+                        model,
+                        tokenizer,
+                        engine.device,
+                        [],
+                        eval_rows,
+                        eval_dataset,
+                        cfg.train.batch_size,
+                        cfg.rollout.max_new_tokens,
+                    )
+                )
         return metrics
 
     def extra_files(tmp: Path) -> None:
@@ -381,8 +423,12 @@ def run_preference(trainer, ckpt: Path | None):
                     ref.load_state_dict(policy_state_dict(model))  # a new iteration plays against the current policy
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
             # train.max_tokens_per_micro_batch: the same rows, regrouped by a token budget (0 = as drawn)
-            picks = regroup_by_tokens(picks, lambda i: row_tokens(train.examples[i], packing),
-                                      cfg.train.max_tokens_per_micro_batch, bool(packing))
+            picks = regroup_by_tokens(
+                picks,
+                lambda i: row_tokens(train.examples[i], packing),
+                cfg.train.max_tokens_per_micro_batch,
+                bool(packing),
+            )
             shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
             micro = [[train.examples[i] for i in rows] for rows, _ in shares]
             position += accum
@@ -394,7 +440,9 @@ def run_preference(trainer, ckpt: Path | None):
                 rejected = None
                 if self_play:
                     t_gen = time.perf_counter()
-                    rejected = generate_rejected(backend, examples, cfg.rollout, cfg.train.seed * 1_000_003 + step * 131 + k)
+                    rejected = generate_rejected(
+                        backend, examples, cfg.rollout, cfg.train.seed * 1_000_003 + step * 131 + k
+                    )
                     gen_seconds += time.perf_counter() - t_gen
                 with engine.autocast():
                     batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)

@@ -27,24 +27,39 @@ import torch
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
-from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.critic import build_critic
-from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import encode_row_prompt, eval_source, load_data, make_plan, normalise_row, token_budget_batches
-from oxrl_core.distributed import all_gather_object, broadcast_object, gather_rows, is_main, rank, reduce_metrics, shard, world_size
+from oxrl_core.distributed import (
+    all_gather_object,
+    broadcast_object,
+    gather_rows,
+    is_main,
+    rank,
+    reduce_metrics,
+    shard,
+    world_size,
+)
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
-from oxrl_core.rollout_hf import check_generation_length
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
+from oxrl_core.lifecycle import Checkpointer
+from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
-from oxrl_core.perf import MfuMeter
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
+from oxrl_core.perf import MfuMeter
 from oxrl_core.progress import Reporter
 from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward, score_batch
+from oxrl_core.rollout_hf import check_generation_length
+from oxrl_core.sync import (
+    check_logprob_diff,
+    check_weight_sync,
+    default_max_logprob_diff,
+    default_tolerance,
+    probe_sequence,
+    tis_weight,
+)
 from oxrl_core.token_head import choose_path, on_grid, token_stats
-from oxrl_core.sync import (check_logprob_diff, check_weight_sync, default_max_logprob_diff, default_tolerance,
-                             probe_sequence, tis_weight)
 from oxrl_core.tracking import Tracker
 
 # ----------------------------------------------------------------------------- prompts and rollouts
@@ -75,7 +90,9 @@ def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend:
     """
     for p, group in enumerate(groups):
         if len(group) != n:
-            raise OxrlError(f"rollout backend '{backend}': prompt {p + 1} of the batch got {len(group)} completions, expected {n}")
+            raise OxrlError(
+                f"rollout backend '{backend}': prompt {p + 1} of the batch got {len(group)} completions, expected {n}"
+            )
         for s, c in enumerate(group):
             where = f"rollout backend '{backend}': prompt {p + 1} of the batch, sample {s + 1}"  # 1-based, as rows are
             if not c.token_ids or len(c.token_ids) > max_new_tokens:
@@ -122,8 +139,10 @@ def check_no_padding_holes(batch: dict[str, torch.Tensor]) -> None:
     bad = holes | outside | (starts != 1)
     if bad.any():
         row = int(bad.nonzero()[0])
-        raise OxrlError(f"rollout batch row {row}: padding hole (attention/loss mask not one contiguous run); "
-                        "the batch is not trained on")
+        raise OxrlError(
+            f"rollout batch row {row}: padding hole (attention/loss mask not one contiguous run); "
+            "the batch is not trained on"
+        )
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hidden: bool = False, where=None):
@@ -133,8 +152,16 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hi
     only those positions meet the LM head, chunk by chunk (`token_head`)."""
     where = attention_mask[:, 1:] if where is None else where
     rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
-    stats = token_stats(model, {"input_ids": input_ids, "attention_mask": attention_mask}, rows, pos,
-                        input_ids[rows, pos + 1], temperature=temperature, entropy=True, hidden=want_hidden)
+    stats = token_stats(
+        model,
+        {"input_ids": input_ids, "attention_mask": attention_mask},
+        rows,
+        pos,
+        input_ids[rows, pos + 1],
+        temperature=temperature,
+        entropy=True,
+        hidden=want_hidden,
+    )
     shape = (input_ids.shape[0], input_ids.shape[1] - 1)
     return on_grid(stats["logp"], rows, pos, shape), on_grid(stats["entropy"], rows, pos, shape), stats.get("hidden")
 
@@ -173,8 +200,10 @@ def shared_prompt_row(mb: dict) -> dict:
             index[i, p : p + c - 1] = torch.arange(offset, offset + c - 1)
         segments.append((start, p, tuple(lengths)))
     return {
-        "input_ids": torch.tensor([flat]), "position_ids": torch.tensor([positions]),
-        SHARED_PREFIX: segments, "index": index,
+        "input_ids": torch.tensor([flat]),
+        "position_ids": torch.tensor([positions]),
+        SHARED_PREFIX: segments,
+        "index": index,
     }
 
 
@@ -185,11 +214,15 @@ def token_logprobs_shared(model, mb: dict, temperature: float):
     row = shared_prompt_row({k: mb[k].cpu() for k in ("input_ids", "attention_mask", "prompt_len", "group")})
     index = row["index"].to(device)  # (B, L-1)
     rows, cols = (index >= 0).nonzero(as_tuple=True)  # (M,): the scored tokens, by sample row and column
-    inputs = {"input_ids": row["input_ids"].to(device), "position_ids": row["position_ids"].to(device),
-              SHARED_PREFIX: row[SHARED_PREFIX]}
+    inputs = {
+        "input_ids": row["input_ids"].to(device),
+        "position_ids": row["position_ids"].to(device),
+        SHARED_PREFIX: row[SHARED_PREFIX],
+    }
     at = index[rows, cols]  # (M,) where in the packed row each is predicted (a prompt's last token: once per sample)
-    stats = token_stats(model, inputs, torch.zeros_like(at), at, mb["input_ids"][rows, cols + 1],
-                        temperature=temperature, entropy=True)
+    stats = token_stats(
+        model, inputs, torch.zeros_like(at), at, mb["input_ids"][rows, cols + 1], temperature=temperature, entropy=True
+    )
     return on_grid(stats["logp"], rows, cols, index.shape), on_grid(stats["entropy"], rows, cols, index.shape)
 
 
@@ -229,8 +262,13 @@ def generate_sharded(backend, engine, prompts: list[list[int]], sampling: Sampli
     size, per_rank = len(prompts) // shards, shards // world_size()
     seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
     if getattr(backend, "remote", False) or backend is None:
-        parts = backend.generate_shards([(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]))
-                                         for k in range(shards)]) if is_main() else None
+        parts = (
+            backend.generate_shards(
+                [(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k])) for k in range(shards)]
+            )
+            if is_main()
+            else None
+        )
         return [group for part in broadcast_object(parts) for group in part]
     local = []
     with engine.full_weights():
@@ -239,8 +277,9 @@ def generate_sharded(backend, engine, prompts: list[list[int]], sampling: Sampli
     return [group for part in all_gather_object(local) for group in part]
 
 
-def score_sharded(reward, prompts: list, texts: list[str], rows: list[dict],
-                  failures: RewardFailures) -> tuple[list[float], dict[str, float]]:
+def score_sharded(
+    reward, prompts: list, texts: list[str], rows: list[dict], failures: RewardFailures
+) -> tuple[list[float], dict[str, float]]:
     """`score_batch` of this rank's block of samples; the scores gathered on every rank and the metrics
     recomputed over the whole batch (mean, population std; errors and timeouts are row counts); every
     rank's failures added to ``failures``."""
@@ -294,8 +333,8 @@ def rl_evaluate(backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed:
 
 
 def run_rl(trainer, ckpt: Path | None):
-    from oxrl_core.trainer import RunResult
     from oxrl_core.loops.supervised import seed_everything
+    from oxrl_core.trainer import RunResult
 
     cfg = trainer.config
     algorithm, spec, run_dir = trainer.algorithm, trainer.algorithm_cls, trainer.run_dir
@@ -309,13 +348,19 @@ def run_rl(trainer, ckpt: Path | None):
     train_source = load_data(cfg.data.train, "train", trainer.registry)
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
     if dropped:
-        reporter.info(f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}")
+        reporter.info(
+            f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
+        )
     held_out = eval_source(cfg.data, trainer.registry, train_source)
-    eval_rows, eval_ids = ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
+    eval_rows, eval_ids = (
+        ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
+    )
     eval_dataset = held_out.dataset if held_out is not None else None
     reward = build_reward(cfg, trainer.registry, spec.default_reward, train_source.dataset)
     if ro.n < spec.min_group_size:
-        raise OxrlError(f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}")
+        raise OxrlError(
+            f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}"
+        )
     backend_cls = trainer.registry.load_checked("rollout_backend", ro.backend)
     backend_cls.parse_options(ro)  # rollout.options: a typo fails before any model loads
 
@@ -330,14 +375,18 @@ def run_rl(trainer, ckpt: Path | None):
     model = load_causal_lm(load_from, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     if shared and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         shared = False  # decided once: padded rows
-        reporter.info(f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); training on padded rows")
+        reporter.info(
+            f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); training on padded rows"
+        )
     model = apply_lora(model, cfg.lora, resume_from=adapter_ckpt)
     if cfg.lora.enabled:
         reporter.info(trainable_summary(model))
     choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
     ref = None
     if algorithm.uses_ref():  # the reference is the initial policy (never the checkpoint being resumed)
-        ref = load_causal_lm(cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn)
+        ref = load_causal_lm(
+            cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn
+        )
         ref.requires_grad_(False).eval()
         choose_path(ref, cfg.train.logits_chunk_size, reporter.info)
     critic = None
@@ -345,18 +394,28 @@ def run_rl(trainer, ckpt: Path | None):
         critic = build_critic(model, getattr(algorithm.config, "critic", "shared"), lambda: load_causal_lm(policy_path))
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
-    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens)  # fits the context?
+    check_generation_length(
+        model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens
+    )  # fits the context?
     engine = build_engine(
-        model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing,
-        extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches, run_dir=run_dir,
+        model,
+        cfg.train,
+        cfg.engine,
+        cfg.model.gradient_checkpointing,
+        extra_modules=[critic] if critic else [],
+        total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches,
+        run_dir=run_dir,
     )
     if ref is not None:
         ref.to(engine.device)
     if ro.actors:  # rollout.actors: the backend in Ray actors of its own; rank 0 drives them
         from oxrl_core.rollout_actors import RolloutActors
 
-        backend = (RolloutActors.start(ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
-                   if is_main() else None)
+        backend = (
+            RolloutActors.start(ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
+            if is_main()
+            else None
+        )
     else:
         backend = backend_cls.build(model, tokenizer, policy_path, ro)
 
@@ -372,7 +431,9 @@ def run_rl(trainer, ckpt: Path | None):
     sync_probe = probe_sequence(tokenizer, prompt_ids[0]) if ro.sync_check and backend_cls.can_score() else None
     sync_tolerance = ro.sync_tolerance or default_tolerance(getattr(engine, "autocast_dtype", None))
     if ro.sync_check and sync_probe is None:
-        reporter.info(f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified")
+        reporter.info(
+            f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified"
+        )
 
     # The built-in hf backend generates with the trained module itself: after the start check (which covers
     # its generation path) a sync cannot leave it stale, so the probe is not re-scored after every sync.
@@ -384,8 +445,9 @@ def run_rl(trainer, ckpt: Path | None):
         with engine.full_weights():  # (a collective under ZeRO-3: every rank enters it)
             if backend is None:  # rollout actors: rank 0 checks them
                 return {}
-            return check_weight_sync(backend, model, sync_probe, policy_version, sync_tolerance, engine.autocast,
-                                     latest_checkpoint(run_dir))
+            return check_weight_sync(
+                backend, model, sync_probe, policy_version, sync_tolerance, engine.autocast, latest_checkpoint(run_dir)
+            )
 
     try:
         verify_sync(version)  # before training: a backend that loaded the wrong weights stops here
@@ -394,8 +456,17 @@ def run_rl(trainer, ckpt: Path | None):
             backend.close()
         raise
     tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
-    plan = make_plan(train_source, [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids], cfg.train.batch_size, cfg.train.seed, False)
-    saver = Checkpointer(run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp))  # (extra_files: below)
+    plan = make_plan(
+        train_source,
+        [r.get("_source", 0) for r in rows],
+        [len(p) for p in prompt_ids],
+        cfg.train.batch_size,
+        cfg.train.seed,
+        False,
+    )
+    saver = Checkpointer(
+        run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp)
+    )  # (extra_files: below)
     reporter.info(
         f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
         f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} ({len(rows)} prompts) · "
@@ -404,7 +475,11 @@ def run_rl(trainer, ckpt: Path | None):
 
     def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         with engine.full_weights():
-            return rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed) if is_main() else {}
+            return (
+                rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed)
+                if is_main()
+                else {}
+            )
 
     def extra_files(tmp: Path) -> None:
         if critic is not None:
@@ -426,8 +501,12 @@ def run_rl(trainer, ckpt: Path | None):
             t_step = time.perf_counter()
             # 1. rollouts: n samples for each of batch_size prompts (each rank its shards; see generate_sharded)
             picks = plan.micro_batch(step - 1)
-            sampling = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=cfg.train.seed * 1_000_003 + step)
-            groups = generate_sharded(backend, engine, [prompt_ids[i] for i in picks], sampling, cfg.engine.rollout_shards or world_size())
+            sampling = SamplingParams(
+                ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=cfg.train.seed * 1_000_003 + step
+            )
+            groups = generate_sharded(
+                backend, engine, [prompt_ids[i] for i in picks], sampling, cfg.engine.rollout_shards or world_size()
+            )
             check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
             completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
             versions = {c.policy_version for c in completions}
@@ -444,23 +523,41 @@ def run_rl(trainer, ckpt: Path | None):
             sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
             failures = RewardFailures(getattr(reward, "name", type(reward).__name__))
-            scores, reward_metrics = score_sharded(reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures)
+            scores, reward_metrics = score_sharded(
+                reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures
+            )
             reward_s = time.perf_counter() - t0
             reward_watch.after_scoring(step, failures, run_dir)  # one line per step; stops a reward that keeps failing
 
             # 3. the rollout batch, on the trainer's device
             t0 = time.perf_counter()
-            batch = rollout_tensors([prompt_ids[i] for i in picks for _ in range(ro.n)], completions, tokenizer.pad_token_id)
+            batch = rollout_tensors(
+                [prompt_ids[i] for i in picks for _ in range(ro.n)], completions, tokenizer.pad_token_id
+            )
             check_no_padding_holes(batch)
             batch = {k: v.to(device) for k, v in batch.items()}
             batch["rewards"] = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
             batch["group_size"] = ro.n
             batch["group"] = torch.arange(len(completions), device=device) // ro.n  # (B,) the prompt of each sample
-            batch["prompt_len"] = torch.tensor([len(prompt_ids[i]) for i in picks for _ in range(ro.n)], device=device)  # (B,)
+            batch["prompt_len"] = torch.tensor(
+                [len(prompt_ids[i]) for i in picks for _ in range(ro.n)], device=device
+            )  # (B,)
             check_finite("rewards", batch["rewards"], step, run_dir)
             lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do, not the next one
-            record = _update(step, batch, model, ref, critic, algorithm, engine, ro, cfg.train.seed, run_dir, shared,
-                             cfg.train.max_tokens_per_micro_batch)
+            record = _update(
+                step,
+                batch,
+                model,
+                ref,
+                critic,
+                algorithm,
+                engine,
+                ro,
+                cfg.train.seed,
+                run_dir,
+                shared,
+                cfg.train.max_tokens_per_micro_batch,
+            )
             version += 1
             t_sync = time.perf_counter()
             with engine.full_weights():  # ZeRO-3: the backend may read the weights
@@ -472,21 +569,23 @@ def run_rl(trainer, ckpt: Path | None):
             lengths = [len(c.token_ids) for c in completions]
             tokens = float(batch["attention_mask"].sum())  # prompt + completion tokens of the rollout batch
             record.update(reward_metrics)
-            record.update({
-                "response/length": sum(lengths) / len(lengths),
-                "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
-                "policy/version": float(min(versions)),
-                "lr": lr,
-                "perf/gen_s": gen_s,
-                "perf/reward_s": reward_s,
-                "perf/train_s": train_s,
-                "perf/step_s": time.perf_counter() - t_step,
-                "perf/tokens": tokens,
-                "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
-                # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
-                **mfu_meter(ro.epochs * tokens / train_s, tokens / len(completions)),
-                **plan.counts(picks),
-            })
+            record.update(
+                {
+                    "response/length": sum(lengths) / len(lengths),
+                    "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
+                    "policy/version": float(min(versions)),
+                    "lr": lr,
+                    "perf/gen_s": gen_s,
+                    "perf/reward_s": reward_s,
+                    "perf/train_s": train_s,
+                    "perf/step_s": time.perf_counter() - t_step,
+                    "perf/tokens": tokens,
+                    "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
+                    # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
+                    **mfu_meter(ro.epochs * tokens / train_s, tokens / len(completions)),
+                    **plan.counts(picks),
+                }
+            )
             if step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
                 record.update(run_eval())
             tracker.log(step, record)
@@ -512,9 +611,10 @@ def run_rl(trainer, ckpt: Path | None):
     if is_main():
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     if eval_after:
-        reporter.result("held-out: " + ", ".join(
-            f"{k} {eval_before.get(k, math.nan):.3f} before → {v:.3f} after" for k, v in eval_after.items()
-        ))
+        reporter.result(
+            "held-out: "
+            + ", ".join(f"{k} {eval_before.get(k, math.nan):.3f} before → {v:.3f} after" for k, v in eval_after.items())
+        )
     reporter.result(f"done: {cfg.train.max_steps} steps, model saved to {final_dir}")
     return RunResult(run_dir, final_dir, cfg.train.max_steps, records, eval_before, eval_after)
 
@@ -525,7 +625,9 @@ def _forward(model, critic, mb: dict, temperature: float, shared: bool = False):
         return {"logp": logp, "entropy": entropy}
     want_hidden = critic is not None and critic.shared
     # logprobs at the completion tokens only (``mask``): the prompt's positions never meet the LM head
-    logp, entropy, hidden = token_logprobs(model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"])
+    logp, entropy, hidden = token_logprobs(
+        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"]
+    )
     out = {"logp": logp, "entropy": entropy}
     if critic is not None:
         out["values_new"] = critic(hidden, mb["input_ids"], mb["attention_mask"])[:, :-1]  # V(s_t) (B, L-1)
@@ -536,7 +638,9 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)] if size > 0 else [indices]
 
 
-def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir, shared: bool = False, token_budget: int = 0) -> dict:
+def _update(
+    step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir, shared: bool = False, token_budget: int = 0
+) -> dict:
     """Old/ref logprobs and values, advantages, then epochs × minibatches optimiser steps. Returns metrics."""
     B = batch["input_ids"].shape[0]
     temperature = ro.temperature
@@ -552,18 +656,27 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
         """``rows`` in micro-batches: of ``rollout.micro_batch_size`` rows, or filled up to
         ``train.max_tokens_per_micro_batch`` tokens (whole groups when the loss compares a group's samples)."""
         if token_budget > 0:
-            return [[rows[j] for j in part] for part in
-                    token_budget_batches([lengths[i] for i in rows], token_budget, shared, unit)]
+            return [
+                [rows[j] for j in part]
+                for part in token_budget_batches([lengths[i] for i in rows], token_budget, shared, unit)
+            ]
         return _chunks(rows, micro)
 
     def rows_of(idx: list[int]) -> dict:
         index = torch.tensor(idx, device=batch["input_ids"].device)
-        return {k: (v.index_select(0, index) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v) for k, v in batch.items()}
+        return {
+            k: (v.index_select(0, index) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
+            for k, v in batch.items()
+        }
 
     # One update on one forward pass: the "old" policy is the current one, so logp_old is the
     # training forward's own logp, detached (the ratio is exactly 1) — no extra forward pass.
-    single_pass = ro.epochs == 1 and ro.minibatches == 1 and (micro == 0 or micro >= B) and (
-        token_budget <= 0 or len(micro_batches(list(range(B)))) == 1)
+    single_pass = (
+        ro.epochs == 1
+        and ro.minibatches == 1
+        and (micro == 0 or micro >= B)
+        and (token_budget <= 0 or len(micro_batches(list(range(B)))) == 1)
+    )
 
     def forward_rows(module, critic_, keys) -> dict:
         """A no-grad pass over the rollout batch in micro-batches; with data parallelism each rank
@@ -603,7 +716,9 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
     autocast_dtype = getattr(engine, "autocast_dtype", None)
     limit = default_max_logprob_diff(autocast_dtype) if ro.max_logprob_diff is None else ro.max_logprob_diff
-    check_logprob_diff(sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, latest_checkpoint(run_dir))
+    check_logprob_diff(
+        sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, latest_checkpoint(run_dir)
+    )
     # TIS: w_t = min(π_old / π_rollout, rollout.tis_cap), detached; ones when off
     batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)  # (B, T)
     sums.update(tis_metrics)
@@ -658,4 +773,3 @@ def _update(step, batch, model, ref, critic, algorithm, engine, ro, seed, run_di
     record["perf/updates"] = float(updates)
     record["perf/micro_batches"] = micro_batch_count / updates  # per optimiser step
     return record
-

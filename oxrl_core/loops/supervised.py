@@ -22,23 +22,30 @@ import torch
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
-from oxrl_core.lifecycle import Checkpointer
-from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
 from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard, world_size
-from oxrl_core.perf import MfuMeter
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
+from oxrl_core.lifecycle import Checkpointer
+from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
 from oxrl_core.packed_attention import packed_attn_implementation
+from oxrl_core.perf import MfuMeter
 from oxrl_core.progress import Reporter
 from oxrl_core.token_head import choose_path, on_grid, token_stats
 from oxrl_core.tracking import Tracker
 
-
 #: collate keys that go to the model (the varlen keys come with packed micro-batches)
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -70,8 +77,14 @@ def supervised_tokens(model, teacher, mb: dict, algorithm) -> dict:
     mask = targets != IGNORE  # (B, T-1)
     rows, pos = mask.nonzero(as_tuple=True)  # (M,), (M,)
     stats = token_stats(
-        model, {k: mb[k] for k in MODEL_INPUTS if k in mb}, rows, pos, targets[rows, pos],
-        logp_mean=algorithm.uses_logp_mean(), teacher=teacher, kd_temperature=algorithm.distill_temperature(),
+        model,
+        {k: mb[k] for k in MODEL_INPUTS if k in mb},
+        rows,
+        pos,
+        targets[rows, pos],
+        logp_mean=algorithm.uses_logp_mean(),
+        teacher=teacher,
+        kd_temperature=algorithm.distill_temperature(),
     )
     return {"mask": mask, **{name: on_grid(value, rows, pos, mask.shape) for name, value in stats.items()}}
 
@@ -103,15 +116,23 @@ def run_supervised(trainer, ckpt: Path | None):
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length)
     eval_examples, eval_rows, eval_dataset = _eval_data(cfg, trainer.registry, train_source, fmt, tokenizer)
     plan = make_plan(
-        train_source, [e["_source"] for e in train.examples], [len(e["input_ids"]) for e in train.examples],
-        cfg.train.batch_size, cfg.train.seed, cfg.data.group_by_length,
+        train_source,
+        [e["_source"] for e in train.examples],
+        [len(e["input_ids"]) for e in train.examples],
+        cfg.train.batch_size,
+        cfg.train.seed,
+        cfg.data.group_by_length,
     )
     if train.dropped:
-        reporter.info(f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}")
+        reporter.info(
+            f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}"
+        )
 
     # ---- models (the tokenizer is loaded with the data, so bad data fails before any model loads)
     # packed micro-batches: attention row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
-    attn = packed_attn_implementation(cfg.model.attn_implementation) if cfg.data.packing else cfg.model.attn_implementation
+    attn = (
+        packed_attn_implementation(cfg.model.attn_implementation) if cfg.data.packing else cfg.model.attn_implementation
+    )
     load_from, adapter_ckpt = start_path(cfg.model.name, ckpt, cfg.lora)
     model = load_causal_lm(
         load_from,
@@ -154,10 +175,20 @@ def run_supervised(trainer, ckpt: Path | None):
 
     def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         with engine.full_weights():
-            return evaluate(
-                model, tokenizer, engine.device, eval_examples, eval_rows,
-                eval_dataset, cfg.train.batch_size, cfg.rollout.max_new_tokens,
-            ) if is_main() else {}
+            return (
+                evaluate(
+                    model,
+                    tokenizer,
+                    engine.device,
+                    eval_examples,
+                    eval_rows,
+                    eval_dataset,
+                    cfg.train.batch_size,
+                    cfg.rollout.max_new_tokens,
+                )
+                if is_main()
+                else {}
+            )
 
     if start_step == 0 and (eval_examples or eval_rows):
         eval_before = run_eval()
@@ -175,12 +206,22 @@ def run_supervised(trainer, ckpt: Path | None):
             t0 = time.perf_counter()
             picks = [plan.micro_batch(k) for k in range(position, position + accum)]
             # train.max_tokens_per_micro_batch: the same rows, regrouped by a token budget (0 = as drawn)
-            picks = regroup_by_tokens(picks, lambda i: len(train.examples[i]["input_ids"]),
-                                      cfg.train.max_tokens_per_micro_batch, cfg.data.packing)
+            picks = regroup_by_tokens(
+                picks,
+                lambda i: len(train.examples[i]["input_ids"]),
+                cfg.train.max_tokens_per_micro_batch,
+                cfg.data.packing,
+            )
             shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
-            micro = [collate([train.examples[i] for i in rows], tokenizer.pad_token_id, cfg.data.packing) for rows, _ in shares]
+            micro = [
+                collate([train.examples[i] for i in rows], tokenizer.pad_token_id, cfg.data.packing)
+                for rows, _ in shares
+            ]
             position += accum
-            weights = [0.0 if padding else micro_batch_weight(mb, spec.loss_weighting) for mb, (_, padding) in zip(micro, shares)]
+            weights = [
+                0.0 if padding else micro_batch_weight(mb, spec.loss_weighting)
+                for mb, (_, padding) in zip(micro, shares)
+            ]
             total_weight = all_reduce_sum([sum(weights)])[0] or 1.0  # over every rank's share of the batch
             lr = engine.lr
             sums: dict[str, float] = defaultdict(float)

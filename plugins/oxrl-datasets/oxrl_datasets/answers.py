@@ -55,7 +55,9 @@ def completion_number(completion: str) -> float | None:
 
 def numbers_equal(completion: str, gold: str) -> bool:
     predicted, expected = completion_number(completion), to_number(gold)
-    return predicted is not None and expected is not None and math.isclose(predicted, expected, rel_tol=0.0, abs_tol=1e-6)
+    return (
+        predicted is not None and expected is not None and math.isclose(predicted, expected, rel_tol=0.0, abs_tol=1e-6)
+    )
 
 
 def last_boxed(text: str) -> str | None:

@@ -76,11 +76,14 @@ class SourceConfig(Dataset.Config):
         "`datasets.save_to_disk`, or a downloaded hub snapshot directory; empty = load `hub_id` from the hub",
     )
     eval_path: str = Field(
-        "", description="a JSONL/JSON/Parquet file that is the eval split whenever it is set (e.g. when `path` is a file)"
+        "",
+        description="a JSONL/JSON/Parquet file that is the eval split whenever it is set (e.g. when `path` is a file)",
     )
     hub_id: str = hub_id_field()
     subset: str = subset_field()
-    data_dir: str = Field("", description="a sub-directory of the hub dataset or snapshot to read (`datasets.load_dataset`'s `data_dir`)")
+    data_dir: str = Field(
+        "", description="a sub-directory of the hub dataset or snapshot to read (`datasets.load_dataset`'s `data_dir`)"
+    )
     train_split: str = train_split_field()
     eval_split: str = eval_split_field()
 
@@ -119,7 +122,11 @@ class SourceRow:
         if not isinstance(value, list) or not value:
             raise self.error(f"field '{name}' must be a non-empty list of {{role, content}} messages")
         for j, message in enumerate(value):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            if (
+                not isinstance(message, dict)
+                or not isinstance(message.get("role"), str)
+                or not isinstance(message.get("content"), str)
+            ):
                 raise self.error(f"field '{name}[{j}]' must be an object with string 'role' and 'content'")
         return [{"role": m["role"], "content": m["content"]} for m in value]
 
@@ -184,12 +191,16 @@ def read_saved(path: Path, dataset: str, split: str, split_name: str, columns) -
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001
-        raise OxrlError(f"dataset '{dataset}': cannot read the saved dataset {path}: {type(exc).__name__}: {exc}") from None
+        raise OxrlError(
+            f"dataset '{dataset}': cannot read the saved dataset {path}: {type(exc).__name__}: {exc}"
+        ) from None
     if not isinstance(ds, datasets.DatasetDict):
         return [Part(str(path), numbered(ds, columns))] if split == "train" else []
     if not split_name:
         return []
-    return [Part(f"{path}, split '{split_name}'", numbered(pick_split(ds, split_name, dataset, str(path), split), columns))]
+    return [
+        Part(f"{path}, split '{split_name}'", numbered(pick_split(ds, split_name, dataset, str(path), split), columns))
+    ]
 
 
 def _load_kwargs(config: SourceConfig) -> dict:
@@ -224,21 +235,27 @@ def data_files(root: Path) -> dict[str, list[Path]]:
     return found
 
 
-def read_plain_dir(path: Path, config: SourceConfig, dataset: str, split: str, split_name: str, subsets: list[str]) -> list[Part]:
+def read_plain_dir(
+    path: Path, config: SourceConfig, dataset: str, split: str, split_name: str, subsets: list[str]
+) -> list[Part]:
     """A directory of files named by split (no README configs): in ``data_dir``, then ``<subset>/`` for each
     subset that has a directory (else the directory once), then ``data/`` or the directory itself."""
     base = path / config.data_dir if config.data_dir else path
     named = [s for s in subsets if s and (base / s).is_dir()]
     parts: list[Part] = []
-    for roots in ([[base / s] for s in named] or [[base / "data", base]]):
+    for roots in [[base / s] for s in named] or [[base / "data", base]]:
         by_split = next((found for found in map(data_files, roots) if found), {})
         if split_name not in by_split:
-            pick_split(by_split, split_name, dataset, str(roots[0].parent if roots[0].name == "data" else roots[0]), split)
+            pick_split(
+                by_split, split_name, dataset, str(roots[0].parent if roots[0].name == "data" else roots[0]), split
+            )
         parts += [read_file(f, dataset, "path") for f in by_split[split_name]]
     return parts
 
 
-def read_snapshot(path: Path, config: SourceConfig, dataset: str, split: str, split_name: str, subset: str, columns) -> Part:
+def read_snapshot(
+    path: Path, config: SourceConfig, dataset: str, split: str, split_name: str, subset: str, columns
+) -> Part:
     """A downloaded hub snapshot whose README declares its configs: ``datasets.load_dataset(dir, subset)``."""
     import datasets
 
@@ -246,8 +263,12 @@ def read_snapshot(path: Path, config: SourceConfig, dataset: str, split: str, sp
     try:
         ds_dict = datasets.load_dataset(str(path), subset or None, **_load_kwargs(config))
     except Exception as exc:  # noqa: BLE001 - no data files, unknown config, ...: all one message
-        raise OxrlError(f"dataset '{dataset}': cannot load the directory {label}: {type(exc).__name__}: {exc}") from None
-    return Part(f"{label}, split '{split_name}'", numbered(pick_split(ds_dict, split_name, dataset, label, split), columns))
+        raise OxrlError(
+            f"dataset '{dataset}': cannot load the directory {label}: {type(exc).__name__}: {exc}"
+        ) from None
+    return Part(
+        f"{label}, split '{split_name}'", numbered(pick_split(ds_dict, split_name, dataset, label, split), columns)
+    )
 
 
 def read_hub(config: SourceConfig, dataset: str, split_name: str, subset: str, columns) -> Part:

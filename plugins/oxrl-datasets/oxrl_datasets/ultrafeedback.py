@@ -26,7 +26,14 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from oxrl_datasets.sources import SourceConfig, SourceDataset, SourceRow, eval_split_field, hub_id_field, train_split_field
+from oxrl_datasets.sources import (
+    SourceConfig,
+    SourceDataset,
+    SourceRow,
+    eval_split_field,
+    hub_id_field,
+    train_split_field,
+)
 
 
 def final_reply(row: SourceRow, name: str) -> tuple[list[dict], str]:

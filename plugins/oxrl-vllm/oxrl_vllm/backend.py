@@ -61,9 +61,21 @@ from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, Str
 
 #: engine arguments the backend sets itself (`engine_kwargs` may not override them)
 _OWNED = {
-    "model", "tokenizer", "dtype", "seed", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_memory_bytes",
-    "enable_prefix_caching", "enforce_eager", "max_model_len", "logprobs_mode", "generation_config",
-    "enable_lora", "max_lora_rank", "max_loras",
+    "model",
+    "tokenizer",
+    "dtype",
+    "seed",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "kv_cache_memory_bytes",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "max_model_len",
+    "logprobs_mode",
+    "generation_config",
+    "enable_lora",
+    "max_lora_rank",
+    "max_loras",
 }
 #: the ranks vLLM can serve (`max_lora_rank`): an adapter of rank r uses the smallest one >= r
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -105,8 +117,12 @@ def _install_adapter(worker, lora_id: int, tensors: dict, peft_config: dict, pre
     helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
     adapter = LoRAModel.from_lora_tensors(
-        lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
-        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        lora_model_id=lora_id,
+        tensors=tensors,
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
     )
     expected = set(manager._adapter_manager.supported_lora_modules)
     for packed in list(expected):
@@ -148,8 +164,9 @@ class VLLMRolloutBackend(RolloutBackend):
 
         tensor_parallel_size: int = Field(1, ge=1, description="GPUs the engine shards the model over")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-            "auto", description="engine weights/activations; auto = float32 on CPU, bfloat16 on a GPU that has it "
-            "(what the trainer computes in by default), else float32"
+            "auto",
+            description="engine weights/activations; auto = float32 on CPU, bfloat16 on a GPU that has it "
+            "(what the trainer computes in by default), else float32",
         )
         gpu_memory_utilization: float = Field(
             0.3, gt=0, le=1, description="GPU: fraction of the GPU's memory vLLM may take (the trainer shares the GPU)"
@@ -157,19 +174,24 @@ class VLLMRolloutBackend(RolloutBackend):
         kv_cache_gb: float | None = Field(
             None, gt=0, description="KV cache size in GiB; empty = 1 GiB on CPU, from gpu_memory_utilization on a GPU"
         )
-        max_model_len: int | None = Field(None, gt=0, description="longest prompt + completion; empty = the model's own")
+        max_model_len: int | None = Field(
+            None, gt=0, description="longest prompt + completion; empty = the model's own"
+        )
         enable_prefix_caching: bool = Field(True, description="reuse the prompt's KV blocks across its n samples")
         enforce_eager: bool | None = Field(
-            None, description="no torch.compile / CUDA graphs; empty = eager on CPU (compiling costs ~20 s per start), "
-            "graphs on a GPU"
+            None,
+            description="no torch.compile / CUDA graphs; empty = eager on CPU (compiling costs ~20 s per start), "
+            "graphs on a GPU",
         )
         lora: Literal["auto", "adapter", "merged"] = Field(
-            "auto", description="under lora.enabled: push the adapter to vLLM as an adapter each sync (base "
+            "auto",
+            description="under lora.enabled: push the adapter to vLLM as an adapter each sync (base "
             "weights stay, LoRA kernels at generation), or merge it and reload the whole weights; "
-            "auto = adapter on a GPU, merged on CPU (vLLM's CPU LoRA kernels are slow)"
+            "auto = adapter on a GPU, merged on CPU (vLLM's CPU LoRA kernels are slow)",
         )
         engine_kwargs: dict[str, Any] = Field(
-            default_factory=dict, description="further `vllm.LLM` keyword arguments, passed as they are (e.g. max_num_seqs)"
+            default_factory=dict,
+            description="further `vllm.LLM` keyword arguments, passed as they are (e.g. max_num_seqs)",
         )
 
         @field_validator("engine_kwargs")
@@ -204,7 +226,7 @@ class VLLMRolloutBackend(RolloutBackend):
         except ImportError as exc:
             raise OxrlError(
                 f"rollout.backend=vllm needs vLLM, which does not import here ({type(exc).__name__}: {exc}). "
-                "Install it with `pip install \"oxrl-vllm[gpu]\"` (CUDA) or `pip install \"oxrl-vllm[cpu]\"` (CPU)."
+                'Install it with `pip install "oxrl-vllm[gpu]"` (CUDA) or `pip install "oxrl-vllm[cpu]"` (CPU).'
             ) from None
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DropRopeReloadWarning())
 
@@ -213,7 +235,9 @@ class VLLMRolloutBackend(RolloutBackend):
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu and torch.cuda.is_bf16_supported() else "float32"
         kv_gb = options.kv_cache_gb if options.kv_cache_gb is not None else (None if on_gpu else 1.0)
-        model_path = str(model_path or getattr(model, "name_or_path", ""))  # `oxrl eval` of the built-in model passes ""
+        model_path = str(
+            model_path or getattr(model, "name_or_path", "")
+        )  # `oxrl eval` of the built-in model passes ""
         engine_args: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
@@ -241,8 +265,10 @@ class VLLMRolloutBackend(RolloutBackend):
             ranks = [peft_config.r, *peft_config.rank_pattern.values()]
             fits = [rank for rank in _VLLM_LORA_RANKS if rank >= max(ranks)]
             if not fits:
-                raise OxrlError(f"lora.r: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}, got {max(ranks)}; "
-                                "set rollout.options.lora=merged")
+                raise OxrlError(
+                    f"lora.r: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}, got {max(ranks)}; "
+                    "set rollout.options.lora=merged"
+                )
             # one adapter at a time; the next version's is added before the old one goes
             engine_args.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
         # In this process vLLM seeds the global RNGs and (CPU) replaces torch.set_num_threads: the trainer's
@@ -301,7 +327,9 @@ class VLLMRolloutBackend(RolloutBackend):
         if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
             raise OxrlError(f"sampling needs temperature >= 0 and 0 < top_p <= 1, got {sampling}")
         if sampling.temperature > 2:
-            raise OxrlError(f"rollout backend 'vllm': temperature must be at most 2 (vLLM's limit), got {sampling.temperature}")
+            raise OxrlError(
+                f"rollout backend 'vllm': temperature must be at most 2 (vLLM's limit), got {sampling.temperature}"
+            )
         if any(len(p) == 0 for p in prompt_token_ids):
             raise OxrlError("every prompt needs at least one token")
         params = [
@@ -309,12 +337,21 @@ class VLLMRolloutBackend(RolloutBackend):
             for i in range(len(prompt_token_ids))
         ]
         with _engine_errors("generate"):
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids], params,
-                                   use_tqdm=False, lora_request=self.lora_request)
+            outputs = llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids],
+                params,
+                use_tqdm=False,
+                lora_request=self.lora_request,
+            )
         groups = [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
         if sampling.temperature == 0:
-            groups = [[replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
-                       for _ in range(sampling.n)] for group in groups]
+            groups = [
+                [
+                    replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
+                    for _ in range(sampling.n)
+                ]
+                for group in groups
+            ]
         return groups
 
     def _completion(self, c) -> Completion:
@@ -335,8 +372,9 @@ class VLLMRolloutBackend(RolloutBackend):
 
         params = VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with _engine_errors("score"):
-            out = self._llm().generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False,
-                                       lora_request=self.lora_request)[0]
+            out = self._llm().generate(
+                [TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False, lora_request=self.lora_request
+            )[0]
         return [float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
     # ------------------------------------------------------------------ weights
@@ -358,7 +396,9 @@ class VLLMRolloutBackend(RolloutBackend):
         if isinstance(state, torch.nn.Module):
             from oxrl_core.lora import policy_state_dict
 
-            state = policy_state_dict(state)  # under LoRA (lora: merged): the merged weights, under the base model's names
+            state = policy_state_dict(
+                state
+            )  # under LoRA (lora: merged): the merged weights, under the base model's names
         by_reference = self._in_process()
         # in process: the trainer's tensors by reference (vLLM copies them into its own, converting dtype);
         # across processes: CPU copies, serialised by vLLM's RPC
@@ -385,10 +425,15 @@ class VLLMRolloutBackend(RolloutBackend):
         from oxrl_core.lora import is_peft
 
         if not is_peft(model):
-            raise OxrlError("rollout backend 'vllm' serves LoRA adapters: update_weights needs the trainer's PEFT model")
+            raise OxrlError(
+                "rollout backend 'vllm' serves LoRA adapters: update_weights needs the trainer's PEFT model"
+            )
         name = model.active_adapter
         # copies: vLLM folds the scaling into lora_B in place, and the trainer's tensors must stay as they are
-        tensors = {key: t.detach().to("cpu", copy=True) for key, t in get_peft_model_state_dict(model, adapter_name=name).items()}
+        tensors = {
+            key: t.detach().to("cpu", copy=True)
+            for key, t in get_peft_model_state_dict(model, adapter_name=name).items()
+        }
         config = model.peft_config[name].to_dict()
         if isinstance(config["target_modules"], set):  # PEFT resolves "all-linear" to a set of names
             config["target_modules"] = sorted(config["target_modules"])
@@ -398,8 +443,10 @@ class VLLMRolloutBackend(RolloutBackend):
             with torch.no_grad():
                 self._llm().collective_rpc(_install_adapter, args=(lora_id, tensors, config, previous))
         except Exception as exc:  # noqa: BLE001 - e.g. an adapter vLLM cannot serve
-            raise OxrlError(f"rollout backend 'vllm': the LoRA adapter could not be loaded: {type(exc).__name__}: {exc} "
-                            "(rollout.options.lora=merged syncs merged weights instead)") from exc
+            raise OxrlError(
+                f"rollout backend 'vllm': the LoRA adapter could not be loaded: {type(exc).__name__}: {exc} "
+                "(rollout.options.lora=merged syncs merged weights instead)"
+            ) from exc
         self.lora_request = LoRARequest(f"oxrl-policy-v{policy_version}", lora_id, _IN_MEMORY)
         if not self._llm().reset_prefix_cache():
             raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
