@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_algs_rl.common import group_advantages, masked_mean
 from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.ops import group_advantages, masked_mean
 
 
 class CISPO(Algorithm):

@@ -30,8 +30,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from oxrl_algs_rl.common import masked_mean
 from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.ops import masked_mean
 
 
 def discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_algs_rl.common import group_advantages, k3_kl, masked_mean
 from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.ops import group_advantages, k3_kl, masked_mean
 
 
 class SGRPO(Algorithm):

@@ -199,7 +199,7 @@ def test_equal_rewards_get_exactly_zero_advantage_in_float32():
     """Group 1: eight rewards of 0.1 (float32: mean ≠ 0.1 by 7e-9, std 8e-9 — the old std > 0 test let
     A = −7.45e-5 through). Group 2: four 0.1 and four 0.3: mean 0.2, sample std sqrt(8·0.01/7) = 0.1069045,
     A = ±0.1 / (0.1069045 + 1e-4) = ±0.934540."""
-    from oxrl_algs_rl.common import group_advantages
+    from oxrl_core.ops import group_advantages
 
     rewards = torch.tensor([0.1] * 8 + [0.1] * 4 + [0.3] * 4, dtype=torch.float32)
     adv = group_advantages(rewards, 8)

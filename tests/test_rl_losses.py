@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from oxrl_algs_rl.cispo import CISPO
-from oxrl_algs_rl.common import group_advantages, k3_kl, masked_mean
 from oxrl_algs_rl.ppo import PPO, discounted_cumsum, gae
 from oxrl_algs_rl.rlaif import RLAIF
 from oxrl_algs_rl.rlhf import RLHF
 from oxrl_algs_rl.sgrpo import SGRPO
 from oxrl_algs_supervised.rft import RFT
+from oxrl_core.ops import group_advantages, k3_kl, masked_mean
 
 
 def test_group_advantages_by_hand():

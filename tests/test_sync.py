@@ -13,7 +13,6 @@ import torch
 from conftest import oxrl, read_metrics
 
 from oxrl_algs_rl.cispo import CISPO
-from oxrl_algs_rl.common import k3_kl, masked_mean
 from oxrl_algs_rl.ppo import PPO
 from oxrl_algs_rl.rlhf import RLHF
 from oxrl_algs_rl.sgrpo import SGRPO
@@ -22,6 +21,7 @@ from oxrl_core.data import encode_prompt
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import RolloutBackend, StrictModel
 from oxrl_core.models import load_causal_lm, load_tokenizer
+from oxrl_core.ops import k3_kl, masked_mean
 from oxrl_core.rollout_hf import HFRolloutBackend
 from oxrl_core.sync import check_weight_sync, default_tolerance, probe_sequence, tis_weight, trainer_logprobs
 

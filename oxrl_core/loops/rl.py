@@ -46,6 +46,7 @@ from oxrl_core.interfaces import SamplingParams
 from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
+from oxrl_core.ops import k3_kl, masked_mean_value
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 from oxrl_core.perf import MfuMeter
 from oxrl_core.progress import Reporter
@@ -235,10 +236,6 @@ def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> N
             f"step {step}: {bad} non-finite value(s) (NaN/inf) in '{name}'; the run stops before updating the model. "
             f"Last complete checkpoint: {last or 'none'}. Check the reward / lower train.lr, then --resume."
         )
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
 
 
 # ----------------------------------------------------------------------------- data parallelism
@@ -712,7 +709,7 @@ def _update(
     mask = batch["mask"]
     check_finite("logp_old", batch["logp_old"], step, run_dir)
     gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
-    sums = {"rollout/logprob_diff": masked_mean(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
+    sums = {"rollout/logprob_diff": masked_mean_value(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
     # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
     autocast_dtype = getattr(engine, "autocast_dtype", None)
     limit = default_max_logprob_diff(autocast_dtype) if ro.max_logprob_diff is None else ro.max_logprob_diff
@@ -723,9 +720,8 @@ def _update(
     batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)  # (B, T)
     sums.update(tis_metrics)
     if ref is not None:
-        # k3 estimator of KL(π || π_ref) at the sampling policy: exp(Δ) − Δ − 1, Δ = logp_ref − logp
-        delta = batch["logp_ref"] - batch["logp_old"]
-        sums["kl/ref"] = masked_mean(delta.exp() - delta - 1, mask)
+        # k3 estimator of KL(π || π_ref) at the sampling policy
+        sums["kl/ref"] = masked_mean_value(k3_kl(batch["logp_old"], batch["logp_ref"]), mask)
 
     # advantages (the algorithm's maths)
     added, adv_metrics = algorithm.advantages(batch)
@@ -762,7 +758,7 @@ def _update(
                 engine.backward(loss * (weight / total))
                 share = weight / total
                 loss_sums["loss"] += float(loss.detach()) * share
-                loss_sums["entropy"] += masked_mean(mb["entropy"].detach(), mb["mask"]) * share
+                loss_sums["entropy"] += masked_mean_value(mb["entropy"].detach(), mb["mask"]) * share
                 for key, value in metrics.items():
                     loss_sums[key] += float(value) * share
             grad_norms.append(engine.step())

@@ -1,6 +1,8 @@
-"""Maths shared by the RL algorithms: masked means, group-relative advantages, the k3 KL estimator.
+"""The shared maths every algorithm (and the loops) import: masked means, token NLL, group-relative
+advantages, the k3 KL estimator. A leaf module: it imports torch and nothing of oxRL.
 
-Shapes: B = prompts × n samples (the n samples of one prompt contiguous), T = token positions.
+Shapes: B = sequences (RL: prompts × n samples, the n samples of one prompt contiguous),
+T = token positions.
 """
 
 from __future__ import annotations
@@ -11,6 +13,19 @@ import torch
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over the positions where ``mask`` is 1 (0 when the mask is empty)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def masked_mean_value(x: torch.Tensor, mask: torch.Tensor) -> float:
+    """`masked_mean` as a Python float, for metrics (no graph kept)."""
+    return float(masked_mean(x.detach(), mask))
+
+
+def token_nll(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean negative log-likelihood over the scored positions:
+
+    NLL = −Σ_t m_t log π(y_t) / Σ_t m_t          logp, mask: (B, T) -> scalar
+    """
+    return -masked_mean(logp, mask)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
