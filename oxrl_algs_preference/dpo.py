@@ -19,7 +19,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_preference.common import chosen_nll, pair_metrics, sigmoid_loss
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 class DPO(Algorithm):
@@ -38,7 +38,7 @@ class DPO(Algorithm):
             0.0, ge=0, description="α: weight of an NLL term on the chosen responses (RPO); 0 = off"
         )
 
-    def loss(self, batch):
+    def loss(self, batch: PairedPreferenceBatch):
         beta = self.config.beta
         # log π_θ(y|x) − log π_ref(y|x) per pair
         chosen_logratio = batch["logp_chosen"] - batch["ref_logp_chosen"]  # (B,)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 class IPO(Algorithm):
@@ -31,7 +31,7 @@ class IPO(Algorithm):
     class Config(StrictModel):
         beta: float = Field(0.1, gt=0, description="β (τ in the paper): the regression target is 1/(2β)")
 
-    def loss(self, batch):
+    def loss(self, batch: PairedPreferenceBatch):
         beta = self.config.beta
         # length-averaged log-ratios: (log π_θ(y|x) − log π_ref(y|x)) / |y|
         chosen_logratio = (batch["logp_chosen"] - batch["ref_logp_chosen"]) / batch["n_chosen"]  # (B,)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, StrictModel, UnpairedPreferenceBatch
 
 
 class KTO(Algorithm):
@@ -38,7 +38,7 @@ class KTO(Algorithm):
         desirable_weight: float = Field(1.0, gt=0, description="λ_D: weight of desirable rows")
         undesirable_weight: float = Field(1.0, gt=0, description="λ_U: weight of undesirable rows")
 
-    def loss(self, batch):
+    def loss(self, batch: UnpairedPreferenceBatch):
         beta = self.config.beta
         desirable = batch["label"] > 0.5  # (B,) bool
         # r = log π_θ(y|x) − log π_ref(y|x)

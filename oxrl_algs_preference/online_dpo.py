@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 
 
 class OnlineDPO(Algorithm):
@@ -40,7 +40,7 @@ class OnlineDPO(Algorithm):
         beta: float = Field(0.1, gt=0, description="β: strength of the KL regularisation towards the reference")
         label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="ε: probability that a ranking is wrong (cDPO)")
 
-    def advantages(self, batch):
+    def advantages(self, batch: RLAdvantagesBatch):
         n = batch["group_size"]
         rewards = batch["rewards"].view(-1, n)  # (P, n)
         best, worst = rewards.argmax(1), rewards.argmin(1)  # (P,)
@@ -52,7 +52,7 @@ class OnlineDPO(Algorithm):
         role[rows[used], worst[used]] = -1.0
         return {"role": role.view(-1)}, {"pairs/used": used.float().mean()}
 
-    def loss(self, batch):
+    def loss(self, batch: RLLossBatch):
         n = batch["group_size"]
         # log π(y|x) summed over completion tokens, one per sample; (P, n)
         logp = (batch["logp"] * batch["mask"]).sum(-1).view(-1, n)

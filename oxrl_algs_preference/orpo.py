@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from oxrl_algs_preference.common import chosen_nll, pair_metrics
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 def log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ class ORPO(Algorithm):
     class Config(StrictModel):
         lam: float = Field(0.1, ge=0, description="λ: weight of the odds-ratio term (TRL calls it beta)")
 
-    def loss(self, batch):
+    def loss(self, batch: PairedPreferenceBatch):
         lam = self.config.lam
         avg_chosen = batch["logp_chosen"] / batch["n_chosen"]  # (B,) log p(y_c|x)
         avg_rejected = batch["logp_rejected"] / batch["n_rejected"]  # (B,)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, ScoreBatch, StrictModel
 
 
 class RM(Algorithm):
@@ -31,7 +31,7 @@ class RM(Algorithm):
         margin: float = Field(0.0, description="m: the chosen reward must exceed the rejected one by this much")
         center_coeff: float = Field(0.0, ge=0, description="c: weight of the reward-centering term (0 = off)")
 
-    def loss(self, batch):
+    def loss(self, batch: ScoreBatch):
         r_chosen, r_rejected = batch["rewards_chosen"], batch["rewards_rejected"]  # (B,), (B,)
         # L_BT = −log σ(r_c − r_r − m)
         loss = -F.logsigmoid(r_chosen - r_rejected - self.config.margin).mean()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 class SimPO(Algorithm):
@@ -29,7 +29,7 @@ class SimPO(Algorithm):
         gamma: float = Field(1.0, ge=0, description="γ: target reward margin between chosen and rejected")
         label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="ε: probability that a preference label is wrong")
 
-    def loss(self, batch):
+    def loss(self, batch: PairedPreferenceBatch):
         beta, gamma = self.config.beta, self.config.gamma
         # (β/|y|)·log π_θ(y|x): the length-normalised implicit reward
         reward_chosen = beta * batch["logp_chosen"] / batch["n_chosen"]  # (B,)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 class SPIN(Algorithm):
@@ -42,7 +42,7 @@ class SPIN(Algorithm):
     def iterations(self) -> int:
         return self.config.iterations
 
-    def loss(self, batch):
+    def loss(self, batch: PairedPreferenceBatch):
         beta = self.config.beta
         # chosen = the dataset response y, rejected = the opponent's y'
         chosen_logratio = batch["logp_chosen"] - batch["ref_logp_chosen"]  # (B,)

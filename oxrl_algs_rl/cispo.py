@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 from oxrl_core.ops import group_advantages, masked_mean
 
 
@@ -38,13 +38,13 @@ class CISPO(Algorithm):
         scale_rewards: bool = Field(True, description="divide the centred rewards by the group std")
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
-    def advantages(self, batch):
+    def advantages(self, batch: RLAdvantagesBatch):
         adv_seq = group_advantages(
             batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps
         )  # (B,)
         return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": float(adv_seq.abs().mean())}  # (B, T)
 
-    def loss(self, batch):
+    def loss(self, batch: RLLossBatch):
         c = self.config
         mask, adv, logp = batch["mask"], batch["adv"], batch["logp"]  # (B, T) each
         ratio = torch.exp(logp - batch["logp_old"])  # ρ (B, T)

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 from oxrl_core.ops import masked_mean
 
 
@@ -87,7 +87,7 @@ class PPO(Algorithm):
     def uses_ref(self) -> bool:
         return self.config.kl_coeff > 0
 
-    def advantages(self, batch):
+    def advantages(self, batch: RLAdvantagesBatch):
         c = self.config
         mask = batch["mask"]  # (B, T)
         # the sequence reward R sits on the last completion token
@@ -108,7 +108,7 @@ class PPO(Algorithm):
         metrics["returns/mean"] = float(masked_mean(returns, mask))
         return {"adv": adv, "returns": returns}, metrics
 
-    def loss(self, batch):
+    def loss(self, batch: RLLossBatch):
         c = self.config
         mask, adv = batch["mask"], batch["adv"]  # (B, T)
         # clipped policy loss

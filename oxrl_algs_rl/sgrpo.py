@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 from oxrl_core.ops import group_advantages, k3_kl, masked_mean
 
 
@@ -52,7 +52,7 @@ class SGRPO(Algorithm):
     def uses_ref(self) -> bool:
         return self.config.kl_coeff > 0
 
-    def advantages(self, batch):
+    def advantages(self, batch: RLAdvantagesBatch):
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
         adv_seq = group_advantages(
             batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps
@@ -60,7 +60,7 @@ class SGRPO(Algorithm):
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
         return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean())}
 
-    def loss(self, batch):
+    def loss(self, batch: RLLossBatch):
         c = self.config
         mask, adv = batch["mask"], batch["adv"]  # (B, T), (B, T)
         # ρ = π_θ / π_old

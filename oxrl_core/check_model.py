@@ -18,7 +18,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from oxrl_core.config import LoraConfig, TrainConfig
 from oxrl_core.errors import OxrlError
+from oxrl_core.hf_env import quiet_transformers
+from oxrl_core.lora import default_targets
+from oxrl_core.models import _check_local_dir, resolve_model_path
+from oxrl_core.packed_attention import attention_fast_paths
+from oxrl_core.token_head import choose_path
 
 #: head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -40,9 +46,7 @@ def _problem(problems: list, severity: str, problem: str, fix: str) -> None:
 def _load_config(path: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    from oxrl_core.models import _check_local_dir, _quiet_transformers
-
-    _quiet_transformers()
+    quiet_transformers()
     _check_local_dir(path, "check-model")
     local = Path(path).expanduser()
     if local.exists() and not local.is_dir():
@@ -208,9 +212,6 @@ def _prefill_cache(model, config) -> tuple[bool, str]:
 
 
 def _lora(model) -> tuple[bool, str, list[str]]:
-    from oxrl_core.config import LoraConfig
-    from oxrl_core.lora import default_targets
-
     target = LoraConfig().target_modules
     if target != "all-linear":
         wanted = {target} if isinstance(target, str) else set(target)
@@ -232,9 +233,6 @@ def _lora(model) -> tuple[bool, str, list[str]]:
 
 
 def _chunked_head(model) -> tuple[bool, str]:
-    from oxrl_core.config import TrainConfig
-    from oxrl_core.token_head import choose_path
-
     chunk = TrainConfig().logits_chunk_size
     if chunk <= 0:
         return False, "train.logits_chunk_size default is 0: full logits"
@@ -249,8 +247,6 @@ def _chunked_head(model) -> tuple[bool, str]:
 
 def check_model(name: str, trust_remote_code: bool = False) -> dict:
     """The report `oxrl check-model` prints (a JSON-ready dict); ``ok`` is False when oxRL cannot train the model."""
-    from oxrl_core.models import resolve_model_path
-
     path = resolve_model_path(name)
     config = _load_config(path, trust_remote_code)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -354,8 +350,6 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
 
 
 def _paths(report: dict, model, config, text, problems: list) -> None:
-    from oxrl_core.packed_attention import attention_fast_paths
-
     paths = report["paths"]
     for key, (applies, detail) in attention_fast_paths(config).items():
         paths[key] = {"applies": applies, "detail": detail}

@@ -49,6 +49,7 @@ def run(
     """Train: oxrl run --alg sft [--config my.yaml] [--set train.lr=1e-5].
 
     Ctrl-C or SIGTERM saves a checkpoint after the step in progress and exits (130 / 143); again: at once."""
+    # lazy: every command imports only what it runs; the trainer brings torch, kept out of `oxrl --help`
     from oxrl_core.trainer import Trainer
 
     if force_config and not resume:
@@ -70,6 +71,7 @@ def run(
 @app.command()
 def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """List installed algorithms, rewards, datasets and rollout backends, and plugins that failed to load."""
+    # lazy: discovery reads entry points without importing torch (`oxrl plugins` stays light)
     from oxrl_core.plugins import discover
 
     registry = discover()
@@ -104,6 +106,7 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
 @app.command()
 def doctor():
     """Check the environment: torch/CUDA, DeepSpeed, Ray, vLLM, trackers, and plugins that failed to load."""
+    # lazy: `oxrl doctor` imports its checks only when it runs (keeps `oxrl --help` light)
     from oxrl_core.doctor import checks
     from oxrl_core.plugins import discover
 
@@ -147,6 +150,7 @@ def score(
     set_: list[str] = typer.Option([], "--set", "-s", help="a reward option: --set workers=4 (repeatable)"),
 ):
     """Score completions with a reward before a run: one JSON object per row with `score` and the reward's details."""
+    # lazy: only `oxrl score` needs the reward machinery (keeps `oxrl --help` light)
     from oxrl_core.scoring import score_file
 
     score_file(reward, data, output, set_, console=err)
@@ -178,6 +182,7 @@ def eval_(
     ),
 ):
     """Evaluate a model on held-out prompts: mean reward, pass@1 and pass@k."""
+    # lazy: `oxrl eval` loads torch and transformers; kept out of `oxrl --help`
     from oxrl_core.eval_command import evaluate_model
 
     report = evaluate_model(
@@ -214,6 +219,7 @@ def check_model(
 ):
     """Check a model before training: architecture, tokenizer, chat template, which oxRL paths apply, problems and fixes.
     Exits with status 2 when oxRL cannot train the model."""
+    # lazy: `oxrl check-model` loads torch and transformers; kept out of `oxrl --help`
     from oxrl_core.check_model import check_model as inspect
     from oxrl_core.check_model import render, to_json
 
@@ -232,6 +238,7 @@ def new_plugin(
     directory: Path = typer.Option(Path("."), "--dir", help="where to create oxrl-<name>/"),
 ):
     """Scaffold a third-party algorithm plugin package that installs and runs."""
+    # lazy: only `oxrl new-plugin` needs the scaffold (keeps `oxrl --help` light)
     from oxrl_core.scaffold import create, name_taken
 
     root = create(name, directory)
@@ -247,6 +254,7 @@ def new_plugin(
 def main() -> None:
     """The console script. Ctrl-C / SIGTERM are oxRL's own (`lifecycle`), not the CLI framework's: click would
     catch a KeyboardInterrupt and exit 1; a run saves a checkpoint first and exits 130 / 143."""
+    # lazy: the signal handling of a run; kept out of `oxrl --help`
     from oxrl_core import lifecycle
 
     try:

@@ -10,7 +10,6 @@ dotted field, so the CLI can print it without a traceback.
 from __future__ import annotations
 
 import copy
-import difflib
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -18,7 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import StrictModel
+from oxrl_core.schema import StrictModel, format_validation_error
 
 
 class ModelConfig(StrictModel):
@@ -404,34 +403,6 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = child
         node[parts[-1]] = value
     return raw
-
-
-def _fields_of(model_cls, loc: tuple) -> list[str]:
-    """Field names valid at `loc` (for 'did you mean')."""
-    cls = model_cls
-    for part in loc[:-1]:
-        field = getattr(cls, "model_fields", {}).get(part)
-        if field is None or not hasattr(field.annotation, "model_fields"):
-            return []
-        cls = field.annotation
-    return list(getattr(cls, "model_fields", {}))
-
-
-def format_validation_error(exc: ValidationError, model_cls, source: str, prefix: str = "") -> OxrlError:
-    lines = []
-    for err in exc.errors():
-        loc = tuple(str(p) for p in err["loc"])
-        dotted = prefix + ".".join(loc)
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(loc[-1], _fields_of(model_cls, loc), n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            valid = ", ".join(_fields_of(model_cls, loc))
-            lines.append(f"  {dotted}: unknown field{hint}; valid fields: {valid}")
-        else:
-            got = err.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"  {dotted}: {err['msg'].removeprefix('Value error, ')}{shown}")
-    return OxrlError(f"invalid config ({source}):\n" + "\n".join(lines))
 
 
 def load_run_config(

@@ -5,7 +5,7 @@ file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``), a directory written by ``datase
 a hub id (through ``datasets.load_dataset``); or a mapping ``{source, ratio, ...}``
 whose other keys are the dataset plugin's options; or a list of those, mixed by
 their ratios (`MixturePlan`). Every row is checked against the format the
-algorithm consumes (DESIGN §5); a bad row is an `OxrlError` naming the file, the
+algorithm consumes (the row formats: ``docs/architecture.md``); a bad row is an `OxrlError` naming the file, the
 row number (1-based; the line number for JSONL) and the field. A byte that is not
 UTF-8 names the file, the line and the byte offset; an OS error while looking a source up
 or reading it (a name too long, an I/O error) names the field and the path. Rows are
@@ -31,8 +31,11 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Dataset
+from oxrl_core.schema import format_validation_error
 
 IGNORE = -100
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -273,12 +276,13 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
     return Source(_from_hf(ds, spec, split), spec)
 
 
+def can_verify(dataset) -> bool:
+    """True when the dataset plugin implements `verify` (answers can be checked)."""
+    return dataset is not None and type(dataset).verify is not Dataset.verify
+
+
 def build_dataset(registry, name: str, options: dict, field: str):
     """The dataset plugin ``name`` with its options validated by its ``Config`` (errors name ``field.option``)."""
-    from pydantic import ValidationError
-
-    from oxrl_core.config import format_validation_error
-
     cls = registry.load_checked("dataset", name)  # a Dataset subclass that keeps the interface
     try:
         config = cls.Config.model_validate(options)
@@ -401,8 +405,6 @@ class MixedDataset(Dataset):
     @classmethod
     def of(cls, datasets: list):
         """One plugin when every part is the same one; a mix when every part can check answers; else None."""
-        from oxrl_core.evaluation import can_verify
-
         if all(d is not None for d in datasets) and len({id(d) for d in datasets}) == 1:
             return datasets[0]
         if datasets and all(can_verify(d) for d in datasets):

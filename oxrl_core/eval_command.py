@@ -16,7 +16,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from oxrl_core.config import RolloutConfig, RunConfig
+from oxrl_core.data import encode_row_prompt, load_data, normalise_row
 from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import SamplingParams
+from oxrl_core.models import load_causal_lm, load_tokenizer
+from oxrl_core.plugins import registry as get_registry
+from oxrl_core.rewards import build_reward, score_batch
+from oxrl_core.rollout_hf import check_generation_length
 
 CORRECT = 1.0 - 1e-9  # a reward at least this large counts as a correct sample
 
@@ -52,14 +59,6 @@ def evaluate_model(
 ) -> dict:
     """Generate ``n`` completions per held-out prompt, score them, and return the report."""
     import torch
-
-    from oxrl_core.config import RolloutConfig, RunConfig
-    from oxrl_core.data import encode_row_prompt, load_data, normalise_row
-    from oxrl_core.interfaces import SamplingParams
-    from oxrl_core.models import load_causal_lm, load_tokenizer
-    from oxrl_core.plugins import registry as get_registry
-    from oxrl_core.rewards import build_reward, score_batch
-    from oxrl_core.rollout_hf import check_generation_length
 
     registry = get_registry()
     temperature = (0.0 if n == 1 else 1.0) if temperature is None else temperature

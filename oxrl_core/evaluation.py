@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from oxrl_core.data import IGNORE, collate, encode_prompt
+from oxrl_core.data import IGNORE, can_verify, collate, encode_prompt
 from oxrl_core.rollout_hf import check_generation_length
+from oxrl_core.token_head import token_stats
+
+__all__ = ["can_verify", "eval_loss", "evaluate", "greedy_completions"]
 
 
 @torch.no_grad()
 def eval_loss(model, examples: list[dict], pad_id: int, batch_size: int, device) -> float:
     """Token-mean negative log-likelihood of the labelled tokens (chunk by chunk, `token_head`)."""
-    from oxrl_core.token_head import token_stats
-
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
@@ -45,13 +46,6 @@ def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int, bat
         )
         out += tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
     return out
-
-
-def can_verify(dataset) -> bool:
-    """True when the dataset plugin implements `verify` (answers can be checked)."""
-    from oxrl_core.interfaces import Dataset
-
-    return dataset is not None and type(dataset).verify is not Dataset.verify
 
 
 def evaluate(model, tokenizer, device, eval_examples, eval_rows, dataset, batch_size: int, max_new_tokens: int) -> dict:

@@ -1,94 +1,242 @@
-"""The four interfaces a plugin implements: Algorithm, Reward, Dataset, RolloutBackend.
+"""The contracts between oxRL's parts: the four interfaces a plugin implements (`Algorithm`,
+`Reward`, `Dataset`, `RolloutBackend`), the batches the loops hand an algorithm (one `TypedDict`
+per kind, one key per line with its shape) and the `Engine` the loops train through.
 
-Each carries a pydantic ``Config`` (``extra="forbid"``) so that a typo in the
-YAML is an error that names the field. Only interfaces live here; the loops,
-engines and data layer that call them are elsewhere in the core.
+Each plugin interface carries a pydantic ``Config`` (a `StrictModel`: ``extra="forbid"``) so that a
+typo in the YAML is an error that names the field. Only contracts live here; the loops, engines and
+data layer that fulfil them are elsewhere in the core (the layers: ``docs/architecture.md``).
+
+Shapes: B = rows (RL: prompts × n samples, the n samples of one prompt contiguous), T = token
+positions, V = vocabulary size.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypedDict
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import ValidationError
+
+from oxrl_core.errors import OxrlError
+from oxrl_core.schema import StrictModel, format_validation_error
 
 if TYPE_CHECKING:  # torch stays out of discovery
     import torch
+
+__all__ = [
+    "Family",
+    "DataFormat",
+    "StrictModel",
+    "SupervisedBatch",
+    "RLAdvantagesBatch",
+    "RLLossBatch",
+    "PairedPreferenceBatch",
+    "UnpairedPreferenceBatch",
+    "ScoreBatch",
+    "Engine",
+    "Algorithm",
+    "Reward",
+    "Dataset",
+    "SamplingParams",
+    "Completion",
+    "RolloutBackend",
+]
 
 Family = Literal["rl", "preference", "supervised"]
 DataFormat = Literal["prompt", "prompt_response", "text", "preference", "unpaired"]
 
 
-class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors, and so is a float that is NaN or infinite
-    (``train.lr=.inf``): a non-finite hyper-parameter only shows up later as NaN weights. Plugin configs
-    subclass this, so their floats are checked the same way."""
+# ---------------------------------------------------------------------------------------------------
+# The batches an algorithm receives. Per-token tensors are over next-token positions (position t
+# scores token t+1); the loop does every forward pass, an algorithm only turns these into a loss.
+# ---------------------------------------------------------------------------------------------------
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
-    @field_validator("*", mode="after")
-    @classmethod
-    def _fits_in_64_bits(cls, value: Any) -> Any:
-        """An integer field (any section, any plugin) must fit in 64 bits: torch, numpy and the OS take no
-        more, and a larger one (``train.max_steps=1e30`` as an int) would fail deep inside them."""
-        if type(value) is int and not -(2**63) <= value < 2**63:
-            raise ValueError("must fit in a signed 64-bit integer (|value| < 2^63)")
-        return value
+class _SupervisedBatch(TypedDict):
+    input_ids: torch.Tensor  # (B, T) token ids
+    labels: torch.Tensor  # (B, T) token ids, -100 where no loss is taken
+    mask: torch.Tensor  # (B, T-1) bool, True where labels[:, 1:] is scored
+    logp: torch.Tensor  # (B, T-1) log π_θ(labels[:, t+1] | ≤ t), with gradients; 0 where not scored
+
+
+class SupervisedBatch(_SupervisedBatch, total=False):
+    """What a supervised algorithm's `Algorithm.loss` gets (SFT, CPT, KD). Never a (B, T, V)
+    tensor: the loop computes the per-token quantities chunk by chunk."""
+
+    logp_mean: torch.Tensor  # (B, T-1) (1/V) Σ_v log π_θ(v | ≤ t); only when `uses_logp_mean()` (label smoothing)
+    kl_teacher: torch.Tensor  # (B, T-1) KL(p_T^τ ‖ p_S^τ), p^τ = softmax(logits / τ), τ = `distill_temperature()`;
+    #                           the teacher has no gradient; only when ``needs_teacher``
+
+
+class _RLAdvantagesBatch(TypedDict):
+    rewards: torch.Tensor  # (B,) one scalar reward per sample
+    mask: torch.Tensor  # (B, T) 1 on completion tokens, 0 on prompt and padding
+    logp_old: torch.Tensor  # (B, T) the trainer's log π of the sampled tokens when they were sampled
+    group_size: int  # n, samples per prompt (rows i·n … i·n+n−1 share a prompt)
+
+
+class RLAdvantagesBatch(_RLAdvantagesBatch, total=False):
+    """What `Algorithm.advantages` gets on the RL loop: one rollout batch, no gradients."""
+
+    logp_ref: torch.Tensor  # (B, T) log π_ref of the sampled tokens; only when `uses_ref()`
+    values: torch.Tensor  # (B, T) the critic's V(s_t) at sampling time; only when ``needs_critic``
+
+
+class _RLLossBatch(RLAdvantagesBatch):
+    logp: torch.Tensor  # (B, T) log π_θ of the sampled tokens, with gradients (0 where mask is 0)
+    entropy: torch.Tensor  # (B, T) entropy of π_θ at each position, with gradients (0 where mask is 0)
+    tis_weight: torch.Tensor  # (B, T) min(π_old / π_rollout, C), detached; ones when rollout.tis_cap is 0
+
+
+class RLLossBatch(_RLLossBatch, total=False):
+    """What `Algorithm.loss` gets on the RL loop: a minibatch (rows of the rollout batch) of
+    `RLAdvantagesBatch`, plus every tensor `advantages` returned (``adv`` (B, T), ``returns``,
+    ``role``, ...; algorithm-specific, hence not listed), plus the current policy's terms."""
+
+    values_new: torch.Tensor  # (B, T) the critic's V(s_t) now, with gradients; only when ``needs_critic``
+
+
+class _PairedPreferenceBatch(TypedDict):
+    logp_chosen: torch.Tensor  # (B,) log π_θ(y_w | x), summed over completion tokens, with gradients
+    logp_rejected: torch.Tensor  # (B,) log π_θ(y_l | x), summed over completion tokens, with gradients
+    n_chosen: torch.Tensor  # (B,) |y_w|, completion lengths
+    n_rejected: torch.Tensor  # (B,) |y_l|
+
+
+class PairedPreferenceBatch(_PairedPreferenceBatch, total=False):
+    """What a preference algorithm's `Algorithm.loss` gets on ``preference`` rows, or on
+    ``prompt_response`` rows with ``self_play`` (the rejected response is generated). The prompt
+    is never scored."""
+
+    ref_logp_chosen: torch.Tensor  # (B,) log π_ref(y_w | x), no gradient; only when `uses_ref()`
+    ref_logp_rejected: torch.Tensor  # (B,) log π_ref(y_l | x), no gradient; only when `uses_ref()`
+
+
+class _UnpairedPreferenceBatch(TypedDict):
+    logp: torch.Tensor  # (B,) log π_θ(y | x), summed over completion tokens, with gradients
+    n_tokens: torch.Tensor  # (B,) |y|
+    label: torch.Tensor  # (B,) 1. desirable, 0. undesirable
+
+
+class UnpairedPreferenceBatch(_UnpairedPreferenceBatch, total=False):
+    """What a preference algorithm's `Algorithm.loss` gets on ``unpaired`` rows (KTO). The
+    mismatched pairs are prompt i with completion i−1 (cyclically) of the same batch."""
+
+    ref_logp: torch.Tensor  # (B,) log π_ref(y | x), no gradient; only when `uses_ref()`
+    kl_logp: torch.Tensor  # (B,) log π_θ of the mismatched pairs, no gradient; only when `uses_ref()`
+    ref_kl_logp: torch.Tensor  # (B,) log π_ref of the mismatched pairs; only when `uses_ref()`
+
+
+class ScoreBatch(TypedDict):
+    """What an algorithm with ``head = "score"`` (a scalar head, e.g. a reward model) gets on
+    ``preference`` rows: the head's output at each sequence's last token (its EOS)."""
+
+    rewards_chosen: torch.Tensor  # (B,) r(x, y_w), with gradients
+    rewards_rejected: torch.Tensor  # (B,) r(x, y_l), with gradients
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine: what the loops use of `oxrl_core.engines.build_engine`'s result (TorchEngine,
+# DeepSpeedEngine). It owns the device, precision, optimiser and scheduler.
+# ---------------------------------------------------------------------------------------------------
+
+
+class Engine(Protocol):
+    """The training engine as the loops see it."""
+
+    device: torch.device  # where the batches and the trained model live
+    autocast_dtype: torch.dtype | None  # mixed precision of the forward passes (None: full precision)
+
+    def autocast(self) -> AbstractContextManager:
+        """The forward passes' precision context."""
+
+    def to_device(self, batch: dict) -> dict:
+        """``batch`` with every tensor moved to `device` (other values unchanged)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of ``loss``."""
+
+    def step(self) -> float:
+        """Clip, step the optimiser and the scheduler, zero the gradients; the pre-clip gradient norm."""
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the step just taken (what is logged)."""
+
+    def full_weights(self) -> AbstractContextManager:
+        """Whole parameters inside the context, for code outside the training step (generation,
+        evaluation, saving); a no-op except for ZeRO-3."""
+
+    def describe(self) -> dict:
+        """What a checkpoint records about the engine that wrote it (resume checks it)."""
+
+    def save_state(self, directory: Path) -> None:
+        """Optimiser and scheduler state into a checkpoint directory."""
+
+    def load_state(self, directory: Path) -> None:
+        """Optimiser and scheduler state from a checkpoint directory."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plugin interfaces
+# ---------------------------------------------------------------------------------------------------
 
 
 class Algorithm(ABC):
     """The maths of one post-training method, and nothing else.
 
-    An algorithm declares what it needs and turns tensors into a loss. The loop
-    for its ``family`` does the forward passes (policy, reference, teacher)
-    and hands the results over in ``batch``; no distributed code, device
-    juggling or I/O belongs in an algorithm.
+    An algorithm declares what it needs (the class flags below) and turns tensors into a loss. The
+    loop for its ``family`` does the forward passes (policy, reference, teacher, critic) and hands
+    the results over in ``batch``; no distributed code, device juggling or I/O belongs in an
+    algorithm. What ``batch`` holds, by loop:
 
-    Supervised algorithms receive per-token tensors over next-token positions (position t
-    scores token t+1), never a (B, T, V) tensor — the loop computes them chunk by chunk:
-      ``input_ids`` (B, T), ``labels`` (B, T) with -100 where no loss is taken,
-      ``mask`` (B, T-1) bool, True where ``labels[:, 1:]`` is scored,
-      ``logp`` (B, T-1) log π_θ(labels[:, t+1] | ≤ t) with gradients (0 where not scored),
-      ``logp_mean`` (B, T-1) (1/V) Σ_v log π_θ(v | ≤ t), only when `uses_logp_mean()`
-      (label smoothing), and when ``needs_teacher``
-      ``kl_teacher`` (B, T-1) KL(p_T^τ ‖ p_S^τ) per position, p^τ = softmax(logits / τ) of the
-      teacher (no gradient) and the student, at τ = `distill_temperature()`.
-
-    Algorithms with ``needs_rollouts`` run on the RL loop. B = prompts × n samples, the n
-    samples of one prompt contiguous (``batch["group_size"]`` = n); every per-token tensor
-    is (B, T) over next-token positions, and ``mask`` (B, T) is 1 on completion tokens:
-      ``advantages(batch)`` gets ``rewards`` (B,), ``mask``, ``logp_old`` (the trainer's
-      logprobs of the sampled tokens when they were sampled), ``logp_ref`` when
-      `uses_ref()`, ``values`` (the critic's, when ``needs_critic``), and returns tensors
-      to add to the batch — at least ``adv`` (B, T) — and metrics;
-      ``loss(batch)`` then gets a minibatch of all of that plus ``logp`` (B, T) and
-      ``entropy`` (B, T) of the current policy (with gradients; like ``logp_old`` and
-      ``logp_ref``, computed where ``mask`` is 1 only, 0 elsewhere) and, with a critic,
-      ``values_new`` (B, T); and ``tis_weight`` (B, T), the truncated importance weight
-      min(π_old / π_rollout, C) that corrects for the rollout engine's numerics (detached;
-      ones when ``rollout.tis_cap`` is 0), which multiplies each token's policy-gradient term.
-
-    Preference algorithms (the preference loop) receive per-sequence tensors, summed over
-    completion tokens (the prompt is never scored), with gradients for the policy's:
-      paired rows (``preference`` data; ``prompt_response`` data with ``self_play``, where the
-      rejected response is generated): ``logp_chosen``, ``logp_rejected`` (B,) log π(y|x),
-      ``n_chosen``, ``n_rejected`` (B,) completion lengths |y|, and when `uses_ref()`
-      ``ref_logp_chosen``, ``ref_logp_rejected`` (B,) (no gradient);
-      unpaired rows (``unpaired`` data): ``logp``, ``n_tokens``, ``label`` (B,) (1. desirable,
-      0. undesirable), and when `uses_ref()` ``ref_logp`` (B,) plus ``kl_logp``, ``ref_kl_logp``
-      (B,): policy (no gradient) and reference logprobs of mismatched pairs, prompt i with
-      completion i−1 (cyclically) of the same batch;
-      ``head = "score"`` (a scalar head, e.g. a reward model): ``rewards_chosen``,
-      ``rewards_rejected`` (B,), the head's output at each sequence's last token (its EOS).
+    - supervised (`SupervisedBatch`): per-token ``logp`` of the labels, optionally ``logp_mean``
+      (`uses_logp_mean`) and ``kl_teacher`` (``needs_teacher``, at τ = `distill_temperature`);
+    - RL (``needs_rollouts``): `advantages` gets an `RLAdvantagesBatch` and returns tensors to add
+      to it (usually ``adv`` (B, T)) and metrics; `loss` then gets minibatches of all of that plus
+      the current policy's terms (`RLLossBatch`); ``tis_weight`` multiplies each token's
+      policy-gradient term;
+    - preference: per-sequence sums over completion tokens, `PairedPreferenceBatch` or
+      `UnpairedPreferenceBatch` by data format, `ScoreBatch` with ``head = "score"``.
     """
 
+    # Class flags: what the algorithm declares, and who reads each one (plugins.py checks every flag's
+    # type when the plugin loads; the trainer picks the loop from `family`).
+    #
+    #   flag             type / default                      read by
+    #   ---------------  ----------------------------------  --------------------------------------------
+    #   name             str (required)                      the registry, logs
+    #   family           "rl" | "preference" | "supervised"  trainer: the loop (when no rollouts), the
+    #                                                        engine checks; launcher: the warm start
+    #   data_format      DataFormat (required)               supervised and preference loops: row format
+    #   needs_ref        False                               `uses_ref()` default (RL, preference loops)
+    #   needs_rollouts   False                               trainer, launcher: the RL loop runs it
+    #   needs_teacher    False                               supervised loop: loads the teacher, kl_teacher
+    #   needs_critic     False                               RL loop: builds the critic (`critic_layout()`)
+    #   loss_weighting   "tokens"                            supervised, preference and RL loops: micro-batch
+    #                                                        weights when gradients are accumulated
+    #   min_group_size   1                                   RL loop: refuses rollout.n below it
+    #   default_reward   ""                                  RL loop: the reward when reward.name is empty
+    #   loss_on_groups   False                               RL loop: minibatches of whole groups, in order
+    #   head             "lm"                                preference loop, run skeleton: the model
+    #                                                        class loaded, trained and saved
+    #   self_play        False                               preference loop: generated rejected responses
+
     name: ClassVar[str]
+    #: which loop runs it (and which checks the trainer makes before it starts)
     family: ClassVar[Family]
+    #: the row format the loop loads (`Dataset.formats` of its sources must include it)
     data_format: ClassVar[DataFormat]
+    #: the loop provides the reference policy's logprobs (see `uses_ref`)
     needs_ref: ClassVar[bool] = False
+    #: trained on its own generations: the RL loop runs it, whatever its family (RFT, online DPO)
     needs_rollouts: ClassVar[bool] = False
+    #: supervised: a teacher model is loaded and ``kl_teacher`` computed
     needs_teacher: ClassVar[bool] = False
+    #: RL: a critic V(s_t) is built (layout: `critic_layout`); ``values`` / ``values_new`` are provided
     needs_critic: ClassVar[bool] = False
     #: how micro-batches are weighted when gradients are accumulated: by the number
     #: of loss tokens (token-mean over the whole optimiser batch) or by sequences.
@@ -129,13 +277,21 @@ class Algorithm(ABC):
         """Self-play: how many iterations the run's `train.max_steps` are split into."""
         return 1
 
-    def advantages(self, batch: dict[str, "torch.Tensor"]) -> tuple[dict[str, "torch.Tensor"], dict[str, float]]:
-        """RL only: per-token tensors to add to the rollout batch (at least ``adv`` (B, T)), and metrics."""
+    def critic_layout(self) -> Literal["shared", "separate"]:
+        """RL with ``needs_critic``: where the critic's value head sits (`oxrl_core.critic`):
+        ``shared``, on the policy's own last hidden state, or ``separate``, on its own copy of the
+        initial policy's backbone. Default: the algorithm config's ``critic`` option when it has
+        one (PPO's ``alg.critic``), else ``shared``."""
+        return getattr(self.config, "critic", "shared")
+
+    def advantages(self, batch: RLAdvantagesBatch) -> tuple[dict[str, "torch.Tensor"], dict[str, float]]:
+        """RL only: per-token tensors to add to the rollout batch (usually ``adv`` (B, T)), and metrics."""
         raise NotImplementedError(f"{type(self).__name__} needs rollouts but does not define advantages()")
 
     @abstractmethod
     def loss(self, batch: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", dict[str, "torch.Tensor | float"]]:
-        """Return the scalar loss and detached metrics (names like ``loss/ce``)."""
+        """Return the scalar loss and detached metrics (names like ``loss/ce``). ``batch`` is one of
+        the batch types above, by loop (an algorithm may annotate it so)."""
 
 
 class Reward(ABC):
@@ -162,7 +318,8 @@ class Reward(ABC):
 
 
 class Dataset(ABC):
-    """A named source of rows in one of the formats of DESIGN §5."""
+    """A named source of rows in one of the `DataFormat` row formats (``prompt``, ``prompt_response``,
+    ``text``, ``preference``, ``unpaired``; the fields of each: ``docs/architecture.md``)."""
 
     name: ClassVar[str]
     #: the row format `rows` yields
@@ -204,6 +361,15 @@ class RolloutBackend(ABC):
     """Generates completions for token-id prompts and receives new policy weights."""
 
     name: ClassVar[str]
+    #: True when generation runs in other processes (`oxrl_core.rollout_actors.RolloutActors`): the RL
+    #: loop then hands over every shard of a step at once (``generate_shards``) instead of calling
+    #: `generate` once per shard in the trainer's process. A plugin backend leaves it False.
+    remote: ClassVar[bool] = False
+    #: the torch module it generates with, when that is the very module being trained (the built-in
+    #: ``hf`` backend: `update_weights` has nothing to copy); None for a backend that holds its own copy
+    #: of the weights (vLLM). The RL loop skips re-scoring the weight-sync probe after every sync when it
+    #: is the trained module, since such a sync cannot leave it stale.
+    model: Any = None
 
     class Config(StrictModel):
         """The backend's own options (``rollout.options``); none by default."""
@@ -230,11 +396,6 @@ class RolloutBackend(ABC):
     @classmethod
     def parse_options(cls, config) -> "RolloutBackend.Config":
         """``rollout.options`` validated by this backend's `Config` (an error names the field)."""
-        from pydantic import ValidationError
-
-        from oxrl_core.config import format_validation_error
-        from oxrl_core.errors import OxrlError
-
         options = dict(getattr(config, "options", None) or {})
         if options and not cls.Config.model_fields:
             raise OxrlError(

@@ -33,6 +33,8 @@ import contextlib
 import re
 from pathlib import Path
 
+from oxrl_core.errors import OxrlError
+
 ADAPTER_DIR = "adapter"
 
 
@@ -89,8 +91,6 @@ def apply_lora(model, cfg, head: str = "lm", resume_from: Path | None = None):
         return model
     from peft import PeftModel, get_peft_model
 
-    from oxrl_core.errors import OxrlError
-
     if resume_from is not None:
         return PeftModel.from_pretrained(model, str(Path(resume_from) / ADAPTER_DIR), is_trainable=True)
     try:
@@ -128,8 +128,6 @@ def hf_name(key: str) -> str | None:
 def check_keys(base, state: dict) -> None:
     """An error naming the keys when ``state`` does not match the base architecture's own state dict."""
     import torch
-
-    from oxrl_core.errors import OxrlError
 
     with torch.device("meta"):
         fresh = type(base)._from_config(base.config)

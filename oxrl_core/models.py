@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from oxrl_core.data import path_kind
 from oxrl_core.errors import OxrlError
+from oxrl_core.hf_env import quiet_transformers
+from oxrl_core.tiny import default_model_dir, warm_start_dir
 
 #: what a model field takes, for the message when a value cannot even be looked up as a path
 MODEL_EXPECTED = "a model directory or a hub id"
@@ -12,8 +15,6 @@ MODEL_EXPECTED = "a model directory or a hub id"
 
 def resolve_model_path(name: str) -> str:
     if not name:
-        from oxrl_core.tiny import default_model_dir
-
         return str(default_model_dir())
     return name
 
@@ -23,16 +24,12 @@ def initial_policy_path(name: str, log=None) -> str:
     after its cached SFT warm start on the built-in task (a random model never answers right)."""
     if name:
         return name
-    from oxrl_core.tiny import warm_start_dir
-
     return str(warm_start_dir(log=log))
 
 
 def _check_local_dir(path: str, field: str) -> None:
     """A name that is clearly a path (not a hub id) must exist; say so instead of a hub error.
     A name the OS cannot even look up (longer than its file-name limit, ...) is an error naming ``field``."""
-    from oxrl_core.data import path_kind
-
     if path_kind(path, field, MODEL_EXPECTED) is None and (path.startswith((".", "/", "~")) or path.count("/") > 1):
         raise OxrlError(f"{field}: model directory not found: {path}")
 
@@ -122,8 +119,6 @@ def check_model_path(name: str, field: str = "model.name") -> None:
     """What can be checked of a model before it loads: a path that exists, and for a local directory
     its config and complete, readable weights (`check_model_dir`). A hub id passes (the hub decides).
     Cheap (safetensors headers only), so `Trainer` runs it before the run directory exists."""
-    from oxrl_core.data import path_kind
-
     if not name:
         return
     _check_local_dir(name, field)
@@ -134,24 +129,10 @@ def check_model_path(name: str, field: str = "model.name") -> None:
         check_model_dir(Path(name).expanduser(), field)
 
 
-def _quiet_transformers() -> None:
-    import os
-
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if (
-        not torch.cuda.is_available()
-    ):  # accelerate imports DeepSpeed (when installed), which warns when it picks the CPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
 def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    quiet_transformers()
     path = resolve_model_path(name)
     check_model_path(path, field)
     local = Path(path).expanduser()
@@ -234,7 +215,7 @@ def load_causal_lm(
     import torch
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     path = resolve_model_path(name)
     check_model_path(path, field)
     try:
@@ -275,7 +256,7 @@ def load_score_model(
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    _quiet_transformers()
+    quiet_transformers()
     path = resolve_model_path(name)
     check_model_path(path, field)
     try:

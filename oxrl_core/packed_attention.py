@@ -31,6 +31,8 @@ its block-diagonal mask and the shared prefix does not apply).
 
 from __future__ import annotations
 
+from oxrl_core.errors import OxrlError
+
 #: `sdpa` for packed micro-batches: each packed row attends on its own (see `packed_sdpa_attention`).
 PACKED_SDPA = "oxrl_packed_sdpa"
 
@@ -68,8 +70,6 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     if shared is not None and query.shape[0] == 1 and query.shape[2] == key.shape[2]:
         unknown = _unsupported(module, kwargs)
         if unknown:
-            from oxrl_core.errors import OxrlError
-
             raise OxrlError(
                 f"data.packing: shared-prompt attention cannot honour this model's {unknown}; "
                 "set data.packing=false (attention_fast_paths should have ruled it out at setup)"

@@ -34,6 +34,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from oxrl_core.config import validate_reward_section
+from oxrl_core.data import can_verify
+from oxrl_core.errors import OxrlError
+
 log = logging.getLogger("oxrl.rewards")
 
 
@@ -283,8 +287,8 @@ class RewardWatch:
             raise self.stop(step, failures, run_dir)
 
     def stop(self, step: int, failures: RewardFailures, run_dir):
+        # lazy: checkpoint imports torch; rewards stays torch-free for `oxrl score` and the reward plugins
         from oxrl_core.checkpoint import latest_checkpoint
-        from oxrl_core.errors import OxrlError
 
         last = latest_checkpoint(run_dir) if run_dir is not None else None
         streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"
@@ -323,13 +327,8 @@ def build_reward(config, registry, default_name: str = "", dataset=None, source:
 
     ``reward.*`` keys other than ``name``/``timeout_s`` are validated by the reward's ``Config``.
     """
-    from oxrl_core.config import validate_reward_section
-    from oxrl_core.errors import OxrlError
-
     name = config.reward.name or default_name
     if not name:
-        from oxrl_core.evaluation import can_verify  # imports torch: only when the dataset checks answers
-
         if can_verify(dataset):
             if config.reward.model_extra:
                 raise OxrlError(f"reward.{next(iter(config.reward.model_extra))}: options need a reward.name")

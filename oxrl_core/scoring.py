@@ -25,7 +25,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from oxrl_core.config import RunConfig, apply_overrides
+from oxrl_core.data import load_source, path_kind
 from oxrl_core.errors import OxrlError
+from oxrl_core.plugins import registry
+from oxrl_core.rewards import RewardFailures, build_reward, score_batch
+from oxrl_core.schema import format_validation_error
 
 #: rows per `score_batch` call
 CHUNK = 256
@@ -35,7 +40,6 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
     """Score every row of ``data`` with ``reward``; write the rows and return the summary."""
     rows, origin = read_rows(Path(data))
     scorer = build(reward, overrides)
-    from oxrl_core.rewards import RewardFailures
 
     failures = RewardFailures(scorer.name)  # summarised once for the file, not a line per row or chunk
     totals = {"rows": 0, "score_sum": 0.0, "errors": 0, "timeouts": 0, "failures": failures}
@@ -76,8 +80,6 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
 
 def read_rows(path: Path) -> tuple[list[dict], str]:
     """The rows of a data file, each with a string ``completion`` (else an error naming file, row and field)."""
-    from oxrl_core.data import load_source, path_kind
-
     if path_kind(str(path), "--data") != "file":
         raise OxrlError(f"{path}: file not found (--data takes a JSONL, JSON or Parquet file)")
     source = load_source(str(path), "train", field="--data")
@@ -92,10 +94,6 @@ def read_rows(path: Path) -> tuple[list[dict], str]:
 def build(reward: str, overrides: list[str]):
     """The reward ``reward`` with ``--set`` options, validated exactly as a run's ``reward:`` section."""
     from pydantic import ValidationError
-
-    from oxrl_core.config import RunConfig, apply_overrides, format_validation_error
-    from oxrl_core.plugins import registry
-    from oxrl_core.rewards import build_reward
 
     options = []
     for item in overrides:
@@ -139,8 +137,6 @@ class _Recorder:
 
 def score_chunk(reward, rows: list[dict], totals: dict) -> list[dict]:
     """``{"score", ...details, ["error"]}`` per row, through `score_batch`; adds to ``totals``."""
-    from oxrl_core.rewards import score_batch
-
     recorder = _Recorder(reward)
     prompts = [row.get("prompt", "") for row in rows]
     scores, metrics = score_batch(recorder, prompts, [row["completion"] for row in rows], rows, totals.get("failures"))

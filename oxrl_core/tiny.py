@@ -17,6 +17,10 @@ import shutil
 import string
 from pathlib import Path
 
+from oxrl_core import task
+from oxrl_core.data import IGNORE, collate, tokenise_prompt_response
+from oxrl_core.hf_env import quiet_transformers
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
@@ -128,11 +132,7 @@ def warm_start_dir(steps: int = WARM_START_STEPS, seed: int = 0, log=None) -> Pa
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oxrl_core import task
-    from oxrl_core.data import IGNORE, collate, tokenise_prompt_response
-    from oxrl_core.models import _quiet_transformers
-
-    _quiet_transformers()
+    quiet_transformers()
     if log is not None:
         log(f"first RL run on the built-in model: a {steps}-step SFT warm start (cached in {path})")
     tokenizer = AutoTokenizer.from_pretrained(base)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from oxrl_core.atomic import write_error, write_text_atomic
+from oxrl_core.checkpoint import latest_checkpoint
+from oxrl_core.distributed import is_main
 from oxrl_core.errors import OxrlError
 
 
@@ -47,8 +49,6 @@ class JsonlSink:
             self.handle.flush()
         except OSError as exc:
             self._cut_back(start)
-            from oxrl_core.checkpoint import latest_checkpoint
-
             last = latest_checkpoint(self.path.parent)
             intact = f"the last complete checkpoint {last} is intact" if last else "no checkpoint was written yet"
             raise write_error(self.path, exc, intact=intact, resume_dir=self.path.parent if last else None) from None
@@ -168,8 +168,6 @@ class Tracker:
     """Fans one metrics dict out to every configured sink (on rank 0 only in a data-parallel run)."""
 
     def __init__(self, run_dir: Path, logging_cfg, config: dict, resume_step: int | None = None):
-        from oxrl_core.distributed import is_main
-
         self.sinks = []
         if not is_main():  # the other ranks' metrics are reduced into rank 0's
             return

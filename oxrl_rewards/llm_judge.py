@@ -3,7 +3,7 @@
 For each (prompt, completion) the rubric ``template`` is filled in — ``{prompt}`` with the prompt
 (a string as is; a list of chat messages as ``role: content`` lines) and ``{completion}`` with
 the completion — and sent to the judge model as one user message through its chat template with
-the generation prompt (`oxrl_core.data.encode_prompt`, DESIGN §5). The judge answers greedily
+the generation prompt (`oxrl_core.data.encode_prompt`). The judge answers greedily
 (temperature 0, ``max_new_tokens``) through the core's ``hf`` rollout backend, on its own copy
 of the judge model (``reward.model``; empty = the built-in tiny model).
 

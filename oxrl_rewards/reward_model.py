@@ -4,7 +4,7 @@ The model is a sequence-classification checkpoint with one output (``num_labels=
 a Bradley–Terry reward-model run (``--alg rm``) saves, loaded with
 ``AutoModelForSequenceClassification`` from ``reward.model`` (hub id or local dir).
 
-Input convention (DESIGN §5, the same as the RM's training data): the prompt goes through the
+Input convention (the same as the RM's training data): the prompt goes through the
 tokenizer's chat template with the generation prompt (`oxrl_core.data.encode_prompt`; a string
 prompt is one user message, a list of chat messages is used as is), then the completion's
 tokens followed by EOS (`oxrl_core.data.encode_completion`). A row longer than ``max_length``
@@ -70,7 +70,8 @@ class RewardModelReward(Reward):
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from oxrl_core.models import _quiet_transformers, load_tokenizer, resolve_model_path
+        from oxrl_core.hf_env import quiet_transformers
+        from oxrl_core.models import load_tokenizer, resolve_model_path
 
         super().__init__(config)
         cfg = self.config
@@ -78,7 +79,7 @@ class RewardModelReward(Reward):
         dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
         self.tokenizer = load_tokenizer(cfg.model, field="reward.model")  # pad = EOS when it has none
         path = resolve_model_path(cfg.model)
-        _quiet_transformers()
+        quiet_transformers()
         try:
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 path, dtype=getattr(torch, dtype_name), output_loading_info=True

@@ -1,4 +1,4 @@
-"""The `code` reward of `oxrl-rewards` and `oxrl score` (DESIGN.md §3 "Reward").
+"""The `code` reward of `oxrl-rewards` and `oxrl score` (the `Reward` interface, `oxrl_core.interfaces`).
 
 - scoring: fenced-block extraction, `tests` (each assert counts) and `io` (stdin/stdout pairs)
   rows, partial credit, syntax errors, rows without test cases (scored 0 and counted), and the

@@ -1,6 +1,6 @@
 """The `deepspeed` engine and Ray data parallelism, on CPU (gloo), through the real CLI.
 
-Invariances (DESIGN §6): ZeRO-1/2/3 in one process and ZeRO-3 over two Ray ranks follow the
+Invariances (``docs/architecture.md``, engines): ZeRO-1/2/3 in one process and ZeRO-3 over two Ray ranks follow the
 `torch` engine's loss trajectory; resume from a ZeRO-3 checkpoint equals the uninterrupted run;
 a killed rank stops the run cleanly and `--resume` finishes it. Tolerances: the ranks' gradients
 are summed in another order than one process sums them, and ZeRO computes the clipping norm in

@@ -8,7 +8,7 @@ distributions simple enough to do on paper:
   (e^0 = 1, e^{ln 3} = 3, Z = 4), so NLL(token 1) = ln(4/3), NLL(token 0) = ln 4
 * logits [0, ln 9]                           -> p = [1/10, 9/10]
 
-Conventions (DESIGN §5 / the Algorithm docstring): an algorithm gets per-token tensors over
+Conventions (`SupervisedBatch` in `oxrl_core.interfaces`): an algorithm gets per-token tensors over
 next-token positions — ``mask``, ``logp`` (B, T-1), and ``logp_mean`` / ``kl_teacher`` — never
 logits. The tests start from logits (B, T, V) and labels (B, T) (-100 where no loss is taken;
 position t predicts label t+1) and build those tensors as the loop does, through the chunked LM

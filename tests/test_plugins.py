@@ -1,4 +1,4 @@
-"""The plugin system (DESIGN.md §1-§3) through the real `oxrl` CLI.
+"""The plugin system (hook specs, entry points and interfaces; ``docs/architecture.md``) through the real `oxrl` CLI.
 
 - a third-party package made by `oxrl new-plugin`, pip-installed, is listed and runs;
 - a broken plugin is reported (name, package, version, error) and never stops the CLI;

@@ -1,4 +1,4 @@
-"""Rewards (DESIGN.md §3 "Reward"): each `oxrl-rewards` reward on hand-written examples, its
+"""Rewards (the `Reward` interface, `oxrl_core.interfaces`): each `oxrl-rewards` reward on hand-written examples, its
 Config, and `oxrl_core.rewards.score_batch`, which turns every reward failure into a counted 0."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`rollout.actors: M`: the rollout backend in Ray actors of its own (DESIGN §4: N training actors and
-M rollout actors). Same samples as the in-process backend with the same `engine.rollout_shards`;
+"""`rollout.actors: M`: the rollout backend in Ray actors of its own (N training actors and M rollout
+actors; ``docs/architecture.md``). Same samples as the in-process backend with the same `engine.rollout_shards`;
 every sync verified on every actor; a dying actor stops the run clearly and keeps the checkpoint."""
 
 from __future__ import annotations

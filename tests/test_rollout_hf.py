@@ -1,4 +1,4 @@
-"""The core `hf` rollout backend (DESIGN.md §3-§4): transformers generate behind RolloutBackend."""
+"""The core `hf` rollout backend (the `RolloutBackend` interface, `oxrl_core.interfaces`): transformers generate behind RolloutBackend."""
 
 from __future__ import annotations
 

@@ -25,11 +25,13 @@ def build_engine(
 ):
     """The engine ``engine.name`` asks for (see `TorchEngine` for the arguments)."""
     if engine_cfg.name == "deepspeed":
+        # lazy: DeepSpeed (an optional extra) loads only when its engine is built
         from oxrl_core.engines.deepspeed_engine import DeepSpeedEngine
 
         return DeepSpeedEngine(
             model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps, run_dir
         )
+    # lazy: torch loads with the engine; `check_engine` and `engine_record` run before it (trainer start-up)
     from oxrl_core.engines.torch_engine import TorchEngine
 
     return TorchEngine(model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps)

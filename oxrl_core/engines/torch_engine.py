@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
+from oxrl_core.errors import OxrlError
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        from oxrl_core.errors import OxrlError
-
         raise OxrlError("engine.device: 'cuda' was asked for but torch sees no CUDA device (see `oxrl doctor`)")
     return torch.device(name)
 

@@ -7,7 +7,7 @@ and cuts the stream into `data.max_length` blocks (sequence packing, as in
 GPT-2/nanoGPT pre-training), so a block may span documents, separated by EOS.
 """
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
 
 
 class CPT(Algorithm):
@@ -18,7 +18,7 @@ class CPT(Algorithm):
     class Config(StrictModel):
         """CPT has no hyper-parameters beyond `train.*` and `data.max_length` (the block size)."""
 
-    def loss(self, batch):
+    def loss(self, batch: SupervisedBatch):
         logp, mask = batch["logp"], batch["mask"]  # (B, T-1) each; mask only hides padding
         n_tokens = mask.sum().clamp(min=1)
         # L = -(1/N) Σ log π(x_{t+1} | x_≤t)

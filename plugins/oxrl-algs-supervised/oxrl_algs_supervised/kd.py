@@ -14,7 +14,7 @@ chunk over the vocabulary-sized distributions (no gradient reaches the teacher).
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
 
 
 class KD(Algorithm):
@@ -30,7 +30,7 @@ class KD(Algorithm):
     def distill_temperature(self) -> float:
         return self.config.temperature
 
-    def loss(self, batch):
+    def loss(self, batch: SupervisedBatch):
         alpha, T = self.config.alpha, self.config.temperature
         logp, mask = batch["logp"], batch["mask"]  # (B, T-1), (B, T-1)
         n_tokens = mask.sum().clamp(min=1)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 
 
 class RFT(Algorithm):
@@ -34,7 +34,7 @@ class RFT(Algorithm):
         threshold: float = Field(1.0, description="τ: keep samples whose reward is at least this")
         best_of_k: bool = Field(False, description="keep at most one sample per prompt: the best one (if it reaches τ)")
 
-    def advantages(self, batch):
+    def advantages(self, batch: RLAdvantagesBatch):
         rewards, k = batch["rewards"], batch["group_size"]  # (B,), k samples per prompt
         keep = rewards >= self.config.threshold  # (B,)
         if self.config.best_of_k:
@@ -46,7 +46,7 @@ class RFT(Algorithm):
         weight = keep.float()[:, None] * batch["mask"]  # (B, T)
         return {"adv": weight}, {"rft/kept_frac": float(keep.float().mean()), "rft/kept": float(keep.sum())}
 
-    def loss(self, batch):
+    def loss(self, batch: RLLossBatch):
         weight = batch["adv"]  # (B, T) 1 on kept completion tokens
         # L = −(1/N) Σ keep · log π_θ(o_t)
         n_kept = weight.sum()

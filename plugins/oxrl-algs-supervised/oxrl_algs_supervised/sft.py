@@ -2,7 +2,7 @@
 
     L = -(1/N) Σ_{b,t} m_{b,t} · log π_θ(y_{b,t} | y_{b,<t}, x_b),    N = Σ_{b,t} m_{b,t}
 
-m is 1 on completion tokens (the prompt is masked, DESIGN §5) and 0 elsewhere;
+m is 1 on completion tokens (the prompt is masked) and 0 elsewhere;
 the mean runs over completion tokens of the whole optimiser batch (the loop
 weights micro-batches by their token share), not per sequence, as in TRL and
 OpenRLHF.
@@ -10,7 +10,7 @@ OpenRLHF.
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel
+from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
 
 
 class SFT(Algorithm):
@@ -26,7 +26,7 @@ class SFT(Algorithm):
     def uses_logp_mean(self) -> bool:
         return self.config.label_smoothing > 0
 
-    def loss(self, batch):
+    def loss(self, batch: SupervisedBatch):
         logp, mask = batch["logp"], batch["mask"]  # (B, T-1) each: log π(y_t), 1 on completion tokens
         n_tokens = mask.sum().clamp(min=1)
         # L = -(1/N) Σ m · log π(y)

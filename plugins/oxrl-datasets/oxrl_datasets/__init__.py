@@ -1,4 +1,5 @@
-"""oxRL dataset plugins: well-known datasets mapped to oxRL's row formats (DESIGN §5).
+"""oxRL dataset plugins: well-known datasets mapped to oxRL's row formats (`oxrl_core.interfaces.DataFormat`;
+the fields of each: ``docs/architecture.md``).
 
 One module per dataset, each with its exact mapping in its docstring:
 `gsm8k`, `hendrycks_math` (``math``), `openr1_math`, `ultrafeedback` (``ultrafeedback_binarized``),
