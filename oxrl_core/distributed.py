@@ -23,8 +23,12 @@ Every collective runs on the process group made by `init_process_group`, whose t
 from __future__ import annotations
 
 import os
+import re
 import socket
 from datetime import timedelta
+
+#: environment that Ray actors need in order to behave like the driver (caches, offline flags, thread counts)
+FORWARDED_ENV = ("OXRL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "OMP_")
 
 
 def _dist():
@@ -171,3 +175,30 @@ def gather_rows(part, positions: list[int], total: int):
 def main_pid() -> int:
     """Rank 0's process id, on every rank (it names the temp dir that all ranks write a checkpoint into)."""
     return broadcast_object(os.getpid())
+
+
+# ----------------------------------------------------------------------------- Ray actors (training ranks, rollout actors)
+
+
+def env_for_actors() -> dict:
+    """The environment variables a Ray actor is started with (`FORWARDED_ENV`)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # torch.distributed deprecations, once per rank
+    return env
+
+
+def ray_reason(exc) -> str:
+    """Ray's explanation in one line (its messages run to a page): the first line, and for a dead
+    worker the exit detail."""
+    text = str(getattr(exc, "error_msg", None) or exc).strip()
+    first = next(
+        (
+            line.strip()
+            for line in text.splitlines()
+            if line.strip() and not line.strip().startswith(("Traceback", "ray::", "File "))
+        ),
+        type(exc).__name__,
+    )
+    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text, re.S)
+    first = first.rstrip(".")
+    return f"{first} ({detail.group(1).strip().rstrip('.')})" if detail else first

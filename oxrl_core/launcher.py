@@ -26,19 +26,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from oxrl_core import distributed, lifecycle
+from oxrl_core.distributed import env_for_actors, ray_reason
 from oxrl_core.errors import OxrlError
 
 #: how long after the first failed rank the driver still collects the others' errors (the root cause may come second)
 GRACE_S = 3.0
-#: environment that the actors need in order to behave like the driver (caches, offline flags, thread counts)
-FORWARDED_ENV = ("OXRL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "OMP_")
 
 
 class TrainActor:
@@ -97,12 +95,6 @@ class TrainActor:
         return trainer.run_loop(ckpt)
 
 
-def _env_for_actors() -> dict:
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV)}
-    env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # torch.distributed deprecations, once per rank
-    return env
-
-
 def _placement(ray, engine) -> tuple[float, float, int]:
     """(GPUs, CPUs, torch threads) per actor; refuses a cluster that cannot hold the ranks."""
     resources = ray.cluster_resources()
@@ -159,7 +151,7 @@ def launch(trainer, ckpt: Path | None):
                 include_dashboard=False,
                 log_to_driver=True,
                 logging_level=logging.ERROR,
-                runtime_env={"env_vars": _env_for_actors()},
+                runtime_env={"env_vars": env_for_actors()},
             )
     except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
         where = (
@@ -220,24 +212,7 @@ def _get(ray, refs, timeout_s: float, what: str, infos):
     except ray.exceptions.GetTimeoutError:
         raise OxrlError(f"could not {what} within engine.timeout_s={timeout_s:g}s (see `ray status`)") from None
     except ray.exceptions.RayError as exc:
-        raise OxrlError(f"could not {what}: {_reason(exc)}") from None
-
-
-def _reason(exc) -> str:
-    """Ray's explanation in one line (its messages run to a page): the first line, and for a dead
-    worker the exit detail."""
-    text = str(getattr(exc, "error_msg", None) or exc).strip()
-    first = next(
-        (
-            line.strip()
-            for line in text.splitlines()
-            if line.strip() and not line.strip().startswith(("Traceback", "ray::", "File "))
-        ),
-        type(exc).__name__,
-    )
-    detail = re.search(r"Worker exit detail: (.*?)(?: Some common causes|$)", text, re.S)
-    first = first.rstrip(".")
-    return f"{first} ({detail.group(1).strip().rstrip('.')})" if detail else first
+        raise OxrlError(f"could not {what}: {ray_reason(exc)}") from None
 
 
 def _wait(ray, futures: dict, infos: list[dict], run_dir: Path, timeout_s: float):
@@ -290,7 +265,7 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
     died = [f for f in failures if isinstance(f[1], ray.exceptions.RayActorError)]
     if died:
         return OxrlError(
-            f"training actor {rank_of(died[0])} died: {_reason(died[0][1])}. "
+            f"training actor {rank_of(died[0])} died: {ray_reason(died[0][1])}. "
             f"The run stopped and the other ranks were shut down. {resume}"
         )
     causes = [(rank, getattr(exc, "cause", None)) for rank, exc in failures]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
+from oxrl_core.distributed import env_for_actors, ray_reason
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
 
@@ -86,8 +87,6 @@ class RolloutActors(RolloutBackend):
         """Start ``count`` actors (and a local Ray cluster when none is running) and wait until each has built its backend."""
         import ray
 
-        from oxrl_core.launcher import _env_for_actors
-
         owns_ray = not ray.is_initialized()
         if owns_ray:
             import logging
@@ -101,7 +100,7 @@ class RolloutActors(RolloutBackend):
                         include_dashboard=False,
                         log_to_driver=False,
                         logging_level=logging.ERROR,
-                        runtime_env={"env_vars": _env_for_actors()},
+                        runtime_env={"env_vars": env_for_actors()},
                     )
             except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
                 raise OxrlError(
@@ -124,8 +123,6 @@ class RolloutActors(RolloutBackend):
     def _get(self, refs: list, what: str) -> list:
         import ray
 
-        from oxrl_core.launcher import _reason
-
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -133,7 +130,7 @@ class RolloutActors(RolloutBackend):
                 f"rollout actors ('{self.backend_name}'): could not {what} within engine.timeout_s={self.timeout_s:g}s"
             ) from None
         except ray.exceptions.RayError as exc:
-            raise OxrlError(f"rollout actors ('{self.backend_name}'): could not {what}: {_reason(exc)}") from None
+            raise OxrlError(f"rollout actors ('{self.backend_name}'): could not {what}: {ray_reason(exc)}") from None
 
     # ------------------------------------------------------------------ rollouts
 

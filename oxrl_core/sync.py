@@ -1,4 +1,4 @@
-"""The trainer and the rollout engine must agree; two guards for when they do not (DESIGN §4).
+"""The trainer and the rollout engine must agree; two guards for when they do not (docs/architecture.md: the RL step).
 
 Verified weight sync. After each `RolloutBackend.update_weights` (and once at the start, so a
 backend that loaded the wrong model is caught before training) the backend scores a fixed probe
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.errors import OxrlError
 
 #: appended to the first training prompt to make the probe (any fixed text would do)
@@ -144,3 +145,39 @@ def tis_weight(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.T
         "tis/weight_mean": float(weight.sum() / tokens),
         "tis/clipped_frac": float(((ratio > cap).float() * mask).sum() / tokens),
     }
+
+
+class SyncCheck:
+    """`rollout.sync_check`, set up once: the probe (when the backend can score), its tolerance, and
+    whether a check after a sync can see anything. Called with a policy version, it checks the sync
+    that produced it and returns its metrics (``{}`` when nothing is checked)."""
+
+    def __init__(
+        self, backend, can_score: bool, model, engine, tokenizer, first_prompt, ro, start_version, run_dir, info
+    ):
+        self.backend, self.model, self.engine, self.start_version = backend, model, engine, start_version
+        self.run_dir = run_dir
+        self.probe = probe_sequence(tokenizer, first_prompt) if ro.sync_check and can_score else None
+        self.tolerance = ro.sync_tolerance or default_tolerance(getattr(engine, "autocast_dtype", None))
+        if ro.sync_check and self.probe is None:
+            info(f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified")
+        # The built-in hf backend generates with the trained module itself: after the start check (which covers
+        # its generation path) a sync cannot leave it stale, so the probe is not re-scored after every sync.
+        self.shares_module = getattr(backend, "model", None) is model
+
+    def __call__(self, policy_version: int) -> dict:
+        if self.probe is None or (self.shares_module and policy_version != self.start_version):
+            return {}
+        engine = self.engine
+        with engine.full_weights():  # (a collective under ZeRO-3: every rank enters it)
+            if self.backend is None:  # rollout actors: rank 0 checks them
+                return {}
+            return check_weight_sync(
+                self.backend,
+                self.model,
+                self.probe,
+                policy_version,
+                self.tolerance,
+                engine.autocast,
+                latest_checkpoint(self.run_dir),
+            )

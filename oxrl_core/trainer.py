@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +27,7 @@ from oxrl_core.config import (
 )
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
-
-
-@dataclass
-class RunResult:
-    run_dir: Path
-    final_dir: Path
-    steps: int
-    metrics: list[dict] = field(default_factory=list)
-    eval_before: dict = field(default_factory=dict)
-    eval_after: dict = field(default_factory=dict)
+from oxrl_core.loops.result import RunResult
 
 
 def _section_overrides(sections: dict[str, Any]) -> list[str]:

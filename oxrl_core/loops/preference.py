@@ -5,7 +5,7 @@
          log-probabilities summed over completion tokens -> algorithm loss -> backward
          (micro-batches weighted by their share of rows) -> clip + optimiser step
 
-It shares the SL loop's skeleton (data position, checkpoints, metrics) and feeds the
+It runs on the shared skeleton (`loops.run`: data position, checkpoints, metrics) and feeds the
 algorithm per-sequence tensors (see `oxrl_core.interfaces.Algorithm`). Logits are computed
 only at positions that predict a completion token (``logits_to_keep``), so the prompt costs
 no vocabulary projection. With ``data.packing`` the 2B sequences of a micro-batch go through
@@ -19,31 +19,22 @@ the policy as it was at the start of the current iteration.
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from oxrl_core.atomic import write_text_atomic
-from oxrl_core.checkpoint import load_training_state, save_model
-from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples, regroup_by_tokens
-from oxrl_core.distributed import is_main, reduce_metrics, shard, world_size
-from oxrl_core.engines import build_engine
+from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
+from oxrl_core.distributed import is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify, evaluate
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.lifecycle import Checkpointer
-from oxrl_core.loops.supervised import MODEL_INPUTS, check_loss, seed_everything
-from oxrl_core.lora import apply_lora, is_peft, policy_state_dict, start_path, trainable_summary
-from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
+from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
+from oxrl_core.lora import is_peft, policy_state_dict
+from oxrl_core.models import initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
-from oxrl_core.perf import MfuMeter
-from oxrl_core.progress import Reporter
-from oxrl_core.token_head import choose_path, token_stats
-from oxrl_core.tracking import Tracker
+from oxrl_core.token_head import token_stats
 
 REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current iteration
 
@@ -263,24 +254,20 @@ def pair_metrics(algorithm, spec, model, ref, examples, engine, pad_id, packing,
 # ----------------------------------------------------------------------------- the loop
 
 
-def run_preference(trainer, ckpt: Path | None):
-    from oxrl_core.trainer import RunResult
-
-    cfg = trainer.config
-    algorithm, spec, run_dir = trainer.algorithm, trainer.algorithm_cls, trainer.run_dir
-    reporter = Reporter(trainer.quiet, cfg.train.log_steps)
-    seed_everything(cfg.train.seed)
+def run_preference(trainer, ckpt: Path | None) -> RunResult:
+    run = Run(trainer, ckpt)
+    cfg, algorithm, spec = run.cfg, run.algorithm, run.spec
     fmt, self_play, packing = spec.data_format, spec.self_play, cfg.data.packing
 
     # ---- data (before any model loads, so bad data fails fast)
-    policy_path = initial_policy_path(cfg.model.name, log=reporter.info)
+    policy_path = initial_policy_path(cfg.model.name, log=run.info)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
-    train_source = load_data(cfg.data.train, "train", trainer.registry)
+    train_source = load_data(cfg.data.train, "train", run.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
     for note in train.notes(cfg.data.max_length):  # too-long prompts, pairs with chosen == rejected
-        reporter.info(f"[yellow]note:[/yellow] {note}")
-    held_out = eval_source(cfg.data, trainer.registry, train_source)
+        run.info(f"[yellow]note:[/yellow] {note}")
+    held_out = eval_source(cfg.data, run.registry, train_source)
     eval_examples, eval_rows, eval_dataset = [], [], None
     if held_out is not None:
         if not self_play:  # self-play pairs need generations; held-out accuracy still applies
@@ -288,72 +275,43 @@ def run_preference(trainer, ckpt: Path | None):
         eval_dataset = held_out.dataset
         if spec.head == "lm" and can_verify(eval_dataset):
             eval_rows = [r for r in held_out.rows if "prompt" in r]
-    unpaired_kl = fmt == "unpaired" and algorithm.uses_ref()
-    if unpaired_kl and cfg.train.batch_size < 2:
-        raise OxrlError(
-            f"train.batch_size: '{cfg.algorithm}' estimates its KL baseline by pairing each prompt with another "
-            f"row's completion, so a micro-batch needs at least 2 rows (got {cfg.train.batch_size})"
-        )
-    if cfg.train.precompute_ref_logps and (fmt != "preference" or not algorithm.uses_ref()):
-        raise OxrlError(
-            f"train.precompute_ref_logps: '{cfg.algorithm}' has no fixed pairs to precompute reference "
-            "log-probabilities for (it needs a reference model and preference rows)"
-        )
+    _check_options(cfg, algorithm, fmt)
 
-    # ---- models
+    # ---- models; the fast path (packing, shared prompts) is chosen here, once
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
     if packing and attn == PACKED_SDPA and fmt != "unpaired":
         packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
-    start, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
+    start = run.start_from(policy_path)
     if spec.head == "score":
         model = load_score_model(
             start,
             pad_token_id=pad_id,
             attn_implementation=attn,
             trust_remote_code=cfg.model.trust_remote_code,
-            log=reporter.info,
+            log=run.info,
         )
     else:
         model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
     if packing == "shared" and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         packing = True  # decided once: ordinary packing (row by row), each prompt computed twice
-        reporter.info(
+        run.info(
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them"
         )
-    model = apply_lora(model, cfg.lora, spec.head, resume_from=adapter_ckpt)
-    if cfg.lora.enabled:
-        reporter.info(trainable_summary(model))
-    if spec.head == "lm":
-        choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
-    ref = None
-    if algorithm.uses_ref():  # the initial policy (or model.ref), never the checkpoint being resumed
-        ref = load_causal_lm(
-            cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn
-        )
-        ref.requires_grad_(False).eval()
-        choose_path(ref, cfg.train.logits_chunk_size, reporter.info)
-    engine = build_engine(model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=run_dir)
-    if ref is not None:
-        ref.to(engine.device)
-
-    start_step, position, eval_before = 0, 0, {}
-    if ckpt is not None:
-        state = load_training_state(ckpt, engine)
-        start_step, position, eval_before = state["step"], state["data_position"], state.get("eval_before", {})
-        if self_play:
-            ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
-        reporter.info(f"resuming from {ckpt} (step {start_step})")
+    model = run.policy(model, spec.head)
+    ref = run.reference(policy_path, attn) if algorithm.uses_ref() else None
+    engine = run.build_engine(model)
+    if run.resume() and self_play:
+        ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
     if cfg.train.precompute_ref_logps:
         precompute_ref(ref, train.examples, engine, pad_id, packing, cfg.train.batch_size)
         if not eval_examples:
             ref = None  # every reference logprob the run needs is stored: free the model
     backend = None
     if self_play:
-        from oxrl_core.rollout_hf import HFRolloutBackend
+        from oxrl_core.rollout_hf import HFRolloutBackend  # lazy: self-play alone generates
 
         backend = HFRolloutBackend(ref, tokenizer)
     iteration_steps = -(-cfg.train.max_steps // algorithm.iterations()) if self_play else cfg.train.max_steps
-    tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
     lengths = [
         len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
         for ex in train.examples
@@ -366,15 +324,13 @@ def run_preference(trainer, ckpt: Path | None):
         cfg.train.seed,
         cfg.data.group_by_length,
     )
-    accum, max_steps = cfg.train.grad_accum_steps, cfg.train.max_steps
-    saver = Checkpointer(
-        run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp)
-    )  # (extra_files: below)
-    reporter.info(
-        f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
-        f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} "
-        f"({len(train.examples)} rows) · run dir {run_dir} · {saver.describe()}"
-    )
+
+    def extra_files(tmp: Path) -> None:  # self-play checkpoints keep the reference of the current iteration
+        if self_play:
+            torch.save(ref.state_dict(), tmp / REF_FILE)
+
+    run.checkpointer(model, tokenizer, extra=extra_files)
+    run.banner(model, "built-in tiny llama (warm start)", f"{train_source.origin} ({len(train.examples)} rows)")
 
     def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         metrics = {}
@@ -400,108 +356,69 @@ def run_preference(trainer, ckpt: Path | None):
                 )
         return metrics
 
-    def extra_files(tmp: Path) -> None:
-        if self_play:
-            torch.save(ref.state_dict(), tmp / REF_FILE)
+    run.evaluate_before(run_eval, bool(eval_examples or eval_rows))
 
-    if start_step == 0 and (eval_examples or eval_rows):
-        eval_before = run_eval()
-        if "eval/accuracy" in eval_before:
-            reporter.info(f"held-out accuracy before training: {eval_before['eval/accuracy']:.3f}")
-
-    # ---- the loop
-    records: list[dict] = []
-    mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
-    train_start = time.perf_counter()
-    reporter.start(max_steps, start_step)
-    saver.start(start_step)
-    try:
-        for step in range(start_step + 1, max_steps + 1):
-            t0 = time.perf_counter()
-            if self_play and step > 1 and (step - 1) % iteration_steps == 0:
-                with engine.full_weights():
-                    ref.load_state_dict(policy_state_dict(model))  # a new iteration plays against the current policy
-            picks = [plan.micro_batch(k) for k in range(position, position + accum)]
-            # train.max_tokens_per_micro_batch: the same rows, regrouped by a token budget (0 = as drawn)
-            picks = regroup_by_tokens(
-                picks,
-                lambda i: row_tokens(train.examples[i], packing),
-                cfg.train.max_tokens_per_micro_batch,
-                bool(packing),
-            )
-            shares = [shard(idx) for idx in picks]  # this rank's rows of each micro-batch (all of them in one process)
-            micro = [[train.examples[i] for i in rows] for rows, _ in shares]
-            position += accum
-            total_rows = sum(len(idx) for idx in picks)
-            lr = engine.lr
-            sums: dict[str, float] = defaultdict(float)
-            gen_seconds, tokens = 0.0, 0
-            for k, examples in enumerate(micro):
-                rejected = None
-                if self_play:
-                    t_gen = time.perf_counter()
-                    rejected = generate_rejected(
-                        backend, examples, cfg.rollout, cfg.train.seed * 1_000_003 + step * 131 + k
-                    )
-                    gen_seconds += time.perf_counter() - t_gen
-                with engine.autocast():
-                    batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)
-                    loss, metrics = algorithm.loss(batch)
-                check_loss(loss, step, run_dir)
-                padding = shares[k][1]
-                tokens += 0 if padding else policy_tokens(examples, rejected, packing == "shared")
-                share = 0.0 if padding else len(examples) / total_rows
-                engine.backward(loss * share)
-                sums["loss"] += float(loss.detach()) * share
-                for key, value in metrics.items():
-                    sums[key] += float(value) * share
-            sums = reduce_metrics({**sums, "perf/tokens": tokens})  # every rank's shares
-            tokens = int(sums.pop("perf/tokens"))
-            grad_norm = engine.step()
-            seconds = time.perf_counter() - t0
-            record = {
-                "loss": sums.pop("loss"),
-                **sums,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "epoch": position / plan.batches_per_epoch,
-                "perf/rows": total_rows,
-                "perf/micro_batches": len(picks),
-                "perf/tokens": tokens,
-                "perf/tokens_per_s": tokens / seconds,
-                "perf/step_s": seconds,
-                # the policy's training FLOPs (the reference model's forward is not counted); 2 sequences a row
-                **mfu_meter(tokens / seconds, tokens / max(2 * total_rows, 1)),
-                **plan.counts([i for idx in picks for i in idx]),
-            }
+    def step(step: int) -> dict:
+        t0 = time.perf_counter()
+        # 0. self-play: a new iteration plays against the current policy
+        if self_play and step > 1 and (step - 1) % iteration_steps == 0:
+            with engine.full_weights():
+                ref.load_state_dict(policy_state_dict(model))
+        # 1. this step's micro-batches (rows); this rank's rows of each (all of them in one process)
+        picks = run.draw(plan, lambda i: row_tokens(train.examples[i], packing), bool(packing))
+        shares = [shard(idx) for idx in picks]
+        total_rows = sum(len(idx) for idx in picks)
+        lr = engine.lr
+        sums: dict[str, float] = defaultdict(float)
+        gen_seconds, tokens = 0.0, 0
+        for k, (rows, padding) in enumerate(shares):
+            examples = [train.examples[i] for i in rows]
+            # 2. self-play: the rejected responses, generated by the reference
+            rejected = None
             if self_play:
-                record["iteration"] = (step - 1) // iteration_steps + 1
-                record["time/generate_s"] = gen_seconds
-            if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
-                record.update(run_eval())
-            tracker.log(step, record)
-            records.append({"step": step, **record})
-            reporter.step(step, max_steps, record)
-            saver.after_step(step, {"data_position": position, "eval_before": eval_before})
-    finally:
-        reporter.stop()
-        tracker.close()
+                t_gen = time.perf_counter()
+                rejected = generate_rejected(
+                    backend, examples, cfg.rollout, cfg.train.seed * 1_000_003 + step * 131 + k
+                )
+                gen_seconds += time.perf_counter() - t_gen
+            # 3. sequence log-probabilities (policy, reference), then the loss; each micro-batch weighted by its rows
+            with engine.autocast():
+                batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)
+                loss, metrics = algorithm.loss(batch)  # ALGO: the algorithm's loss
+            check_loss(loss, step, run.run_dir)
+            tokens += 0 if padding else policy_tokens(examples, rejected, packing == "shared")
+            backward_share(engine, loss, metrics, 0.0 if padding else len(examples) / total_rows, sums)
+        # 4. the optimiser step, metrics summed over ranks
+        sums = reduce_metrics({**sums, "perf/tokens": tokens})
+        tokens = int(sums.pop("perf/tokens"))
+        grad_norm = engine.step()
+        # the policy's training FLOPs (the reference model's forward is not counted); 2 sequences a row
+        perf = {
+            "perf/rows": total_rows,
+            "perf/micro_batches": len(picks),
+            "perf/tokens": tokens,
+            "perf/sequences": 2 * total_rows,
+        }
+        record = run.record(sums, lr, grad_norm, plan, picks, perf, time.perf_counter() - t0)
+        if self_play:
+            record["iteration"] = (step - 1) // iteration_steps + 1
+            record["time/generate_s"] = gen_seconds
+        return record
 
-    final_dir = run_dir / "final"
-    save_model(final_dir, model, tokenizer, engine=engine)
-    eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
-    summary = {
-        "algorithm": cfg.algorithm,
-        "steps": max_steps,
-        "train_seconds": time.perf_counter() - train_start,
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-    }
-    if is_main():
-        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-    for key, label in (("eval/rewards/accuracies", "held-out pair accuracy"), ("eval/accuracy", "held-out accuracy")):
-        if key in eval_after:
-            reporter.result(f"{label}: {eval_before.get(key, math.nan):.3f} before → {eval_after[key]:.3f} after")
-    last_loss = records[-1]["loss"] if records else math.nan
-    reporter.result(f"done: {max_steps} steps, final loss {last_loss:.4f}, model saved to {final_dir}")
-    return RunResult(run_dir, final_dir, max_steps, records, eval_before, eval_after)
+    records = run.train(model, step)
+    held_out = (("eval/rewards/accuracies", "held-out pair accuracy"), *ACCURACY)
+    return run.finish(model, tokenizer, records, held_out)
+
+
+def _check_options(cfg, algorithm, fmt: str) -> None:
+    """Options that this algorithm cannot honour, refused before any model loads."""
+    if fmt == "unpaired" and algorithm.uses_ref() and cfg.train.batch_size < 2:
+        raise OxrlError(
+            f"train.batch_size: '{cfg.algorithm}' estimates its KL baseline by pairing each prompt with another "
+            f"row's completion, so a micro-batch needs at least 2 rows (got {cfg.train.batch_size})"
+        )
+    if cfg.train.precompute_ref_logps and (fmt != "preference" or not algorithm.uses_ref()):
+        raise OxrlError(
+            f"train.precompute_ref_logps: '{cfg.algorithm}' has no fixed pairs to precompute reference "
+            "log-probabilities for (it needs a reference model and preference rows)"
+        )

@@ -1,4 +1,4 @@
-"""The RL loop (algorithms with ``needs_rollouts``), one step after the other (DESIGN §4):
+"""The RL loop (algorithms with ``needs_rollouts``) on the run skeleton (`loops.run`), one step after the other:
 
     prompts -> rollout backend (n samples each) -> rewards -> the trainer's logprobs (and
     reference logprobs, values) -> algorithm advantages -> `rollout.epochs` passes of
@@ -16,7 +16,6 @@ rows: position t scores token t+1, ``mask`` is 1 where that token is a completio
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import defaultdict
@@ -25,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.atomic import write_text_atomic
-from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
+from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.critic import build_critic
 from oxrl_core.data import encode_row_prompt, eval_source, load_data, make_plan, normalise_row, token_budget_batches
 from oxrl_core.distributed import (
@@ -39,29 +37,17 @@ from oxrl_core.distributed import (
     shard,
     world_size,
 )
-from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.lifecycle import Checkpointer
-from oxrl_core.lora import apply_lora, start_path, trainable_summary
-from oxrl_core.models import count_parameters, initial_policy_path, load_causal_lm, load_tokenizer
+from oxrl_core.loops.run import Run, RunResult, backward_share
+from oxrl_core.models import initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.ops import k3_kl, masked_mean_value
 from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
-from oxrl_core.perf import MfuMeter
-from oxrl_core.progress import Reporter
 from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward, score_batch
 from oxrl_core.rollout_hf import check_generation_length
-from oxrl_core.sync import (
-    check_logprob_diff,
-    check_weight_sync,
-    default_max_logprob_diff,
-    default_tolerance,
-    probe_sequence,
-    tis_weight,
-)
-from oxrl_core.token_head import choose_path, on_grid, token_stats
-from oxrl_core.tracking import Tracker
+from oxrl_core.sync import SyncCheck, check_logprob_diff, default_max_logprob_diff, tis_weight
+from oxrl_core.token_head import on_grid, token_stats
 
 # ----------------------------------------------------------------------------- prompts and rollouts
 
@@ -329,294 +315,206 @@ def rl_evaluate(backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed:
 # ----------------------------------------------------------------------------- the loop
 
 
-def run_rl(trainer, ckpt: Path | None):
-    from oxrl_core.loops.supervised import seed_everything
-    from oxrl_core.trainer import RunResult
-
-    cfg = trainer.config
-    algorithm, spec, run_dir = trainer.algorithm, trainer.algorithm_cls, trainer.run_dir
-    ro = cfg.rollout
-    reporter = Reporter(trainer.quiet, cfg.train.log_steps)
-    seed_everything(cfg.train.seed)
+def run_rl(trainer, ckpt: Path | None) -> RunResult:
+    run = Run(trainer, ckpt)
+    cfg, algorithm, spec, ro = run.cfg, run.algorithm, run.spec, run.cfg.rollout
 
     # ---- data and reward (before any model loads, so bad input fails fast)
-    policy_path = initial_policy_path(cfg.model.name, log=reporter.info)
+    policy_path = initial_policy_path(cfg.model.name, log=run.info)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
-    train_source = load_data(cfg.data.train, "train", trainer.registry)
+    train_source = load_data(cfg.data.train, "train", run.registry)
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
     if dropped:
-        reporter.info(
-            f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
-        )
-    held_out = eval_source(cfg.data, trainer.registry, train_source)
+        run.info(f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}")
+    held_out = eval_source(cfg.data, run.registry, train_source)
     eval_rows, eval_ids = (
         ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
     )
     eval_dataset = held_out.dataset if held_out is not None else None
-    reward = build_reward(cfg, trainer.registry, spec.default_reward, train_source.dataset)
+    reward = build_reward(cfg, run.registry, spec.default_reward, train_source.dataset)
+    reward_name = getattr(reward, "name", type(reward).__name__)
     if ro.n < spec.min_group_size:
         raise OxrlError(
             f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}"
         )
-    backend_cls = trainer.registry.load_checked("rollout_backend", ro.backend)
+    backend_cls = run.registry.load_checked("rollout_backend", ro.backend)
     backend_cls.parse_options(ro)  # rollout.options: a typo fails before any model loads
 
-    # ---- models
-    # data.packing: the training forward packs a micro-batch into one row in which the samples of a
-    # prompt share one copy of it (not with a critic, whose values are read at every position)
+    # ---- models; the fast path is chosen here, once. data.packing: the training forward packs a
+    # micro-batch into one row in which the samples of a prompt share one copy of it (not with a
+    # critic, whose values are read at every position)
     attn = cfg.model.attn_implementation
     if cfg.data.packing and not spec.needs_critic:
         attn = packed_attn_implementation(attn)
     shared = attn == PACKED_SDPA
-    load_from, adapter_ckpt = start_path(policy_path, ckpt, cfg.lora)
-    model = load_causal_lm(load_from, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+    model = load_causal_lm(
+        run.start_from(policy_path), attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code
+    )
     if shared and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         shared = False  # decided once: padded rows
-        reporter.info(
+        run.info(
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); training on padded rows"
         )
-    model = apply_lora(model, cfg.lora, resume_from=adapter_ckpt)
-    if cfg.lora.enabled:
-        reporter.info(trainable_summary(model))
-    choose_path(model, cfg.train.logits_chunk_size, reporter.info)  # chunked LM head (or the model's full logits)
-    ref = None
-    if algorithm.uses_ref():  # the reference is the initial policy (never the checkpoint being resumed)
-        ref = load_causal_lm(
-            cfg.model.ref or policy_path, field="model.ref" if cfg.model.ref else "model.name", attn_implementation=attn
-        )
-        ref.requires_grad_(False).eval()
-        choose_path(ref, cfg.train.logits_chunk_size, reporter.info)
+    model = run.policy(model)
+    ref = run.reference(policy_path, attn) if algorithm.uses_ref() else None
     critic = None
-    if spec.needs_critic:
+    if spec.needs_critic:  # (the critic option is read with getattr: not every critic algorithm's Config declares it)
         critic = build_critic(model, getattr(algorithm.config, "critic", "shared"), lambda: load_causal_lm(policy_path))
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
-    check_generation_length(
-        model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens
-    )  # fits the context?
-    engine = build_engine(
-        model,
-        cfg.train,
-        cfg.engine,
-        cfg.model.gradient_checkpointing,
-        extra_modules=[critic] if critic else [],
-        total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches,
-        run_dir=run_dir,
+    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens)  # fits?
+    engine = run.build_engine(
+        model, extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches
     )
-    if ref is not None:
-        ref.to(engine.device)
     if ro.actors:  # rollout.actors: the backend in Ray actors of its own; rank 0 drives them
-        from oxrl_core.rollout_actors import RolloutActors
+        from oxrl_core.rollout_actors import RolloutActors  # lazy: Ray starts only when rollout.actors is set
 
-        backend = (
-            RolloutActors.start(ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
-            if is_main()
-            else None
-        )
+        args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
+        backend = RolloutActors.start(*args) if is_main() else None
     else:
         backend = backend_cls.build(model, tokenizer, policy_path, ro)
-
-    start_step, eval_before = 0, {}
-    if ckpt is not None:
-        state = load_training_state(ckpt, engine)
-        start_step, eval_before = state["step"], state.get("eval_before", {})
+    if run.resume():
         with engine.full_weights():  # ZeRO-3: the backend may read the weights
-            sync_weights(backend, model, start_step)
-        reporter.info(f"resuming from {ckpt} (step {start_step})")
-    version = start_step  # the policy version: optimiser phases completed
+            sync_weights(backend, model, run.start_step)
+    version = run.start_step  # the policy version: optimiser phases completed
     # verified weight sync (oxrl_core.sync): the backend and the trainer score a fixed probe
-    sync_probe = probe_sequence(tokenizer, prompt_ids[0]) if ro.sync_check and backend_cls.can_score() else None
-    sync_tolerance = ro.sync_tolerance or default_tolerance(getattr(engine, "autocast_dtype", None))
-    if ro.sync_check and sync_probe is None:
-        reporter.info(
-            f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified"
-        )
-
-    # The built-in hf backend generates with the trained module itself: after the start check (which covers
-    # its generation path) a sync cannot leave it stale, so the probe is not re-scored after every sync.
-    shares_module = getattr(backend, "model", None) is model
-
-    def verify_sync(policy_version: int) -> dict:
-        if sync_probe is None or (shares_module and policy_version != start_step):
-            return {}
-        with engine.full_weights():  # (a collective under ZeRO-3: every rank enters it)
-            if backend is None:  # rollout actors: rank 0 checks them
-                return {}
-            return check_weight_sync(
-                backend, model, sync_probe, policy_version, sync_tolerance, engine.autocast, latest_checkpoint(run_dir)
-            )
-
+    can_score = ro.sync_check and backend_cls.can_score()
+    verify_sync = SyncCheck(
+        backend, can_score, model, engine, tokenizer, prompt_ids[0], ro, run.start_step, run.run_dir, run.info
+    )
     try:
         verify_sync(version)  # before training: a backend that loaded the wrong weights stops here
     except OxrlError:
         if backend is not None:
             backend.close()
         raise
-    tracker = Tracker(run_dir, cfg.logging, cfg.model_dump(mode="json"), resume_step=start_step if ckpt else None)
-    plan = make_plan(
-        train_source,
-        [r.get("_source", 0) for r in rows],
-        [len(p) for p in prompt_ids],
-        cfg.train.batch_size,
-        cfg.train.seed,
-        False,
-    )
-    saver = Checkpointer(
-        run_dir, cfg, model, tokenizer, engine, extra=lambda tmp: extra_files(tmp)
-    )  # (extra_files: below)
-    reporter.info(
-        f"[bold]oxrl {cfg.algorithm}[/bold] · model {cfg.model.name or 'built-in tiny llama (warm start)'} "
-        f"({count_parameters(model) / 1e6:.2f}M params, {engine.device}) · data {train_source.origin} ({len(rows)} prompts) · "
-        f"reward {getattr(reward, 'name', type(reward).__name__)} · {cfg.train.batch_size}×{ro.n} samples/step · run dir {run_dir} · {saver.describe()}"
-    )
-
-    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
-        with engine.full_weights():
-            return (
-                rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed)
-                if is_main()
-                else {}
-            )
+    sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids]
+    plan = make_plan(train_source, sources, lengths, cfg.train.batch_size, cfg.train.seed, False)
 
     def extra_files(tmp: Path) -> None:
         if critic is not None:
             torch.save(critic.state_dict(), tmp / "critic.pt")
 
-    if start_step == 0 and eval_rows:
-        eval_before = run_eval()
-        reporter.info("held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items()))
+    run.checkpointer(model, tokenizer, extra=extra_files)
+    samples = f"{cfg.train.batch_size}×{ro.n} samples/step"
+    run.banner(
+        model,
+        "built-in tiny llama (warm start)",
+        f"{train_source.origin} ({len(rows)} prompts) · reward {reward_name} · {samples}",
+    )
 
-    device = engine.device
-    mfu_meter = MfuMeter(model, engine.device, world_size())  # perf/mfu where the device's peak is known
-    records: list[dict] = []
+    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+        with engine.full_weights():
+            if not is_main():
+                return {}
+            return rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed)
+
+    run.evaluate_before(run_eval, bool(eval_rows), every_metric=True)
+
+    update = Update(run, model, ref, critic, shared)
     reward_watch = RewardWatch(ro.max_reward_error_share, ro.reward_error_steps)
-    train_start = time.perf_counter()
-    reporter.start(cfg.train.max_steps, start_step)
-    saver.start(start_step)
-    try:
-        for step in range(start_step + 1, cfg.train.max_steps + 1):
-            t_step = time.perf_counter()
-            # 1. rollouts: n samples for each of batch_size prompts (each rank its shards; see generate_sharded)
-            picks = plan.micro_batch(step - 1)
-            sampling = SamplingParams(
-                ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=cfg.train.seed * 1_000_003 + step
-            )
-            groups = generate_sharded(
-                backend, engine, [prompt_ids[i] for i in picks], sampling, cfg.engine.rollout_shards or world_size()
-            )
-            check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
-            completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
-            versions = {c.policy_version for c in completions}
-            if ro.strict_on_policy and versions != {version}:
-                raise OxrlError(
-                    f"step {step}: samples from policy version(s) {sorted(versions)} but the trainer is at version "
-                    f"{version}: the rollout backend missed a weight sync (strict on-policy). "
-                    f"Set rollout.strict_on_policy=false to allow stale samples."
-                )
-            gen_s = time.perf_counter() - t_step
+    shards = cfg.engine.rollout_shards or world_size()
 
-            # 2. rewards
-            t0 = time.perf_counter()
-            sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
-            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-            failures = RewardFailures(getattr(reward, "name", type(reward).__name__))
-            scores, reward_metrics = score_sharded(
-                reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures
-            )
-            reward_s = time.perf_counter() - t0
-            reward_watch.after_scoring(step, failures, run_dir)  # one line per step; stops a reward that keeps failing
+    def step(step: int) -> dict:
+        nonlocal version
+        t_step = time.perf_counter()
+        picks = plan.micro_batch(step - 1)
+        run.position = step
 
-            # 3. the rollout batch, on the trainer's device
-            t0 = time.perf_counter()
-            batch = rollout_tensors(
-                [prompt_ids[i] for i in picks for _ in range(ro.n)], completions, tokenizer.pad_token_id
-            )
-            check_no_padding_holes(batch)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            batch["rewards"] = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
-            batch["group_size"] = ro.n
-            batch["group"] = torch.arange(len(completions), device=device) // ro.n  # (B,) the prompt of each sample
-            batch["prompt_len"] = torch.tensor(
-                [len(prompt_ids[i]) for i in picks for _ in range(ro.n)], device=device
-            )  # (B,)
-            check_finite("rewards", batch["rewards"], step, run_dir)
-            lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do, not the next one
-            record = _update(
-                step,
-                batch,
-                model,
-                ref,
-                critic,
-                algorithm,
-                engine,
-                ro,
-                cfg.train.seed,
-                run_dir,
-                shared,
-                cfg.train.max_tokens_per_micro_batch,
-            )
-            version += 1
-            t_sync = time.perf_counter()
-            with engine.full_weights():  # ZeRO-3: the backend may read the weights
-                sync_weights(backend, model, version)  # the weight sync
-            record.update(verify_sync(version))
-            record["perf/sync_s"] = time.perf_counter() - t_sync
-            train_s = time.perf_counter() - t0
-
-            lengths = [len(c.token_ids) for c in completions]
-            tokens = float(batch["attention_mask"].sum())  # prompt + completion tokens of the rollout batch
-            record.update(reward_metrics)
-            record.update(
-                {
-                    "response/length": sum(lengths) / len(lengths),
-                    "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
-                    "policy/version": float(min(versions)),
-                    "lr": lr,
-                    "perf/gen_s": gen_s,
-                    "perf/reward_s": reward_s,
-                    "perf/train_s": train_s,
-                    "perf/step_s": time.perf_counter() - t_step,
-                    "perf/tokens": tokens,
-                    "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
-                    # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
-                    **mfu_meter(ro.epochs * tokens / train_s, tokens / len(completions)),
-                    **plan.counts(picks),
-                }
-            )
-            if step == cfg.train.max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
-                record.update(run_eval())
-            tracker.log(step, record)
-            records.append({"step": step, **record})
-            reporter.step(step, cfg.train.max_steps, record)
-            saver.after_step(step, {"data_position": step, "eval_before": eval_before})
-    finally:
-        reporter.stop()
-        tracker.close()
-        if backend is not None:
-            backend.close()
-
-    final_dir = run_dir / "final"
-    save_model(final_dir, model, tokenizer, extra=extra_files if critic is not None else None, engine=engine)
-    eval_after = {k: v for k, v in (records[-1] if records else {}).items() if k.startswith("eval/")}
-    summary = {
-        "algorithm": cfg.algorithm,
-        "steps": cfg.train.max_steps,
-        "train_seconds": time.perf_counter() - train_start,
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-    }
-    if is_main():
-        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-    if eval_after:
-        reporter.result(
-            "held-out: "
-            + ", ".join(f"{k} {eval_before.get(k, math.nan):.3f} before → {v:.3f} after" for k, v in eval_after.items())
+        # 1. rollouts: n samples for each of batch_size prompts (each rank its shards; see generate_sharded)
+        sampling = SamplingParams(
+            ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=cfg.train.seed * 1_000_003 + step
         )
-    reporter.result(f"done: {cfg.train.max_steps} steps, model saved to {final_dir}")
-    return RunResult(run_dir, final_dir, cfg.train.max_steps, records, eval_before, eval_after)
+        groups = generate_sharded(backend, engine, [prompt_ids[i] for i in picks], sampling, shards)
+        check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
+        completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
+        versions = check_on_policy(completions, version, ro.strict_on_policy, step)
+        gen_s = time.perf_counter() - t_step
+
+        # 2. rewards
+        t0 = time.perf_counter()
+        sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
+        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        failures = RewardFailures(reward_name)
+        scores, reward_metrics = score_sharded(reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures)
+        reward_s = time.perf_counter() - t0
+        reward_watch.after_scoring(step, failures, run.run_dir)  # one line per step; stops a reward that keeps failing
+
+        # 3. the rollout batch, on the trainer's device
+        t0 = time.perf_counter()
+        batch = rollout_batch([prompt_ids[i] for i in picks], completions, scores, ro.n, tokenizer.pad_token_id, engine)
+        check_finite("rewards", batch["rewards"], step, run.run_dir)
+        lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do, not the next one
+
+        # 4-6. old/ref logprobs, advantages (ALGO), rollout.epochs × rollout.minibatches updates (ALGO inside)
+        record = update(step, batch)
+
+        # 7. the weight sync (the policy version + 1)
+        version += 1
+        t_sync = time.perf_counter()
+        with engine.full_weights():  # ZeRO-3: the backend may read the weights
+            sync_weights(backend, model, version)
+        record.update(verify_sync(version))
+        record["perf/sync_s"] = time.perf_counter() - t_sync
+        train_s = time.perf_counter() - t0
+
+        response = [len(c.token_ids) for c in completions]
+        tokens = float(batch["attention_mask"].sum())  # prompt + completion tokens of the rollout batch
+        record.update(reward_metrics)
+        record.update(
+            {
+                "response/length": sum(response) / len(response),
+                "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
+                "policy/version": float(min(versions)),
+                "lr": lr,
+                "perf/gen_s": gen_s,
+                "perf/reward_s": reward_s,
+                "perf/train_s": train_s,
+                "perf/step_s": time.perf_counter() - t_step,
+                "perf/tokens": tokens,
+                "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
+                # MFU of the update phase: the rollout batch's training FLOPs (× epochs) over perf/train_s
+                **run.mfu(ro.epochs * tokens / train_s, tokens / len(completions)),
+                **plan.counts(picks),
+            }
+        )
+        return record
+
+    records = run.train(model, step, close=backend.close if backend is not None else None)
+    return run.finish(model, tokenizer, records, None, final_loss=False, extra=extra_files if critic else None)
+
+
+def check_on_policy(completions, version: int, strict: bool, step: int) -> set[int]:
+    """The policy versions the samples came from; strict on-policy mode refuses any but ``version``."""
+    versions = {c.policy_version for c in completions}
+    if strict and versions != {version}:
+        raise OxrlError(
+            f"step {step}: samples from policy version(s) {sorted(versions)} but the trainer is at version "
+            f"{version}: the rollout backend missed a weight sync (strict on-policy). "
+            f"Set rollout.strict_on_policy=false to allow stale samples."
+        )
+    return versions
+
+
+def rollout_batch(prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine) -> dict:
+    """The rollout batch the update reads, on the trainer's device: `rollout_tensors` plus
+    ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each sample, ``prompt_len`` (B,)."""
+    batch = rollout_tensors([p for p in prompts for _ in range(n)], completions, pad_id)
+    check_no_padding_holes(batch)
+    device = engine.device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["rewards"] = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
+    batch["group_size"] = n
+    batch["group"] = torch.arange(len(completions), device=device) // n  # (B,)
+    batch["prompt_len"] = torch.tensor([len(p) for p in prompts for _ in range(n)], device=device)  # (B,)
+    return batch
+
+
+# ----------------------------------------------------------------------------- the update (steps 4-6)
 
 
 def _forward(model, critic, mb: dict, temperature: float, shared: bool = False):
+    """The policy's logp, entropy (B, L-1) on a micro-batch (and the critic's values_new (B, L-1))."""
     if shared:
         logp, entropy = token_logprobs_shared(model, mb, temperature)
         return {"logp": logp, "entropy": entropy}
@@ -635,53 +533,85 @@ def _chunks(indices: list[int], size: int) -> list[list[int]]:
     return [indices[i : i + size] for i in range(0, len(indices), size)] if size > 0 else [indices]
 
 
-def _update(
-    step, batch, model, ref, critic, algorithm, engine, ro, seed, run_dir, shared: bool = False, token_budget: int = 0
-) -> dict:
-    """Old/ref logprobs and values, advantages, then epochs × minibatches optimiser steps. Returns metrics."""
-    B = batch["input_ids"].shape[0]
-    temperature = ro.temperature
-    micro = ro.micro_batch_size
-    # a loss that compares the samples of one prompt gets whole groups, in order
-    unit = batch["group_size"] if algorithm.loss_on_groups else 1
-    if micro and unit > 1:
-        micro = -(-micro // unit) * unit
+class MicroBatches:
+    """How one rollout batch of B rows is cut: micro-batches of ``rollout.micro_batch_size`` rows, or
+    filled up to ``train.max_tokens_per_micro_batch`` tokens; whole groups of ``unit`` rows when the
+    loss compares a group's samples."""
 
-    lengths = batch["attention_mask"].sum(1).tolist()  # (B,) prompt + completion tokens of each row
+    def __init__(self, batch: dict, unit: int, micro: int, token_budget: int, shared: bool):
+        self.batch, self.unit, self.micro, self.token_budget, self.shared = batch, unit, micro, token_budget, shared
+        self.B = batch["input_ids"].shape[0]
+        self.lengths = batch["attention_mask"].sum(1).tolist()  # (B,) prompt + completion tokens of each row
 
-    def micro_batches(rows: list[int]) -> list[list[int]]:
-        """``rows`` in micro-batches: of ``rollout.micro_batch_size`` rows, or filled up to
-        ``train.max_tokens_per_micro_batch`` tokens (whole groups when the loss compares a group's samples)."""
-        if token_budget > 0:
-            return [
-                [rows[j] for j in part]
-                for part in token_budget_batches([lengths[i] for i in rows], token_budget, shared, unit)
-            ]
-        return _chunks(rows, micro)
+    def __call__(self, rows: list[int]) -> list[list[int]]:
+        if self.token_budget > 0:
+            parts = token_budget_batches([self.lengths[i] for i in rows], self.token_budget, self.shared, self.unit)
+            return [[rows[j] for j in part] for part in parts]
+        return _chunks(rows, self.micro)
 
-    def rows_of(idx: list[int]) -> dict:
-        index = torch.tensor(idx, device=batch["input_ids"].device)
+    def rows_of(self, idx: list[int]) -> dict:
+        """The batch's per-row tensors at rows ``idx`` (scalars as they are)."""
+        index = torch.tensor(idx, device=self.batch["input_ids"].device)
+        B = self.B
         return {
             k: (v.index_select(0, index) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
-            for k, v in batch.items()
+            for k, v in self.batch.items()
         }
 
-    # One update on one forward pass: the "old" policy is the current one, so logp_old is the
-    # training forward's own logp, detached (the ratio is exactly 1) — no extra forward pass.
-    single_pass = (
-        ro.epochs == 1
-        and ro.minibatches == 1
-        and (micro == 0 or micro >= B)
-        and (token_budget <= 0 or len(micro_batches(list(range(B)))) == 1)
-    )
+    def single(self) -> bool:
+        """Whether the whole batch is one micro-batch."""
+        return (self.micro == 0 or self.micro >= self.B) and (
+            self.token_budget <= 0 or len(self(list(range(self.B)))) == 1
+        )
 
-    def forward_rows(module, critic_, keys) -> dict:
+    def for_scoring(self) -> list[list[int]]:
+        """The micro-batches of a no-grad pass over every row."""
+        every = list(range(self.B))
+        return self(every) if (0 < self.micro < self.B or self.token_budget > 0) else [every]
+
+
+class Update:
+    """Steps 4-6 of an RL step, set up once per run: old/reference logprobs (and values), the
+    rollout checks, the algorithm's advantages, then ``rollout.epochs`` × ``rollout.minibatches``
+    optimiser steps of the algorithm's loss. ``update(step, batch)`` returns the step's metrics."""
+
+    def __init__(self, run: Run, model, ref, critic, shared: bool):
+        self.model, self.ref, self.critic, self.shared = model, ref, critic, shared
+        self.algorithm, self.engine, self.run_dir, ro = run.algorithm, run.engine, run.run_dir, run.cfg.rollout
+        self.ro, self.seed, self.token_budget = ro, run.cfg.train.seed, run.cfg.train.max_tokens_per_micro_batch
+        # the forward pass, chosen once: the samples of a prompt share it (packed), or padded rows
+        self.forward = lambda module, critic, mb: _forward(module, critic, mb, ro.temperature, shared)
+
+    def __call__(self, step: int, batch: dict) -> dict:
+        algorithm, ro = self.algorithm, self.ro
+        # a loss that compares the samples of one prompt gets whole groups, in order
+        unit = batch["group_size"] if algorithm.loss_on_groups else 1
+        micro = -(-ro.micro_batch_size // unit) * unit if ro.micro_batch_size and unit > 1 else ro.micro_batch_size
+        parts = MicroBatches(batch, unit, micro, self.token_budget, self.shared)
+        # One update on one forward pass: the "old" policy is the current one, so logp_old is the
+        # training forward's own logp, detached (the ratio is exactly 1), and no extra forward pass.
+        single_pass = ro.epochs == 1 and ro.minibatches == 1 and parts.single()
+
+        # 4. old / reference logprobs (and values); the rollout checks
+        fresh = self.old_logprobs(batch, parts, unit, single_pass)
+        metrics = self.rollout_checks(step, batch)
+        # 5. advantages
+        added, adv_metrics = algorithm.advantages(batch)  # ALGO: the algorithm's advantage estimator
+        for name, tensor in added.items():
+            check_finite(name, tensor, step, self.run_dir)
+        batch.update(added)
+        metrics.update({k: float(v) for k, v in adv_metrics.items()})
+        # 6. the optimiser steps
+        losses, perf = self.optimise(step, batch, parts, unit, fresh)
+        return {**losses, **metrics, **perf}
+
+    def forward_rows(self, module, critic, parts: MicroBatches, unit: int, keys: list[str]) -> dict:
         """A no-grad pass over the rollout batch in micro-batches; with data parallelism each rank
         computes its rows of each micro-batch and every rank gets all of them (`oxrl_core.distributed`)."""
         outs, order = [], []
-        for part in micro_batches(list(range(B))) if (0 < micro < B or token_budget > 0) else [list(range(B))]:
+        for part in parts.for_scoring():
             mine, padding = shard(part, unit)
-            out = _forward(module, critic_, rows_of(mine), temperature, shared)
+            out = self.forward(module, critic, parts.rows_of(mine))
             where = {row: j for j, row in enumerate(part)}
             at = [] if padding else [where[i] for i in mine]
             outs.append({k: gather_rows(out[k], at, len(part)) for k in keys})
@@ -689,83 +619,87 @@ def _update(
         inverse = torch.argsort(torch.tensor(order))  # token-budget micro-batches need not be in row order
         return {k: torch.cat([o[k] for o in outs])[inverse.to(outs[0][k].device)] for k in keys}
 
-    fresh = None
-    with engine.autocast():
-        if ref is not None:
-            with torch.no_grad():
-                batch["logp_ref"] = forward_rows(ref, None, ["logp"])["logp"]
-        if single_pass:
-            mine, padding = shard(list(range(B)), unit)  # this rank's rows (all of them in one process)
-            fresh = _forward(model, critic, rows_of(mine), temperature, shared)
-            batch["logp_old"] = gather_rows(fresh["logp"].detach(), [] if padding else mine, B)
-            if critic is not None:
-                batch["values"] = gather_rows(fresh["values_new"].detach(), [] if padding else mine, B)
-        else:
-            with torch.no_grad():
-                outs = forward_rows(model, critic, ["logp"] + (["values_new"] if critic is not None else []))
-            batch["logp_old"] = outs["logp"]
-            if critic is not None:
-                batch["values"] = outs["values_new"]
-    mask = batch["mask"]
-    check_finite("logp_old", batch["logp_old"], step, run_dir)
-    gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
-    sums = {"rollout/logprob_diff": masked_mean_value(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
-    # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
-    autocast_dtype = getattr(engine, "autocast_dtype", None)
-    limit = default_max_logprob_diff(autocast_dtype) if ro.max_logprob_diff is None else ro.max_logprob_diff
-    check_logprob_diff(
-        sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, latest_checkpoint(run_dir)
-    )
-    # TIS: w_t = min(π_old / π_rollout, rollout.tis_cap), detached; ones when off
-    batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)  # (B, T)
-    sums.update(tis_metrics)
-    if ref is not None:
-        # k3 estimator of KL(π || π_ref) at the sampling policy
-        sums["kl/ref"] = masked_mean_value(k3_kl(batch["logp_old"], batch["logp_ref"]), mask)
+    def old_logprobs(self, batch: dict, parts: MicroBatches, unit: int, single_pass: bool) -> dict | None:
+        """``logp_ref``, ``logp_old`` and (with a critic) ``values`` (B, T) added to ``batch``. In a single
+        pass, returns the training forward (with gradients) that produced ``logp_old``."""
+        critic, B, fresh = self.critic, parts.B, None
+        with self.engine.autocast():
+            if self.ref is not None:
+                with torch.no_grad():
+                    batch["logp_ref"] = self.forward_rows(self.ref, None, parts, unit, ["logp"])["logp"]
+            if single_pass:
+                mine, padding = shard(list(range(B)), unit)  # this rank's rows (all of them in one process)
+                fresh = self.forward(self.model, critic, parts.rows_of(mine))
+                batch["logp_old"] = gather_rows(fresh["logp"].detach(), [] if padding else mine, B)
+                if critic is not None:
+                    batch["values"] = gather_rows(fresh["values_new"].detach(), [] if padding else mine, B)
+            else:
+                keys = ["logp"] + (["values_new"] if critic is not None else [])
+                with torch.no_grad():
+                    outs = self.forward_rows(self.model, critic, parts, unit, keys)
+                batch["logp_old"] = outs["logp"]
+                if critic is not None:
+                    batch["values"] = outs["values_new"]
+        return fresh
 
-    # advantages (the algorithm's maths)
-    added, adv_metrics = algorithm.advantages(batch)
-    for name, tensor in added.items():
-        check_finite(name, tensor, step, run_dir)
-    batch.update(added)
-    sums.update({k: float(v) for k, v in adv_metrics.items()})
+    def rollout_checks(self, step: int, batch: dict) -> dict:
+        """Trainer vs rollout logprobs (the mismatch alarm, `oxrl_core.sync`), TIS weights, KL to the reference."""
+        ro, engine, mask = self.ro, self.engine, batch["mask"]
+        check_finite("logp_old", batch["logp_old"], step, self.run_dir)
+        gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
+        sums = {"rollout/logprob_diff": masked_mean_value(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
+        # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
+        autocast_dtype = getattr(engine, "autocast_dtype", None)
+        limit = default_max_logprob_diff(autocast_dtype) if ro.max_logprob_diff is None else ro.max_logprob_diff
+        last = latest_checkpoint(self.run_dir)
+        check_logprob_diff(sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, last)
+        # TIS: w_t = min(π_old / π_rollout, rollout.tis_cap), detached; ones when off
+        batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)
+        sums.update(tis_metrics)
+        if self.ref is not None:  # k3 estimator of KL(π || π_ref) at the sampling policy
+            sums["kl/ref"] = masked_mean_value(k3_kl(batch["logp_old"], batch["logp_ref"]), mask)
+        return sums
 
-    # updates
-    def part_weight(rows: list[int]) -> float:
-        return float(batch["mask"][rows].sum()) if algorithm.loss_weighting == "tokens" else float(len(rows))
+    def optimise(self, step: int, batch: dict, parts: MicroBatches, unit: int, fresh: dict | None):
+        """``rollout.epochs`` passes of ``rollout.minibatches`` optimiser steps; each micro-batch's loss
+        weighted by its share of the minibatch's loss tokens (or rows). Returns the mean losses and
+        metrics over the steps (every rank's shares), and the optimiser's metrics."""
+        algorithm, engine, ro, B = self.algorithm, self.engine, self.ro, parts.B
 
-    gen = torch.Generator().manual_seed(seed * 7919 + step)
-    updates, grad_norms, loss_sums, micro_batch_count = 0, [], defaultdict(float), 0
-    for _epoch in range(ro.epochs):
-        if single_pass:
-            order = list(range(B))
-        else:
-            units = torch.randperm(B // unit, generator=gen).tolist()
-            order = [u * unit + j for u in units for j in range(unit)]
-        size = -(-(B // unit) // ro.minibatches) * unit
-        for minibatch in _chunks(order, size):
-            parts = micro_batches(minibatch)
-            micro_batch_count += len(parts)
-            total = sum(part_weight(p) for p in parts) or 1.0
-            for part in parts:
-                mine, padding = shard(part, unit)  # this rank's rows of the micro-batch (all of them in one process)
-                weight = 0.0 if padding else part_weight(mine)
-                mb = rows_of(mine)
-                with engine.autocast():
-                    mb.update(fresh if single_pass else _forward(model, critic, mb, temperature, shared))
-                    loss, metrics = algorithm.loss(mb)
-                check_finite("loss", loss.detach().reshape(1), step, run_dir)
-                engine.backward(loss * (weight / total))
-                share = weight / total
-                loss_sums["loss"] += float(loss.detach()) * share
-                loss_sums["entropy"] += masked_mean_value(mb["entropy"].detach(), mb["mask"]) * share
-                for key, value in metrics.items():
-                    loss_sums[key] += float(value) * share
-            grad_norms.append(engine.step())
-            updates += 1
-    record = {k: v / updates for k, v in reduce_metrics(loss_sums).items()}  # every rank's shares
-    record.update(sums)
-    record["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    record["perf/updates"] = float(updates)
-    record["perf/micro_batches"] = micro_batch_count / updates  # per optimiser step
-    return record
+        def weight(rows: list[int]) -> float:
+            return float(batch["mask"][rows].sum()) if algorithm.loss_weighting == "tokens" else float(len(rows))
+
+        gen = torch.Generator().manual_seed(self.seed * 7919 + step)
+        updates, grad_norms, micro_batch_count = 0, [], 0
+        sums: dict[str, float] = defaultdict(float, loss=0.0, entropy=0.0)
+        for _epoch in range(ro.epochs):
+            if fresh is not None:
+                order = list(range(B))
+            else:
+                units = torch.randperm(B // unit, generator=gen).tolist()
+                order = [u * unit + j for u in units for j in range(unit)]
+            size = -(-(B // unit) // ro.minibatches) * unit
+            for minibatch in _chunks(order, size):
+                micro = parts(minibatch)
+                micro_batch_count += len(micro)
+                total = sum(weight(p) for p in micro) or 1.0
+                for part in micro:
+                    mine, padding = shard(
+                        part, unit
+                    )  # this rank's rows of the micro-batch (all of them in one process)
+                    mb = parts.rows_of(mine)
+                    with engine.autocast():
+                        mb.update(fresh if fresh is not None else self.forward(self.model, self.critic, mb))
+                        loss, metrics = algorithm.loss(mb)  # ALGO: the algorithm's loss
+                    check_finite("loss", loss.detach().reshape(1), step, self.run_dir)
+                    share = (0.0 if padding else weight(mine)) / total
+                    sums["entropy"] += masked_mean_value(mb["entropy"].detach(), mb["mask"]) * share
+                    backward_share(engine, loss, metrics, share, sums)
+                grad_norms.append(engine.step())
+                updates += 1
+        losses = {k: v / updates for k, v in reduce_metrics(sums).items()}  # every rank's shares
+        return losses, {
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "perf/updates": float(updates),
+            "perf/micro_batches": micro_batch_count / updates,  # per optimiser step
+        }
