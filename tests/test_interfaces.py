@@ -32,7 +32,9 @@ def test_strict_model_is_one_class_wherever_it_is_imported_from():
     assert interfaces.StrictModel is schema.StrictModel is config.StrictModel
 
 
-@pytest.mark.parametrize("engine", ["oxrl_core.engines.torch_engine:TorchEngine"])
+@pytest.mark.parametrize(
+    "engine", ["oxrl_core.engines.torch_engine:TorchEngine", "oxrl_core.engines.deepspeed_engine:DeepSpeedEngine"]
+)
 def test_engines_have_every_member_of_the_engine_protocol(engine):
     module, _, name = engine.partition(":")
     cls = getattr(__import__(module, fromlist=[name]), name)
