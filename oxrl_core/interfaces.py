@@ -216,8 +216,10 @@ class Algorithm(ABC):
     #   needs_rollouts   False                               trainer, launcher: the RL loop runs it
     #   needs_teacher    False                               supervised loop: loads the teacher, kl_teacher
     #   needs_critic     False                               RL loop: builds the critic (`critic_layout()`)
-    #   loss_weighting   "tokens"                            supervised, preference and RL loops: micro-batch
-    #                                                        weights when gradients are accumulated
+    #   loss_weighting   "tokens"                            supervised and RL loops: micro-batch weights
+    #                                                        when gradients are accumulated (the preference
+    #                                                        loop always weights by rows: its algorithms
+    #                                                        declare "sequences")
     #   min_group_size   1                                   RL loop: refuses rollout.n below it
     #   default_reward   ""                                  RL loop: the reward when reward.name is empty
     #   loss_on_groups   False                               RL loop: minibatches of whole groups, in order
