@@ -152,7 +152,8 @@ def oxrl_sgrpo(args, workdir: Path, chunk: int) -> dict:
 
     from oxrl_algs_rl.sgrpo import SGRPO
     from oxrl_core.interfaces import Completion
-    from oxrl_core.loops.rl import _forward, rollout_tensors
+    from oxrl_core.loops.rollouts import policy_forward as _forward
+    from oxrl_core.loops.rollouts import rollout_tensors
     from oxrl_core.models import load_causal_lm
     from oxrl_core.token_head import choose_path
 

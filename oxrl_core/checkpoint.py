@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 
 from oxrl_core import distributed
-from oxrl_core.atomic import fsync_dir, write_error
+from oxrl_core.atomic import fsync_dir, is_disk_full, write_error
 from oxrl_core.errors import OxrlError
+from oxrl_core.lora import is_peft, save_lora
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -132,8 +133,6 @@ def _write_failed(exc: BaseException, tmp: Path, dest: Path, model) -> OxrlError
 
 def _write_model(tmp: Path, model, tokenizer, dest: Path) -> None:
     """HF weights (checked finite first) and tokenizer into `tmp`."""
-    from oxrl_core.lora import is_peft, save_lora
-
     if is_peft(model):
         save_lora(tmp, model, check=lambda state: check_finite(state, dest))  # checks the merged weights
     else:
@@ -188,8 +187,6 @@ def _discard(tmp: Path, main: bool) -> None:
 
 
 def _looks_like_io(exc: RuntimeError) -> bool:
-    from oxrl_core.atomic import is_disk_full
-
     text = str(exc).lower()
     return is_disk_full(exc) or "write" in text or "i/o error" in text or "ioerror" in text
 

@@ -1,4 +1,4 @@
-"""`oxrl run` with ``engine.world_size`` > 1: one Ray actor per training rank (DESIGN §4).
+"""`oxrl run` with ``engine.world_size`` > 1: one Ray actor per training rank (docs/architecture.md).
 
 The driver (the `oxrl run` process) has already validated the config and prepared the run
 directory. It starts a local Ray cluster (or joins ``engine.ray_address``), checks that the
@@ -75,15 +75,16 @@ class TrainActor:
             os.chdir(spec["cwd"])  # relative paths in the config mean what they meant to the driver
         except OSError:
             pass
-        from oxrl_core.engines.torch_engine import pick_device
-        from oxrl_core.trainer import Trainer
+        from oxrl_core.engines.torch_engine import pick_device  # lazy: torch loads in the actor, not in the driver
 
         handle, name = tempfile.mkstemp(prefix=f"oxrl-rank{self.rank}-", suffix=".yaml")
         os.close(handle)
         config_file = Path(name)  # the driver's resolved config.yaml, on this actor's node
         config_file.write_text(spec["config_yaml"])
         try:
-            trainer = Trainer(alg=spec["alg"], config=config_file, output_dir=spec["run_dir"], quiet=spec["quiet"])
+            trainer = spec["trainer_cls"](
+                alg=spec["alg"], config=config_file, output_dir=spec["run_dir"], quiet=spec["quiet"]
+            )
         finally:
             config_file.unlink(missing_ok=True)
         engine = trainer.config.engine
@@ -122,10 +123,10 @@ def _prepare_shared(trainer) -> None:
     preference warm start when model.name is empty), once, in the driver."""
     if trainer.config.model.name:
         return
-    from oxrl_core.models import initial_policy_path, resolve_model_path
+    from oxrl_core.models import initial_policy_path, resolve_model_path  # lazy: torch only once a run starts
 
     if trainer.algorithm_cls.needs_rollouts or trainer.algorithm_cls.family == "preference":
-        from oxrl_core.progress import Reporter
+        from oxrl_core.progress import Reporter  # lazy: as above
 
         initial_policy_path("", log=Reporter(trainer.quiet).info)
     else:
@@ -172,6 +173,7 @@ def launch(trainer, ckpt: Path | None):
             json.dumps([{k: i[k] for k in ("rank", "pid", "ip")} for i in infos], indent=2) + "\n"
         )
         spec = {
+            "trainer_cls": type(trainer),  # the Trainer class (sent, not imported: the launcher sits beside it)
             "alg": trainer.config.algorithm if _by_name(trainer) else trainer.algorithm_cls,
             "config_yaml": (run_dir / "config.yaml").read_text(),
             "run_dir": str(run_dir),
@@ -250,7 +252,7 @@ def _wait(ray, futures: dict, infos: list[dict], run_dir: Path, timeout_s: float
 
 def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Exception:
     """The error that explains the run's end: a dead actor first, then a user error, then a bug."""
-    from oxrl_core.checkpoint import latest_checkpoint
+    from oxrl_core.checkpoint import latest_checkpoint  # lazy: torch only once a run starts
 
     def rank_of(item) -> str:
         rank = item[0]

@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+from oxrl_core import distributed
+from oxrl_core.config import dump_yaml
 from oxrl_core.errors import OxrlError
 
 LOCK_FILE = ".oxrl.lock"
@@ -298,8 +300,6 @@ class Checkpointer:
     """
 
     def __init__(self, run_dir: Path, cfg, model, tokenizer, engine, extra=None):
-        from oxrl_core.config import dump_yaml
-
         self.run_dir = Path(run_dir)
         self.save_steps, self.save_minutes = cfg.train.save_steps, cfg.train.save_minutes
         self.keep, self.max_steps = cfg.train.save_total_limit, cfg.train.max_steps
@@ -346,7 +346,7 @@ class Checkpointer:
         return saved
 
     def save(self, step: int, state: dict) -> Path:
-        from oxrl_core.checkpoint import save_checkpoint
+        from oxrl_core.checkpoint import save_checkpoint  # lazy: torch; trainer imports this module before any run
 
         def files(tmp: Path) -> None:
             (tmp / CONFIG_FILE).write_text(self.config_yaml)
@@ -361,8 +361,6 @@ class Checkpointer:
 
     def _shared_flags(self) -> tuple[int, bool]:
         """(the stop request's signal number or 0, whether save_minutes has passed), as rank 0 sees them."""
-        from oxrl_core import distributed
-
         stop = STATE.signum or 0
         minutes_due = bool(self.save_minutes) and time.monotonic() - self.last_save >= 60 * self.save_minutes
         if distributed.world_size() > 1:
@@ -376,8 +374,6 @@ class Checkpointer:
 
 
 def _single_process() -> bool:
-    from oxrl_core import distributed
-
     return distributed.world_size() == 1
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from oxrl_core.models import count_parameters
+
 #: dense bf16 peak TFLOP/s per device (datasheets; SXM parts unless named)
 PEAK_BF16_TFLOPS = {
     "H200": 989.0,
@@ -48,8 +50,6 @@ def peak_flops(device) -> float | None:
 
 def train_flops_per_token(model, seq_len: float) -> float:
     """(4 + 2f)·N + 12·L·H·T for ``model`` (f = trainable share of the N parameters) at sequence length ``seq_len``."""
-    from oxrl_core.models import count_parameters
-
     total = count_parameters(model)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
     config = model.config

@@ -9,11 +9,11 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from oxrl_core.distributed import is_main
+
 
 class Reporter:
     def __init__(self, quiet: bool = False, log_steps: int = 1):
-        from oxrl_core.distributed import is_main
-
         self.silent = not is_main()
         self.quiet = quiet or self.silent
         self.log_steps = log_steps

@@ -1,7 +1,7 @@
 """Rollout actors: ``rollout.actors: M`` runs the rollout backend in M Ray actors of its own.
 
 By default rollouts are generated inside the training process(es): the `hf` backend on the
-trained model itself, or a colocated vLLM engine. With ``rollout.actors: M`` (DESIGN §4: N
+trained model itself, or a colocated vLLM engine. With ``rollout.actors: M`` (docs/architecture.md: N
 training actors and M rollout actors) each actor loads the policy from its path and builds the
 configured backend (`hf`, `vllm` or a plugin) on its own device; the trainer keeps a
 `RolloutActors` proxy that is a `RolloutBackend` like any other:
@@ -25,9 +25,13 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
+from oxrl_core.config import RolloutConfig
 from oxrl_core.distributed import env_for_actors, ray_reason
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+from oxrl_core.lifecycle import kept_signal_handlers
+from oxrl_core.lora import policy_state_dict
+from oxrl_core.plugins import discover
 
 #: actors whose probe logprobs differ from the first actor's by more than this hold other weights
 REPLICA_TOLERANCE = 1e-5
@@ -39,9 +43,7 @@ class RolloutWorker:
     def __init__(self, index: int, backend_name: str, model_path: str, rollout: dict, cwd: str, threads: int):
         import torch
 
-        from oxrl_core.config import RolloutConfig
-        from oxrl_core.models import load_causal_lm, load_tokenizer
-        from oxrl_core.plugins import discover
+        from oxrl_core.models import load_causal_lm, load_tokenizer  # lazy: torch loads in the actor process
 
         os.chdir(cwd)  # relative plugin paths resolve as in the driver
         if threads:
@@ -90,8 +92,6 @@ class RolloutActors(RolloutBackend):
         owns_ray = not ray.is_initialized()
         if owns_ray:
             import logging
-
-            from oxrl_core.lifecycle import kept_signal_handlers
 
             try:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
                 with kept_signal_handlers():  # Ray's own would abort on SIGTERM instead of saving a checkpoint
@@ -162,8 +162,6 @@ class RolloutActors(RolloutBackend):
                 f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
             )
         if isinstance(state, torch.nn.Module):
-            from oxrl_core.lora import policy_state_dict
-
             state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
         ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
         self._get(

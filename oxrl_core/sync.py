@@ -163,7 +163,7 @@ class SyncCheck:
             info(f"[yellow]note:[/yellow] rollout backend '{ro.backend}' has no score(): weight syncs are not verified")
         # The built-in hf backend generates with the trained module itself: after the start check (which covers
         # its generation path) a sync cannot leave it stale, so the probe is not re-scored after every sync.
-        self.shares_module = getattr(backend, "model", None) is model
+        self.shares_module = backend is not None and backend.model is model
 
     def __call__(self, policy_version: int) -> dict:
         if self.probe is None or (self.shares_module and policy_version != self.start_version):

@@ -25,15 +25,17 @@ from oxrl_core.config import (
     read_yaml,
     validate_alg_section,
 )
+from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
+from oxrl_core.engines import check_engine, engine_record
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
+from oxrl_core.launcher import launch
 from oxrl_core.loops.result import RunResult
+from oxrl_core.models import check_model_path
 
 
 def _section_overrides(sections: dict[str, Any]) -> list[str]:
     """``train={"lr": 1e-3}`` -> ``["train.lr=0.001"]``, so the API goes through the same path as --set."""
-    import json
-
     out = []
     for section, value in sections.items():
         if isinstance(value, dict):
@@ -83,7 +85,7 @@ def _saved_config(run_dir: Path) -> dict | None:
     with neither but a checkpoint to resume, a refusal (the defaults would silently train something else)."""
     if (run_dir / "config.yaml").is_file():
         return read_yaml(run_dir / "config.yaml")
-    from oxrl_core.checkpoint import latest_checkpoint
+    from oxrl_core.checkpoint import latest_checkpoint  # lazy: torch, only when a run resumes
 
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     if ckpt is None:
@@ -161,8 +163,6 @@ class Trainer:
             if isinstance(value, dict):  # model={"name": ..., "ref": ...}: the whole section
                 named[section] = value
             elif section == "data" and isinstance(value, (list, tuple)):  # sources to mix (rows are refused)
-                from oxrl_core.data import sources_argument
-
                 named[section] = {key: sources_argument(value)}
             elif value is not None:
                 named[section] = {key: str(value)}
@@ -187,8 +187,6 @@ class Trainer:
             raise OxrlError(
                 f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"
             )
-        from oxrl_core.engines import check_engine
-
         check_engine(self.config, self.algorithm_cls.family, self.algorithm_cls.needs_rollouts)
         self._preflight()
         if self.run_dir is None:
@@ -231,13 +229,9 @@ class Trainer:
                         f"logging.{flag}: the {flag} package is not installed ({exc}); {install}, "
                         f"or set logging.{flag}=false"
                     ) from None
-        from oxrl_core.models import check_model_path
-
         for field_name in ("name", "ref", "teacher"):
             if getattr(cfg.model, field_name):  # exists, config + readable weights; a name too long is one line
                 check_model_path(getattr(cfg.model, field_name), f"model.{field_name}")
-        from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs
-
         for field_name in ("train", "eval"):
             for spec, _, _, label in source_specs(getattr(cfg.data, field_name), f"data.{field_name}"):
                 path = Path(spec).expanduser()
@@ -273,8 +267,6 @@ class Trainer:
                 stop_file.unlink(missing_ok=True)
                 try:
                     if self.config.engine.world_size > 1:  # one Ray actor per rank, each running `run_loop`
-                        from oxrl_core.launcher import launch
-
                         return lifecycle.finished(launch(self, ckpt))
                     return lifecycle.finished(self.run_loop(ckpt))
                 finally:
@@ -300,7 +292,7 @@ class Trainer:
 
     def _fresh_start(self) -> None:
         """A new run: refused where steps were done already; a directory where none was done is reused."""
-        from oxrl_core.checkpoint import clean_partial
+        from oxrl_core.checkpoint import clean_partial  # lazy: torch (Trainer is built before any run)
 
         run_dir = self.run_dir
         self._refuse_existing_run()  # again under the lock: another run may have started in between
@@ -318,8 +310,7 @@ class Trainer:
     def _resume_point(self) -> Path | None:
         """The checkpoint --resume continues from, after checking it belongs to this config; or a refusal that
         says why nothing can be resumed. Never a silent restart from step 0 over logged steps or final/."""
-        from oxrl_core.checkpoint import STEP_DIR, check_engine_matches, clean_partial, latest_checkpoint
-        from oxrl_core.engines import engine_record
+        from oxrl_core.checkpoint import STEP_DIR, check_engine_matches, clean_partial, latest_checkpoint  # lazy: torch
 
         run_dir = self.run_dir
         clean_partial(run_dir)
@@ -387,15 +378,15 @@ class Trainer:
         """The algorithm family's loop, in this process (one rank of a data-parallel run, or the whole run)."""
         family = self.algorithm_cls.family
         if self.algorithm_cls.needs_rollouts:
-            from oxrl_core.loops.rl import run_rl
+            from oxrl_core.loops.rl import run_rl  # lazy: the loops import torch
 
             return run_rl(self, ckpt)
         if family == "supervised":
-            from oxrl_core.loops.supervised import run_supervised
+            from oxrl_core.loops.supervised import run_supervised  # lazy: the loops import torch
 
             return run_supervised(self, ckpt)
         if family == "preference":
-            from oxrl_core.loops.preference import run_preference
+            from oxrl_core.loops.preference import run_preference  # lazy: the loops import torch
 
             return run_preference(self, ckpt)
         raise OxrlError(

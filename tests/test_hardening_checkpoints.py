@@ -148,9 +148,10 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch)
 
 
 def test_loops_write_summary_atomically(base_run):
-    """The three loops write summary.json through the atomic helper (an in-place write could be left empty)."""
+    """The three loops write summary.json through the atomic helper (an in-place write could be left empty);
+    they share one writer, the run skeleton's `Run.finish`."""
     root = Path(__file__).resolve().parents[1] / "oxrl_core" / "loops"
-    for loop in ("supervised.py", "preference.py", "rl.py"):
+    for loop in ("run.py",):
         source = (root / loop).read_text()
         assert 'write_text_atomic(run_dir / "summary.json"' in source, loop
         assert '"summary.json").write_text' not in source, loop

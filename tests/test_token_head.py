@@ -164,7 +164,7 @@ def test_rl_logprobs_equal_the_models_own_logits(arch_model, family):
     """token_logprobs (temperature 0.8, entropy, completion positions only) chunked = plain, values and gradients,
     on every family of the matrix (the probe keeps the chunked path on all of them). Gemma-2 soft-caps its
     final logits at 30: the probe finds it and the head applies it."""
-    from oxrl_core.loops.rl import token_logprobs
+    from oxrl_core.loops.rollouts import token_logprobs
     from oxrl_core.models import load_causal_lm
 
     model = load_causal_lm(str(arch_model(family)))
@@ -215,7 +215,7 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
     """sequence_logps (padded, packed, shared prompts) and token_logprobs_shared, chunked, against each
     sequence on its own through plain transformers."""
     from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
-    from oxrl_core.loops.rl import token_logprobs_shared
+    from oxrl_core.loops.rollouts import token_logprobs_shared
     from oxrl_core.models import load_causal_lm
     from oxrl_core.packed_attention import packed_attn_implementation
 
@@ -238,7 +238,7 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
             ]
             assert float(sums[i]) == pytest.approx(float(direct.sum()), abs=1e-4)
         if layout == "shared":  # the RL form: 2 samples of each prompt in one packed row
-            from oxrl_core.loops.rl import token_logprobs
+            from oxrl_core.loops.rollouts import token_logprobs
 
             rows = [p + c for p, c in seqs[:1] + seqs[2:3] + seqs[1:2] + seqs[3:]]  # prompt 0 twice, prompt 1 twice
             L = max(map(len, rows))

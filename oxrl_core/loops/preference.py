@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
+from oxrl_core.data import IGNORE, can_verify, collate, eval_source, load_data, prepare_examples
 from oxrl_core.distributed import is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
-from oxrl_core.evaluation import can_verify, evaluate
+from oxrl_core.evaluation import evaluate
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
 from oxrl_core.lora import is_peft, policy_state_dict
@@ -316,14 +316,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
         for ex in train.examples
     ]
-    plan = make_plan(
-        train_source,
-        [ex["_source"] for ex in train.examples],
-        lengths,
-        cfg.train.batch_size,
-        cfg.train.seed,
-        cfg.data.group_by_length,
-    )
+    plan = run.plan(train_source, [ex["_source"] for ex in train.examples], lengths)
 
     def extra_files(tmp: Path) -> None:  # self-play checkpoints keep the reference of the current iteration
         if self_play:

@@ -16,301 +16,44 @@ rows: position t scores token t+1, ``mask`` is 1 where that token is a completio
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.critic import build_critic
-from oxrl_core.data import encode_row_prompt, eval_source, load_data, make_plan, normalise_row, token_budget_batches
+from oxrl_core.data import eval_source, load_data
 from oxrl_core.distributed import (
-    all_gather_object,
-    broadcast_object,
     gather_rows,
     is_main,
-    rank,
     reduce_metrics,
     shard,
     world_size,
 )
 from oxrl_core.errors import OxrlError
-from oxrl_core.evaluation import can_verify
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.loops.run import Run, RunResult, backward_share
+from oxrl_core.loops.rollouts import (
+    MicroBatches,
+    check_completions,
+    check_on_policy,
+    chunks,
+    generate_sharded,
+    policy_forward,
+    prepare_prompts,
+    rl_evaluate,
+    rollout_batch,
+    score_sharded,
+    sync_weights,
+)
+from oxrl_core.loops.run import Run, RunResult, backward_share, check_finite
 from oxrl_core.models import initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.ops import k3_kl, masked_mean_value
-from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
-from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward, score_batch
+from oxrl_core.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
+from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward
 from oxrl_core.rollout_hf import check_generation_length
 from oxrl_core.sync import SyncCheck, check_logprob_diff, default_max_logprob_diff, tis_weight
-from oxrl_core.token_head import on_grid, token_stats
-
-# ----------------------------------------------------------------------------- prompts and rollouts
-
-
-def prepare_prompts(source, tokenizer, max_length: int) -> tuple[list[dict], list[list[int]], int]:
-    """Rows checked as prompt rows, their prompt token ids, and how many were too long (dropped)."""
-    if not source.rows:
-        raise OxrlError(f"{source.origin}: no rows")
-    rows, ids, dropped = [], [], 0
-    for row in source.rows:
-        row = normalise_row(row, "prompt", source.origin)
-        prompt_ids = encode_row_prompt(tokenizer, row, source.origin)  # 0 tokens: refused here, naming file and row
-        if len(prompt_ids) >= max_length:
-            dropped += 1
-            continue
-        rows.append(row)
-        ids.append(prompt_ids)
-    if not rows:
-        raise OxrlError(f"{source.origin}: every prompt is longer than data.max_length={max_length}")
-    return rows, ids, dropped
-
-
-def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend: str) -> None:
-    """Catch a broken backend before its output is trained on: wrong counts, text after EOS, missing EOS.
-
-    (A padding token *inside* a completion is not an error: a policy may sample it like any token.)
-    """
-    for p, group in enumerate(groups):
-        if len(group) != n:
-            raise OxrlError(
-                f"rollout backend '{backend}': prompt {p + 1} of the batch got {len(group)} completions, expected {n}"
-            )
-        for s, c in enumerate(group):
-            where = f"rollout backend '{backend}': prompt {p + 1} of the batch, sample {s + 1}"  # 1-based, as rows are
-            if not c.token_ids or len(c.token_ids) > max_new_tokens:
-                raise OxrlError(f"{where}: {len(c.token_ids)} tokens (expected 1..{max_new_tokens})")
-            if len(c.logprobs) != len(c.token_ids):
-                raise OxrlError(f"{where}: {len(c.logprobs)} logprobs for {len(c.token_ids)} tokens")
-            if eos_id in c.token_ids[:-1]:
-                raise OxrlError(f"{where}: tokens after EOS (the completion was not cut at its end)")
-            if c.finish_reason == "stop" and c.token_ids[-1] != eos_id:
-                raise OxrlError(f"{where}: finished ('stop') but does not end with EOS {eos_id}")
-            if c.finish_reason == "length" and c.token_ids[-1] == eos_id:
-                raise OxrlError(f"{where}: ends with EOS but is marked as cut at the length limit")
-
-
-def rollout_tensors(prompt_ids: list[list[int]], completions, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows and the per-token tensors of the sampled tokens.
-
-    prompt_ids[i], completions[i] for i in 0..B-1 ->
-      input_ids, attention_mask (B, L); mask, logp_rollout (B, L-1)
-    """
-    lengths = [len(p) + len(c.token_ids) for p, c in zip(prompt_ids, completions)]
-    B, L = len(lengths), max(lengths)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, L), dtype=torch.long)
-    mask = torch.zeros((B, L - 1))
-    logp_rollout = torch.zeros((B, L - 1))
-    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        start, end = len(p), len(p) + len(c.token_ids)
-        input_ids[i, :end] = torch.tensor(p + c.token_ids)
-        attention_mask[i, :end] = 1
-        mask[i, start - 1 : end - 1] = 1  # position t predicts token t+1
-        logp_rollout[i, start - 1 : end - 1] = torch.tensor(c.logprobs)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "logp_rollout": logp_rollout}
-
-
-def check_no_padding_holes(batch: dict[str, torch.Tensor]) -> None:
-    """Each row must be tokens then padding: attention 1…1 0…0, the loss mask inside the attended part,
-    and the loss mask one contiguous run (the completion). A hole would train on padding or hide tokens."""
-    attn = batch["attention_mask"]  # (B, L)
-    holes = (attn[:, 1:] > attn[:, :-1]).any(dim=1)  # a 0 followed by a 1
-    mask = batch["mask"]  # (B, L-1)
-    outside = ((mask > 0) & (attn[:, 1:] == 0)).any(dim=1)
-    starts = (mask[:, 1:] > mask[:, :-1]).sum(dim=1) + (mask[:, 0] > 0).long()  # runs of ones
-    bad = holes | outside | (starts != 1)
-    if bad.any():
-        row = int(bad.nonzero()[0])
-        raise OxrlError(
-            f"rollout batch row {row}: padding hole (attention/loss mask not one contiguous run); "
-            "the batch is not trained on"
-        )
-
-
-def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hidden: bool = False, where=None):
-    """logp (B, L-1) of each next token under logits / temperature, entropy (B, L-1), last hidden state (B, L, H).
-
-    Computed where ``where`` (B, L-1) is non-zero (default: every attended next token), 0 elsewhere;
-    only those positions meet the LM head, chunk by chunk (`token_head`)."""
-    where = attention_mask[:, 1:] if where is None else where
-    rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
-    stats = token_stats(
-        model,
-        {"input_ids": input_ids, "attention_mask": attention_mask},
-        rows,
-        pos,
-        input_ids[rows, pos + 1],
-        temperature=temperature,
-        entropy=True,
-        hidden=want_hidden,
-    )
-    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
-    return on_grid(stats["logp"], rows, pos, shape), on_grid(stats["entropy"], rows, pos, shape), stats.get("hidden")
-
-
-def shared_prompt_row(mb: dict) -> dict:
-    """A micro-batch of rollout rows as one packed row in which the samples of a prompt share it.
-
-    Rows with the same ``group`` have the same prompt (``prompt_len`` tokens); each group becomes a
-    segment ``[prompt, completion_1, ..., completion_k]`` (`packed_attention.SHARED_PREFIX`), the
-    completions at the positions they have after the prompt, each without its last token (whose
-    logits would predict nothing). ``index`` (B, L-1) is the row position
-    whose logits predict each completion token (-1 elsewhere).
-    """
-    ids, attn = mb["input_ids"].tolist(), mb["attention_mask"].sum(1).tolist()
-    plen, group = mb["prompt_len"].tolist(), mb["group"].tolist()
-    B, L = mb["input_ids"].shape
-    index = torch.full((B, L - 1), -1, dtype=torch.long)
-    members: dict[int, list[int]] = {}
-    for i, g in enumerate(group):
-        members.setdefault(g, []).append(i)
-    flat, positions, segments = [], [], []
-    for rows in members.values():
-        start, p = len(flat), plen[rows[0]]
-        flat += ids[rows[0]][:p]
-        positions += list(range(p))
-        lengths = []
-        for i in rows:
-            c = attn[i] - p  # completion tokens of row i
-            offset = len(flat)
-            # the completion's last token predicts nothing: only its first c-1 tokens are inputs
-            flat += ids[i][p : p + c - 1]
-            positions += list(range(p, p + c - 1))
-            lengths.append(c - 1)
-            # position p-1 (the prompt's last token) predicts the first completion token, then the completion's own
-            index[i, p - 1] = start + p - 1
-            index[i, p : p + c - 1] = torch.arange(offset, offset + c - 1)
-        segments.append((start, p, tuple(lengths)))
-    return {
-        "input_ids": torch.tensor([flat]),
-        "position_ids": torch.tensor([positions]),
-        SHARED_PREFIX: segments,
-        "index": index,
-    }
-
-
-def token_logprobs_shared(model, mb: dict, temperature: float):
-    """`token_logprobs` with each prompt computed once per micro-batch: logp, entropy (B, L-1), set at
-    completion-predicting positions (0 elsewhere, where nothing reads them)."""
-    device = mb["input_ids"].device
-    row = shared_prompt_row({k: mb[k].cpu() for k in ("input_ids", "attention_mask", "prompt_len", "group")})
-    index = row["index"].to(device)  # (B, L-1)
-    rows, cols = (index >= 0).nonzero(as_tuple=True)  # (M,): the scored tokens, by sample row and column
-    inputs = {
-        "input_ids": row["input_ids"].to(device),
-        "position_ids": row["position_ids"].to(device),
-        SHARED_PREFIX: row[SHARED_PREFIX],
-    }
-    at = index[rows, cols]  # (M,) where in the packed row each is predicted (a prompt's last token: once per sample)
-    stats = token_stats(
-        model, inputs, torch.zeros_like(at), at, mb["input_ids"][rows, cols + 1], temperature=temperature, entropy=True
-    )
-    return on_grid(stats["logp"], rows, cols, index.shape), on_grid(stats["entropy"], rows, cols, index.shape)
-
-
-def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
-    """Every entry, masked or not: NaN · 0 is still NaN once it reaches the loss."""
-    if not torch.isfinite(tensor).all():
-        bad = int((~torch.isfinite(tensor)).sum())
-        last = latest_checkpoint(run_dir)
-        raise OxrlError(
-            f"step {step}: {bad} non-finite value(s) (NaN/inf) in '{name}'; the run stops before updating the model. "
-            f"Last complete checkpoint: {last or 'none'}. Check the reward / lower train.lr, then --resume."
-        )
-
-
-# ----------------------------------------------------------------------------- data parallelism
-
-#: shard k of a rollout batch samples with seed + k·SHARD_SEED_STRIDE (shard 0 keeps the unsharded seed)
-SHARD_SEED_STRIDE = 7_919
-
-
-def sync_weights(backend, model, version: int) -> None:
-    """The weight sync; with rollout actors only rank 0 holds them (``backend`` is None elsewhere)."""
-    if backend is not None:
-        backend.update_weights(model, version)
-
-
-def generate_sharded(backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int):
-    """The rollout batch's groups, generated in ``shards`` seeded shards of whole prompts that are dealt
-    to the ranks in contiguous blocks (each rank samples its own on whole weights) and gathered on
-    every rank. The samples depend on ``shards``, not on the world size; one shard in one process is
-    one ``generate`` call with ``sampling``. With rollout actors (``rollout.actors``) rank 0 has the
-    actors generate every shard and broadcasts the result."""
-    size, per_rank = len(prompts) // shards, shards // world_size()
-    seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
-    if getattr(backend, "remote", False) or backend is None:
-        parts = (
-            backend.generate_shards(
-                [(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k])) for k in range(shards)]
-            )
-            if is_main()
-            else None
-        )
-        return [group for part in broadcast_object(parts) for group in part]
-    local = []
-    with engine.full_weights():
-        for k in range(rank() * per_rank, (rank() + 1) * per_rank):
-            local += backend.generate(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]))
-    return [group for part in all_gather_object(local) for group in part]
-
-
-def score_sharded(
-    reward, prompts: list, texts: list[str], rows: list[dict], failures: RewardFailures
-) -> tuple[list[float], dict[str, float]]:
-    """`score_batch` of this rank's block of samples; the scores gathered on every rank and the metrics
-    recomputed over the whole batch (mean, population std; errors and timeouts are row counts); every
-    rank's failures added to ``failures``."""
-    if world_size() == 1:
-        return score_batch(reward, prompts, texts, rows, failures)
-    per_rank = len(texts) // world_size()
-    mine = slice(rank() * per_rank, (rank() + 1) * per_rank)
-    local = RewardFailures(failures.reward)
-    parts = all_gather_object((*score_batch(reward, prompts[mine], texts[mine], rows[mine], local), local))
-    for _, _, part_failures in parts:
-        failures.merge(part_failures)
-    parts = [(part, m) for part, m, _ in parts]
-    scores = [s for part, _ in parts for s in part]
-    metrics = {k: sum(m[k] * len(part) for part, m in parts) / len(scores) for k in parts[0][1]}  # row-weighted means
-    mean = sum(scores) / len(scores)
-    metrics["reward/mean"] = mean
-    metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
-    for count in ("reward/errors", "reward/timeouts"):
-        if count in metrics:
-            metrics[count] = float(sum(m[count] for _, m in parts))
-    return scores, metrics
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-def rl_evaluate(backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64) -> dict:
-    """The held-out prompts, answered greedily (``eval/reward``, and ``eval/accuracy`` when the data can
-    check answers) and sampled as in training, ``rollout.n`` samples at ``rollout.temperature`` with a
-    fixed seed (``eval/reward_sampled``: the expected reward of the policy, the quantity RL maximises)."""
-    if not rows:
-        return {}
-    metrics = {}
-    modes = {"": SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=0.0)}
-    if ro.temperature > 0:
-        modes["_sampled"] = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=seed)
-    for suffix, sampling in modes.items():
-        texts: list[str] = []
-        for start in range(0, len(prompt_ids), batch):
-            groups = backend.generate(prompt_ids[start : start + batch], sampling)
-            texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
-        sample_rows = [r for r in rows for _ in range(sampling.n)]
-        scores, _ = score_batch(reward, [r["prompt"] for r in sample_rows], texts, sample_rows)
-        metrics[f"eval/reward{suffix}"] = sum(scores) / len(scores)
-        if not suffix and can_verify(dataset):
-            metrics["eval/accuracy"] = sum(bool(dataset.verify(t, r)) for t, r in zip(texts, rows)) / len(rows)
-    return metrics
-
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -358,8 +101,8 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     model = run.policy(model)
     ref = run.reference(policy_path, attn) if algorithm.uses_ref() else None
     critic = None
-    if spec.needs_critic:  # (the critic option is read with getattr: not every critic algorithm's Config declares it)
-        critic = build_critic(model, getattr(algorithm.config, "critic", "shared"), lambda: load_causal_lm(policy_path))
+    if spec.needs_critic:
+        critic = build_critic(model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path))
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
     check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens)  # fits?
@@ -389,7 +132,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             backend.close()
         raise
     sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids]
-    plan = make_plan(train_source, sources, lengths, cfg.train.batch_size, cfg.train.seed, False)
+    plan = run.plan(train_source, sources, lengths, group_by_length=False)  # prompts in seeded order
 
     def extra_files(tmp: Path) -> None:
         if critic is not None:
@@ -484,92 +227,6 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     return run.finish(model, tokenizer, records, None, final_loss=False, extra=extra_files if critic else None)
 
 
-def check_on_policy(completions, version: int, strict: bool, step: int) -> set[int]:
-    """The policy versions the samples came from; strict on-policy mode refuses any but ``version``."""
-    versions = {c.policy_version for c in completions}
-    if strict and versions != {version}:
-        raise OxrlError(
-            f"step {step}: samples from policy version(s) {sorted(versions)} but the trainer is at version "
-            f"{version}: the rollout backend missed a weight sync (strict on-policy). "
-            f"Set rollout.strict_on_policy=false to allow stale samples."
-        )
-    return versions
-
-
-def rollout_batch(prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine) -> dict:
-    """The rollout batch the update reads, on the trainer's device: `rollout_tensors` plus
-    ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each sample, ``prompt_len`` (B,)."""
-    batch = rollout_tensors([p for p in prompts for _ in range(n)], completions, pad_id)
-    check_no_padding_holes(batch)
-    device = engine.device
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["rewards"] = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
-    batch["group_size"] = n
-    batch["group"] = torch.arange(len(completions), device=device) // n  # (B,)
-    batch["prompt_len"] = torch.tensor([len(p) for p in prompts for _ in range(n)], device=device)  # (B,)
-    return batch
-
-
-# ----------------------------------------------------------------------------- the update (steps 4-6)
-
-
-def _forward(model, critic, mb: dict, temperature: float, shared: bool = False):
-    """The policy's logp, entropy (B, L-1) on a micro-batch (and the critic's values_new (B, L-1))."""
-    if shared:
-        logp, entropy = token_logprobs_shared(model, mb, temperature)
-        return {"logp": logp, "entropy": entropy}
-    want_hidden = critic is not None and critic.shared
-    # logprobs at the completion tokens only (``mask``): the prompt's positions never meet the LM head
-    logp, entropy, hidden = token_logprobs(
-        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"]
-    )
-    out = {"logp": logp, "entropy": entropy}
-    if critic is not None:
-        out["values_new"] = critic(hidden, mb["input_ids"], mb["attention_mask"])[:, :-1]  # V(s_t) (B, L-1)
-    return out
-
-
-def _chunks(indices: list[int], size: int) -> list[list[int]]:
-    return [indices[i : i + size] for i in range(0, len(indices), size)] if size > 0 else [indices]
-
-
-class MicroBatches:
-    """How one rollout batch of B rows is cut: micro-batches of ``rollout.micro_batch_size`` rows, or
-    filled up to ``train.max_tokens_per_micro_batch`` tokens; whole groups of ``unit`` rows when the
-    loss compares a group's samples."""
-
-    def __init__(self, batch: dict, unit: int, micro: int, token_budget: int, shared: bool):
-        self.batch, self.unit, self.micro, self.token_budget, self.shared = batch, unit, micro, token_budget, shared
-        self.B = batch["input_ids"].shape[0]
-        self.lengths = batch["attention_mask"].sum(1).tolist()  # (B,) prompt + completion tokens of each row
-
-    def __call__(self, rows: list[int]) -> list[list[int]]:
-        if self.token_budget > 0:
-            parts = token_budget_batches([self.lengths[i] for i in rows], self.token_budget, self.shared, self.unit)
-            return [[rows[j] for j in part] for part in parts]
-        return _chunks(rows, self.micro)
-
-    def rows_of(self, idx: list[int]) -> dict:
-        """The batch's per-row tensors at rows ``idx`` (scalars as they are)."""
-        index = torch.tensor(idx, device=self.batch["input_ids"].device)
-        B = self.B
-        return {
-            k: (v.index_select(0, index) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
-            for k, v in self.batch.items()
-        }
-
-    def single(self) -> bool:
-        """Whether the whole batch is one micro-batch."""
-        return (self.micro == 0 or self.micro >= self.B) and (
-            self.token_budget <= 0 or len(self(list(range(self.B)))) == 1
-        )
-
-    def for_scoring(self) -> list[list[int]]:
-        """The micro-batches of a no-grad pass over every row."""
-        every = list(range(self.B))
-        return self(every) if (0 < self.micro < self.B or self.token_budget > 0) else [every]
-
-
 class Update:
     """Steps 4-6 of an RL step, set up once per run: old/reference logprobs (and values), the
     rollout checks, the algorithm's advantages, then ``rollout.epochs`` × ``rollout.minibatches``
@@ -580,7 +237,7 @@ class Update:
         self.algorithm, self.engine, self.run_dir, ro = run.algorithm, run.engine, run.run_dir, run.cfg.rollout
         self.ro, self.seed, self.token_budget = ro, run.cfg.train.seed, run.cfg.train.max_tokens_per_micro_batch
         # the forward pass, chosen once: the samples of a prompt share it (packed), or padded rows
-        self.forward = lambda module, critic, mb: _forward(module, critic, mb, ro.temperature, shared)
+        self.forward = lambda module, critic, mb: policy_forward(module, critic, mb, ro.temperature, shared)
 
     def __call__(self, step: int, batch: dict) -> dict:
         algorithm, ro = self.algorithm, self.ro
@@ -679,7 +336,7 @@ class Update:
                 units = torch.randperm(B // unit, generator=gen).tolist()
                 order = [u * unit + j for u in units for j in range(unit)]
             size = -(-(B // unit) // ro.minibatches) * unit
-            for minibatch in _chunks(order, size):
+            for minibatch in chunks(order, size):
                 micro = parts(minibatch)
                 micro_batch_count += len(micro)
                 total = sum(weight(p) for p in micro) or 1.0

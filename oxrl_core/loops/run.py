@@ -32,7 +32,7 @@ import torch
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
-from oxrl_core.data import regroup_by_tokens
+from oxrl_core.data import make_plan, regroup_by_tokens
 from oxrl_core.distributed import is_main, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
@@ -45,7 +45,7 @@ from oxrl_core.progress import Reporter
 from oxrl_core.token_head import choose_path
 from oxrl_core.tracking import Tracker
 
-__all__ = ["MODEL_INPUTS", "Run", "RunResult", "backward_share", "check_loss", "seed_everything"]
+__all__ = ["MODEL_INPUTS", "Run", "RunResult", "backward_share", "check_finite", "check_loss", "seed_everything"]
 
 #: collate keys that go to the model (the varlen keys come with packed micro-batches)
 MODEL_INPUTS = (
@@ -74,6 +74,17 @@ def check_loss(loss: torch.Tensor, step: int, run_dir: Path) -> None:
         raise OxrlError(
             f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
             f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
+        )
+
+
+def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
+    """Every entry, masked or not: NaN · 0 is still NaN once it reaches the loss."""
+    if not torch.isfinite(tensor).all():
+        bad = int((~torch.isfinite(tensor)).sum())
+        last = latest_checkpoint(run_dir)
+        raise OxrlError(
+            f"step {step}: {bad} non-finite value(s) (NaN/inf) in '{name}'; the run stops before updating the model. "
+            f"Last complete checkpoint: {last or 'none'}. Check the reward / lower train.lr, then --resume."
         )
 
 
@@ -183,6 +194,13 @@ class Run:
             self.info(f"held-out accuracy before training: {self.eval_before['eval/accuracy']:.3f}")
 
     # ---- the loop
+
+    def plan(self, source, sources: list[int], lengths: list[int], group_by_length: bool = True):
+        """The order rows are dealt in (`data.make_plan`): train.batch_size rows a micro-batch, seeded,
+        grouped by length when data.group_by_length (and the loop allows it)."""
+        cfg = self.cfg
+        group = cfg.data.group_by_length and group_by_length
+        return make_plan(source, sources, lengths, cfg.train.batch_size, cfg.train.seed, group)
 
     def draw(self, plan, row_tokens, packing: bool) -> list[list[int]]:
         """The next optimiser step's micro-batches (train.grad_accum_steps of them, as the plan deals

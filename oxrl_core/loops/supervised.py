@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from oxrl_core.data import IGNORE, collate, eval_source, load_data, make_plan, prepare_examples
+from oxrl_core.data import IGNORE, collate, eval_source, load_data, prepare_examples
 from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
 from oxrl_core.evaluation import evaluate
@@ -71,14 +71,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     train = prepare_examples(train_source, spec.data_format, tokenizer, cfg.data.max_length)
     eval_examples, eval_rows, eval_dataset = _eval_data(cfg, run.registry, train_source, spec.data_format, tokenizer)
     lengths = [len(e["input_ids"]) for e in train.examples]
-    plan = make_plan(
-        train_source,
-        [e["_source"] for e in train.examples],
-        lengths,
-        cfg.train.batch_size,
-        cfg.train.seed,
-        cfg.data.group_by_length,
-    )
+    plan = run.plan(train_source, [e["_source"] for e in train.examples], lengths)
     if train.dropped:
         run.info(
             f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}"
