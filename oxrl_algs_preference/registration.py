@@ -1,12 +1,15 @@
 """One entry point per algorithm; each registers an import path, so discovery never imports torch."""
 
-from oxrl_core.hookspecs import Registers
+from oxrl_core.hookspecs import hookimpl
 
-dpo = Registers("algorithm", "dpo", "oxrl_algs_preference.dpo:DPO")
-ipo = Registers("algorithm", "ipo", "oxrl_algs_preference.ipo:IPO")
-orpo = Registers("algorithm", "orpo", "oxrl_algs_preference.orpo:ORPO")
-kto = Registers("algorithm", "kto", "oxrl_algs_preference.kto:KTO")
-simpo = Registers("algorithm", "simpo", "oxrl_algs_preference.simpo:SimPO")
-rm = Registers("algorithm", "rm", "oxrl_algs_preference.rm:RM")
-online_dpo = Registers("algorithm", "online_dpo", "oxrl_algs_preference.online_dpo:OnlineDPO")
-spin = Registers("algorithm", "spin", "oxrl_algs_preference.spin:SPIN")
+
+@hookimpl
+def register_algorithms(register):
+    register("dpo", "oxrl_algs_preference.dpo:DPO")
+    register("ipo", "oxrl_algs_preference.ipo:IPO")
+    register("orpo", "oxrl_algs_preference.orpo:ORPO")
+    register("kto", "oxrl_algs_preference.kto:KTO")
+    register("simpo", "oxrl_algs_preference.simpo:SimPO")
+    register("rm", "oxrl_algs_preference.rm:RM")
+    register("online_dpo", "oxrl_algs_preference.online_dpo:OnlineDPO")
+    register("spin", "oxrl_algs_preference.spin:SPIN")

@@ -3,10 +3,10 @@
 Importing this package is cheap (no torch); heavy pieces load on first use.
 """
 
-from oxrl_core.hookspecs import Registers, hookimpl
+from oxrl_core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["hookimpl", "Registers", "Trainer", "Algorithm", "Reward", "Dataset", "RolloutBackend", "__version__"]
+__all__ = ["hookimpl", "Trainer", "Algorithm", "Reward", "Dataset", "RolloutBackend", "__version__"]
 
 _LAZY = {
     "Trainer": "oxrl_core.trainer",

@@ -1,6 +1,13 @@
 """The core's own plugins, one entry point each, found through the `oxrl` group like any other."""
 
-from oxrl_core.hookspecs import Registers
+from oxrl_core.hookspecs import hookimpl
 
-arith = Registers("dataset", "arith", "oxrl_core.task:ArithDataset")
-hf = Registers("rollout_backend", "hf", "oxrl_core.rollout_hf:HFRolloutBackend")
+
+@hookimpl
+def register_datasets(register):
+    register("arith", "oxrl_core.task:ArithDataset")
+
+
+@hookimpl
+def register_rollout_backends(register):
+    register("hf", "oxrl_core.rollout_hf:HFRolloutBackend")

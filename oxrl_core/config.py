@@ -17,7 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from oxrl_core.errors import OxrlError
-from oxrl_core.schema import StrictModel, format_validation_error
+from oxrl_core.schema import StrictModel, format_validation_error, validate_options
 
 
 class ModelConfig(StrictModel):
@@ -432,10 +432,7 @@ def load_run_config(
 
 def validate_alg_section(config: RunConfig, config_cls, source: str = "config") -> Any:
     """Validate the ``alg:`` section with the algorithm's own Config; store the resolved values back."""
-    try:
-        alg_config = config_cls.model_validate(config.alg)
-    except ValidationError as exc:
-        raise format_validation_error(exc, config_cls, source, prefix="alg.") from None
+    alg_config = validate_options(config_cls, config.alg, field="alg", source=source)
     config.alg = alg_config.model_dump()
     return alg_config
 
@@ -446,8 +443,9 @@ def dump_yaml(config: RunConfig) -> str:
 
 def validate_reward_section(config: RunConfig, config_cls, source: str = "config") -> Any:
     """Validate the reward's own options (the ``reward:`` keys other than ``name``/``timeout_s``)."""
-    options = {k: v for k, v in (config.reward.model_extra or {}).items()}
-    try:
-        return config_cls.model_validate(options)
-    except ValidationError as exc:
-        raise format_validation_error(exc, config_cls, source, prefix="reward.") from None
+    return validate_options(config_cls, reward_options(config), field="reward", source=source)
+
+
+def reward_options(config: RunConfig) -> dict:
+    """The reward plugin's own options: the ``reward:`` keys other than ``name``/``timeout_s``."""
+    return dict(config.reward.model_extra or {})

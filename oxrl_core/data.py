@@ -31,11 +31,8 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Dataset
-from oxrl_core.schema import format_validation_error
 
 IGNORE = -100
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -248,7 +245,7 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
             raise OxrlError(f"{path}: not a dataset saved with `datasets.save_to_disk` ({exc})") from None
         return Source(_from_hf(ds, str(path), split), str(path))
     if is_plugin:
-        dataset = build_dataset(registry, spec, options or {}, field)
+        dataset = registry.build("dataset", spec, options or {}, field=field)
         try:
             rows = dataset.rows(split)
         except OxrlError:
@@ -279,21 +276,6 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
 def can_verify(dataset) -> bool:
     """True when the dataset plugin implements `verify` (answers can be checked)."""
     return dataset is not None and type(dataset).verify is not Dataset.verify
-
-
-def build_dataset(registry, name: str, options: dict, field: str):
-    """The dataset plugin ``name`` with its options validated by its ``Config`` (errors name ``field.option``)."""
-    cls = registry.load_checked("dataset", name)  # a Dataset subclass that keeps the interface
-    try:
-        config = cls.Config.model_validate(options)
-    except ValidationError as exc:
-        raise format_validation_error(exc, cls.Config, f"dataset '{name}'", prefix=f"{field}.") from None
-    try:
-        return cls(config)
-    except OxrlError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a plugin that cannot start is reported with its name
-        raise OxrlError(f"{field}: dataset '{name}' could not start: {type(exc).__name__}: {exc}") from None
 
 
 def source_specs(value, field: str) -> list[tuple[str, float, dict, str]]:

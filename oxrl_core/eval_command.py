@@ -83,7 +83,7 @@ def evaluate_model(
     policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     check_generation_length(policy, max(map(len, prompt_ids)), max_new_tokens, "--max-new-tokens")
     rollout = RolloutConfig(backend=backend, n=n, max_new_tokens=max_new_tokens, temperature=temperature)
-    generator = registry.load("rollout_backend", backend).build(policy, tokenizer, model, rollout)
+    generator = registry.build("rollout_backend", backend, rollout, field="rollout", args=(policy, tokenizer, model))
 
     sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     texts, lengths = [], []

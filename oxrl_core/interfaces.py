@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypedDict
 
-from pydantic import ValidationError
-
 from oxrl_core.errors import OxrlError
-from oxrl_core.schema import StrictModel, format_validation_error
+from oxrl_core.schema import StrictModel, validate_options
 
 if TYPE_CHECKING:  # torch stays out of discovery
     import torch
@@ -403,12 +401,7 @@ class RolloutBackend(ABC):
             raise OxrlError(
                 f"rollout.options: the '{cls.name}' rollout backend takes no options, got {sorted(options)}"
             )
-        try:
-            return cls.Config.model_validate(options)
-        except ValidationError as exc:
-            raise format_validation_error(
-                exc, cls.Config, f"rollout backend '{cls.name}'", prefix="rollout.options."
-            ) from None
+        return validate_options(cls.Config, options, field="rollout.options", source=f"rollout backend '{cls.name}'")
 
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "RolloutBackend":

@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pluggy
 
-from oxrl_core import hookspecs
-from oxrl_core.errors import PluginError
+from oxrl_core import hookspecs, interfaces
+from oxrl_core.errors import OxrlError, PluginError
+from oxrl_core.interfaces import Algorithm, DataFormat, Family, StrictModel
+from oxrl_core.schema import validate_options
 
 GROUP = "oxrl"
 KINDS = {
@@ -80,9 +84,6 @@ class Registration:
 
 def _import_file(path: str):
     """Import a Python file as a module (its directory is not added to sys.path)."""
-    import importlib.util
-    import sys
-
     module_name = f"oxrl_user_{Path(path).stem}_{abs(hash(str(Path(path).resolve()))) % 10**8}"
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -225,6 +226,38 @@ class Registry:
         check_contract(kind, obj, reg)
         return obj
 
+    def check(self, kind: str, name: str, options: Any = None, *, field: str, source: str = "") -> tuple[type, Any]:
+        """The class ``name`` names (checked against its interface) and ``options`` validated by its ``Config``;
+        an error names the YAML field ``field.option``. Nothing is instantiated: a run checks before any model loads.
+
+        A rollout backend's options are the ``rollout:`` section (its ``options`` key is the backend's, see
+        `RolloutBackend.parse_options`)."""
+        cls = self.load_checked(kind, name)
+        if kind == "rollout_backend":
+            return cls, cls.parse_options(options)
+        return cls, validate_options(
+            cls.Config, options or {}, field=field, source=source or f"{kind.replace('_', ' ')} '{name}'"
+        )
+
+    def build(self, kind: str, name: str, options: Any = None, *, field: str, source: str = "", args: tuple = ()):
+        """THE way a plugin is built, for every kind: look up ``name`` (``package:name`` picks one of a clash),
+        check the class against its interface, validate ``options`` (errors name ``field.option``), instantiate.
+
+        ``Cls(config)``; a rollout backend is ``Cls.build(*args, rollout_section)`` (``args``: the trainer's model,
+        tokenizer and model path). A reward or dataset that raises on construction is one message naming it."""
+        cls, config = self.check(kind, name, options, field=field, source=source)
+        if kind == "rollout_backend":
+            return cls.build(*args, options)
+        if kind not in _COULD_NOT_START:
+            return cls(config)
+        try:
+            return cls(config)
+        except OxrlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a plugin that cannot start is reported with its name
+            where = _COULD_NOT_START[kind].format(field=field, name=name)
+            raise OxrlError(f"{where} could not start: {type(exc).__name__}: {exc}") from None
+
     def rows(self) -> list[dict]:
         """One dict per registration (each of an ambiguous name's, marked ``ambiguous``), for `oxrl plugins`."""
         return [
@@ -240,6 +273,10 @@ class Registry:
             for first in sorted(self.entries[kind].values(), key=lambda r: r.name)
             for r in self.clashes[kind].get(first.name, [first])
         ]
+
+
+#: kinds whose construction errors become one message (how it names the plugin); others raise as they are
+_COULD_NOT_START = {"reward": "reward '{name}'", "dataset": "{field}: dataset '{name}'"}
 
 
 def _dist_of(ep: EntryPoint) -> tuple[str, str]:
@@ -261,30 +298,40 @@ def discover(extra_plugins: dict[str, Any] | None = None) -> Registry:
     allow_env = os.environ.get("OXRL_PLUGINS", "").strip()
     allow = {a.strip() for a in allow_env.split(",") if a.strip()} or None
 
-    candidates: list[tuple[str, str, str, Any]] = []  # (plugin, package, version, loader)
+    eps = sorted(entry_points(group=GROUP), key=lambda e: e.name)
+    #: (package, target) -> the names of every entry point naming that hook module (allowed or not)
+    siblings: dict[tuple[str, str], list[str]] = {}
+    for ep in eps:
+        siblings.setdefault((_dist_of(ep)[0], ep.value), []).append(ep.name)
+    candidates: list[tuple[str, str, str, Any, list[str]]] = []  # (plugin, package, version, loader, siblings)
     seen: set[str] = set()
-    for ep in sorted(entry_points(group=GROUP), key=lambda e: e.name):
+    for ep in eps:
         package, version = _dist_of(ep)
         key = f"{ep.name}={ep.value}"
         if key in seen or not _allowed(ep, package, allow):
             continue  # the same distribution can appear twice on sys.path (editable + site)
         seen.add(key)
-        candidates.append((ep.name, package, version, ep.load))
+        candidates.append((ep.name, package, version, ep.load, siblings[(package, ep.value)]))
     for name, obj in (extra_plugins or {}).items():
-        candidates.append((name, "(in-process)", "-", lambda obj=obj: obj))
+        candidates.append((name, "(in-process)", "-", lambda obj=obj: obj, [name]))
 
-    for plugin, package, version, loader in candidates:
+    collected: dict[int, dict[str, list[Registration]]] = {}  # id(hook module) -> entry point -> its names
+    for plugin, package, version, loader, names in candidates:
         try:
             obj = loader()
-            if pm.is_registered(obj):
-                continue  # one module behind several entry points: its hooks were collected the first time
-            pm.register(obj, name=f"{package}:{plugin}")
-            try:
-                pm.check_pending()
-            except Exception:
-                pm.unregister(name=f"{package}:{plugin}")
-                raise
-            _collect(pm, registry, obj, plugin, package, version)
+            if not pm.is_registered(obj):  # one hook module behind several entry points: registered once
+                pm.register(obj, name=f"{package}:{plugin}")
+                try:
+                    pm.check_pending()
+                except Exception:
+                    pm.unregister(name=f"{package}:{plugin}")
+                    raise
+                collected[id(obj)] = _collect(pm, obj, plugin, names, package, version)
+            for reg in collected.get(id(obj), {}).pop(plugin, []):
+                try:
+                    registry.add(reg)
+                except PluginError as exc:  # the same name twice from one plugin: the first one counts
+                    registry.errors.append(LoadError(plugin, package, version, str(exc), loaded=True))
         except Exception as exc:  # noqa: BLE001 - isolation: one broken plugin never stops the others
             registry.errors.append(
                 LoadError(plugin, package, version, f"{type(exc).__name__}: {exc}", traceback.format_exc())
@@ -296,24 +343,24 @@ def discover(extra_plugins: dict[str, Any] | None = None) -> Registry:
     return registry
 
 
-def _collect(pm, registry: Registry, obj, plugin: str, package: str, version: str) -> None:
-    """Call this plugin's registration hooks and file what it registers."""
-    pending: list[Registration] = []
+def _collect(pm, obj, plugin: str, siblings: list[str], package: str, version: str) -> dict[str, list[Registration]]:
+    """Call this hook module's registration hooks; file each name under the entry point of the same name
+    (one of ``siblings``, the entry points naming this module), else under ``plugin``, the one that loaded it.
+    A name whose entry point the OXRL_PLUGINS allow-list leaves out is never filed."""
+    pending: dict[str, list[Registration]] = {}
     for kind, hook_name in KINDS.items():
-        impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls() if impl.plugin is obj]
-        for impl in impls:
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is not obj:
+                continue
 
             def register(name: str, target: Any, _kind: str = kind) -> None:
                 if not isinstance(name, str) or not name:
                     raise PluginError(f"register() needs a non-empty name, got {name!r}")
-                pending.append(Registration(_kind, name, target, plugin, package, version))
+                owner = name if name in siblings else plugin
+                pending.setdefault(owner, []).append(Registration(_kind, name, target, owner, package, version))
 
             impl.function(register)
-    for reg in pending:
-        try:
-            registry.add(reg)
-        except PluginError as exc:  # the same name twice from one plugin: the first one counts
-            registry.errors.append(LoadError(plugin, package, version, str(exc), loaded=True))
+    return pending
 
 
 _REGISTRY: Registry | None = None
@@ -341,8 +388,6 @@ def check_contract(kind: str, obj: Any, reg: Registration) -> None:
     problem. Checked when a run loads it, before any model: otherwise a missing ``loss()`` is an abstract-class
     TypeError, a missing ``family`` an AttributeError, and a missing ``advantages()`` surfaces only after the
     models have loaded and the first rollout has run."""
-    from oxrl_core import interfaces
-
     base = {
         "algorithm": interfaces.Algorithm,
         "reward": interfaces.Reward,
@@ -368,8 +413,6 @@ def _abstract(cls: type) -> list[str]:
 
 
 def _config_problems(cls: type) -> list[str]:
-    from oxrl_core.interfaces import StrictModel
-
     config = getattr(cls, "Config", None)
     if isinstance(config, type) and issubclass(config, StrictModel):
         return []
@@ -389,10 +432,6 @@ def _one_of(cls: type, attr: str, allowed: tuple, required: bool = True) -> list
 
 
 def _algorithm_problems(cls: type) -> list[str]:
-    from typing import get_args
-
-    from oxrl_core.interfaces import Algorithm, DataFormat, Family
-
     problems = _one_of(cls, "family", get_args(Family)) + _one_of(cls, "data_format", get_args(DataFormat))
     for flag in ("needs_ref", "needs_rollouts", "needs_teacher", "needs_critic", "loss_on_groups", "self_play"):
         problems += _one_of(cls, flag, (True, False))
@@ -415,10 +454,6 @@ def _reward_problems(cls: type) -> list[str]:
 
 
 def _dataset_problems(cls: type) -> list[str]:
-    from typing import get_args
-
-    from oxrl_core.interfaces import DataFormat
-
     formats = getattr(cls, "formats", None)
     if isinstance(formats, (tuple, list)) and formats and all(f in get_args(DataFormat) for f in formats):
         return []

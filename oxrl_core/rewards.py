@@ -34,7 +34,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from oxrl_core.config import validate_reward_section
+from oxrl_core.config import reward_options
 from oxrl_core.data import can_verify
 from oxrl_core.errors import OxrlError
 
@@ -340,14 +340,7 @@ def build_reward(config, registry, default_name: str = "", dataset=None, source:
             "no reward: set reward.name (see `oxrl plugins` for installed rewards), or train on a dataset "
             "plugin that can check answers (e.g. data.train=arith)"
         )
-    cls = registry.load_checked("reward", name)  # a Reward subclass that keeps the interface
-    options = validate_reward_section(config, cls.Config, source)
-    try:
-        reward = cls(options)
-    except OxrlError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a reward that cannot start is a config/plugin problem
-        raise OxrlError(f"reward '{name}' could not start: {type(exc).__name__}: {exc}") from None
+    reward = registry.build("reward", name, reward_options(config), field="reward", source=source)
     if config.reward.timeout_s:
         reward.timeout_s = config.reward.timeout_s
     return reward

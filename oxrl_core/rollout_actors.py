@@ -50,10 +50,11 @@ class RolloutWorker:
             torch.set_num_threads(threads)
         self.index = index
         config = RolloutConfig.model_validate(rollout)
-        backend_cls = discover().load("rollout_backend", backend_name)
         tokenizer = load_tokenizer(model_path)
         model = load_causal_lm(model_path).to("cuda" if torch.cuda.is_available() else "cpu")
-        self.backend = backend_cls.build(model, tokenizer, model_path, config)
+        self.backend = discover().build(
+            "rollout_backend", backend_name, config, field="rollout", args=(model, tokenizer, model_path)
+        )
 
     def __repr__(self) -> str:  # how Ray names this actor in its messages
         return f"oxrl rollout actor {self.index}"

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from oxrl_core.errors import OxrlError
+from oxrl_core.plugins import discover
 
 PYPROJECT = """[build-system]
 requires = ["setuptools>=61"]
@@ -129,8 +130,6 @@ def name_taken(name: str) -> str:
     becomes ambiguous — every run would have to choose with ``--alg oxrl-NAME:NAME`` — so the warning says
     who has it and suggests a free name.
     """
-    from oxrl_core.plugins import discover
-
     registry = discover()
     taken = [r for r in registry.rows() if r["kind"] == "algorithm" and r["name"] == name]
     if not taken:

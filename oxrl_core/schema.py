@@ -62,3 +62,13 @@ def format_validation_error(exc: ValidationError, model_cls, source: str, prefix
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"  {dotted}: {err['msg'].removeprefix('Value error, ')}{shown}")
     return OxrlError(f"invalid config ({source}):\n" + "\n".join(lines))
+
+
+def validate_options(config_cls, options: Any, *, field: str, source: str) -> Any:
+    """A plugin's options validated by its ``Config``, the one validation of every plugin kind: an error
+    names each YAML field as ``field.option`` (``alg.beta``, ``reward.timeout_s``, ``rollout.options.x``,
+    ``data.train[0].split``) under ``invalid config (source)``."""
+    try:
+        return config_cls.model_validate(options)
+    except ValidationError as exc:
+        raise format_validation_error(exc, config_cls, source, prefix=f"{field}.") from None

@@ -23,7 +23,6 @@ from oxrl_core.config import (
     dump_yaml,
     load_run_config,
     read_yaml,
-    validate_alg_section,
 )
 from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
@@ -181,8 +180,10 @@ class Trainer:
             self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_RL_DEFAULTS)
         elif self.algorithm_cls.family == "preference":  # ... and of the preference loop
             self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_PREF_DEFAULTS)
-        alg_config = validate_alg_section(self.config, self.algorithm_cls.Config, str(source or "--set / defaults"))
-        self.algorithm = self.algorithm_cls(alg_config)
+        self.algorithm = self.registry.build(
+            "algorithm", self.config.algorithm, self.config.alg, field="alg", source=str(source or "--set / defaults")
+        )
+        self.config.alg = self.algorithm.config.model_dump()  # the resolved values, as the run directory records them
         if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
             raise OxrlError(
                 f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"

@@ -6,15 +6,18 @@ The files are `math_answer.py`, `tag_format.py` and `code_exec.py`, not `math.py
 working directory.
 """
 
-from oxrl_core.hookspecs import Registers
+from oxrl_core.hookspecs import hookimpl
 
-math = Registers("reward", "math", "oxrl_rewards.math_answer:MathReward")
-gsm8k = Registers("reward", "gsm8k", "oxrl_rewards.gsm8k:GSM8KReward")
-format = Registers("reward", "format", "oxrl_rewards.tag_format:FormatReward")  # noqa: A001 - the entry point's name
-reasoning = Registers("reward", "reasoning", "oxrl_rewards.reasoning:ReasoningReward")
-exact_match = Registers("reward", "exact_match", "oxrl_rewards.exact_match:ExactMatchReward")
-numeric = Registers("reward", "numeric", "oxrl_rewards.numeric:NumericReward")
-arith = Registers("reward", "arith", "oxrl_rewards.arith:ArithReward")
-reward_model = Registers("reward", "reward_model", "oxrl_rewards.reward_model:RewardModelReward")
-llm_judge = Registers("reward", "llm_judge", "oxrl_rewards.llm_judge:LLMJudgeReward")
-code = Registers("reward", "code", "oxrl_rewards.code_exec:CodeReward")
+
+@hookimpl
+def register_rewards(register):
+    register("math", "oxrl_rewards.math_answer:MathReward")
+    register("gsm8k", "oxrl_rewards.gsm8k:GSM8KReward")
+    register("format", "oxrl_rewards.tag_format:FormatReward")
+    register("reasoning", "oxrl_rewards.reasoning:ReasoningReward")
+    register("exact_match", "oxrl_rewards.exact_match:ExactMatchReward")
+    register("numeric", "oxrl_rewards.numeric:NumericReward")
+    register("arith", "oxrl_rewards.arith:ArithReward")
+    register("reward_model", "oxrl_rewards.reward_model:RewardModelReward")
+    register("llm_judge", "oxrl_rewards.llm_judge:LLMJudgeReward")
+    register("code", "oxrl_rewards.code_exec:CodeReward")

@@ -80,8 +80,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         raise OxrlError(
             f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}"
         )
-    backend_cls = run.registry.load_checked("rollout_backend", ro.backend)
-    backend_cls.parse_options(ro)  # rollout.options: a typo fails before any model loads
+    backend_cls, _ = run.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
 
     # ---- models; the fast path is chosen here, once. data.packing: the training forward packs a
     # micro-batch into one row in which the samples of a prompt share one copy of it (not with a
@@ -115,7 +114,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
         backend = RolloutActors.start(*args) if is_main() else None
     else:
-        backend = backend_cls.build(model, tokenizer, policy_path, ro)
+        backend = run.registry.build(
+            "rollout_backend", ro.backend, ro, field="rollout", args=(model, tokenizer, policy_path)
+        )
     if run.resume():
         with engine.full_weights():  # ZeRO-3: the backend may read the weights
             sync_weights(backend, model, run.start_step)

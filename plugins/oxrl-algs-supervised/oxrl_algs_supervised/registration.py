@@ -1,8 +1,11 @@
 """One entry point per algorithm. Each registers an import path, so discovery never imports torch."""
 
-from oxrl_core.hookspecs import Registers
+from oxrl_core.hookspecs import hookimpl
 
-sft = Registers("algorithm", "sft", "oxrl_algs_supervised.sft:SFT")
-cpt = Registers("algorithm", "cpt", "oxrl_algs_supervised.cpt:CPT")
-kd = Registers("algorithm", "kd", "oxrl_algs_supervised.kd:KD")
-rft = Registers("algorithm", "rft", "oxrl_algs_supervised.rft:RFT")
+
+@hookimpl
+def register_algorithms(register):
+    register("sft", "oxrl_algs_supervised.sft:SFT")
+    register("cpt", "oxrl_algs_supervised.cpt:CPT")
+    register("kd", "oxrl_algs_supervised.kd:KD")
+    register("rft", "oxrl_algs_supervised.rft:RFT")

@@ -1,5 +1,8 @@
 """One entry point, an import path: `oxrl plugins` lists the backend without importing vLLM or torch."""
 
-from oxrl_core.hookspecs import Registers
+from oxrl_core.hookspecs import hookimpl
 
-vllm = Registers("rollout_backend", "vllm", "oxrl_vllm.backend:VLLMRolloutBackend")
+
+@hookimpl
+def register_rollout_backends(register):
+    register("vllm", "oxrl_vllm.backend:VLLMRolloutBackend")
