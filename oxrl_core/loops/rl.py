@@ -25,13 +25,7 @@ import torch
 from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.critic import build_critic
 from oxrl_core.data import eval_source, load_data
-from oxrl_core.distributed import (
-    gather_rows,
-    is_main,
-    reduce_metrics,
-    shard,
-    world_size,
-)
+from oxrl_core.distributed import gather_rows, is_main, reduce_metrics, shard, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.rollouts import (
