@@ -16,8 +16,10 @@ chosen equals rejected are dropped with a note (`Tokenised.notes`).
 Tokenisation convention: the prompt goes through the chat template with the
 generation prompt when the tokenizer has one (plain text otherwise); a
 completion is its tokens without special tokens, then EOS; ``labels`` are -100
-on prompt tokens. CPT (`text`) rows are packed into ``max_length`` blocks with
-labels on every token.
+on prompt tokens. A multi-turn ``messages`` row (several assistant turns, tool
+calls, tool results) is rendered whole by the chat template with labels on every
+assistant turn (`tokenise_messages`). CPT (`text`) rows are packed into
+``max_length`` blocks with labels on every token.
 """
 
 from __future__ import annotations
@@ -427,11 +429,111 @@ def row_where(row: dict, origin: str) -> str:
     return f"{row.get('_origin', origin)}: row {row.get('_row', '?')}"
 
 
+#: the roles a multi-turn conversation may use (`check_conversation`)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def is_multi_turn(messages) -> bool:
+    """True for a ``messages`` list that one prompt and one response cannot hold: several assistant turns,
+    an assistant message with ``tool_calls``, or a ``tool`` message. Such a row is trained on every assistant
+    turn (`tokenise_messages`); any other ``messages`` row is a prompt (all but the last message) and a response."""
+    if not isinstance(messages, list):
+        return False
+    assistants = 0
+    for msg in messages:
+        if isinstance(msg, dict):
+            if msg.get("role") == "tool" or msg.get("tool_calls"):
+                return True
+            assistants += msg.get("role") == "assistant"
+    return assistants > 1
+
+
+TOOL_CALL_SHAPE = '{"type": "function", "function": {"name": ..., "arguments": {...}}}'
+
+
+def _check_tool_calls(calls, where: str, field: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` checked; ``arguments`` given as a JSON string become the object it
+    encodes (chat templates expect an object: most write it with ``tojson``, which would quote a string again)."""
+    if not isinstance(calls, list):
+        raise OxrlError(f"{where}: field '{field}' must be a list of {TOOL_CALL_SHAPE}, got {type(calls).__name__}")
+    checked = []
+    for k, call in enumerate(calls):
+        here = f"{field}[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise OxrlError(f"{where}: field '{here}' must be an object {TOOL_CALL_SHAPE}")
+        if call.get("type", "function") != "function":
+            raise OxrlError(f"{where}: field '{here}.type' must be 'function', got {call['type']!r}")
+        if not isinstance(function.get("name"), str) or not function["name"].strip():
+            raise OxrlError(f"{where}: field '{here}.function.name' must be a non-empty string")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                raise OxrlError(
+                    f"{where}: field '{here}.function.arguments' is a string but not JSON ({exc.msg}, column "
+                    f"{exc.colno}); give an object or a JSON string of one"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise OxrlError(
+                f"{where}: field '{here}.function.arguments' must be an object (or a JSON string of one), "
+                f"got {type(arguments).__name__}"
+            )
+        checked.append({**call, "function": {**function, "arguments": arguments}})
+    return checked
+
+
+def check_conversation(messages: list, where: str) -> list[dict]:
+    """A multi-turn ``messages`` list (`is_multi_turn`) checked and ready for a chat template.
+
+    Roles are ``system``, ``user``, ``assistant`` or ``tool``; every message has string ``content``, except an
+    assistant message with ``tool_calls`` (a list of `TOOL_CALL_SHAPE`), whose content may be empty or absent;
+    an assistant message without calls needs content; the last message is the assistant's and at least one
+    message comes before the first. A field that is null counts as absent (Parquet files and `datasets` give
+    every message every field). Errors name ``where`` (the file and row) and the field."""
+    checked = []
+    for j, msg in enumerate(messages):
+        field = f"messages[{j}]"
+        if not isinstance(msg, dict):
+            raise OxrlError(f"{where}: field '{field}' must be an object with 'role' and 'content'")
+        msg = {key: value for key, value in msg.items() if value is not None}
+        role = msg.get("role")
+        if role not in ROLES:
+            raise OxrlError(f"{where}: field '{field}.role' must be one of {', '.join(ROLES)}, got {role!r}")
+        calls = msg.pop("tool_calls", [])
+        if calls != []:
+            if role != "assistant":
+                raise OxrlError(f"{where}: field '{field}.tool_calls': only assistant messages make tool calls")
+            msg["tool_calls"] = _check_tool_calls(calls, where, f"{field}.tool_calls")
+            msg.setdefault("content", "")
+        if not isinstance(msg.get("content"), str):
+            raise OxrlError(
+                f"{where}: field '{field}.content' must be a string ({role} message), "
+                f"got {type(msg.get('content')).__name__}"
+            )
+        if role == "assistant" and "tool_calls" not in msg and not msg["content"].strip():
+            raise OxrlError(f"{where}: field '{field}': an assistant message needs content or tool_calls")
+        if not isinstance(msg.get("name", ""), str):
+            raise OxrlError(f"{where}: field '{field}.name' must be a string, got {type(msg['name']).__name__}")
+        checked.append(msg)
+    if checked[-1]["role"] != "assistant":
+        raise OxrlError(f"{where}: field 'messages': the last message must have role 'assistant'")
+    if checked[0]["role"] == "assistant":
+        raise OxrlError(f"{where}: field 'messages': needs at least one message before the first assistant's")
+    return checked
+
+
 def normalise_row(row: dict, fmt: str, origin: str) -> dict:
-    """Check `row` against `fmt`; return it with `prompt` (str or messages) and the format's fields."""
+    """Check `row` against `fmt`; return it with `prompt` (str or messages) and the format's fields.
+
+    A multi-turn ``messages`` row (`is_multi_turn`) is returned with its checked ``messages`` and no ``prompt``:
+    it is trained on every assistant turn (`tokenise_messages`)."""
     where = row_where(row, origin)
     if fmt == "prompt_response" and "messages" in row and "prompt" not in row:
         msgs = row["messages"]
+        if is_multi_turn(msgs):
+            return {**row, "messages": check_conversation(msgs, where)}
         _check_messages(msgs, where, "messages")
         if msgs[-1]["role"] != "assistant":
             raise OxrlError(f"{where}: field 'messages': the last message must have role 'assistant'")
@@ -525,9 +627,12 @@ class Tokenised:
     identical: list[tuple[str, object]] = dataclass_field(
         default_factory=list
     )  # (file, row) of pairs with chosen == rejected
+    per_turn: list[tuple[str, object]] = dataclass_field(
+        default_factory=list
+    )  # (file, row) of conversations trained as one example per assistant turn (`tokenise_messages`)
 
     def notes(self, max_length: int) -> list[str]:
-        """One line per kind of dropped row, for the run's start-up output."""
+        """One line per kind of dropped or split row, for the run's start-up output."""
         notes = []
         if self.dropped:
             notes.append(f"{self.dropped} rows dropped: their prompt fills data.max_length={max_length}")
@@ -536,12 +641,127 @@ class Tokenised:
                 f"{len(self.identical)} preference pairs dropped: chosen equals rejected (after truncation "
                 f"to data.max_length={max_length}), nothing to prefer: {rows_text(self.identical)}"
             )
+        if self.per_turn:
+            notes.append(
+                f"{len(self.per_turn)} multi-turn rows trained as one example per assistant turn: the chat template "
+                f"renders earlier turns differently in a longer conversation (e.g. drops their <think>): "
+                f"{rows_text(self.per_turn)}"
+            )
         return notes
 
 
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, where: str, tokenize: bool = True):
+    """The chat template applied to ``messages``: token ids (or the text); a template error names the row."""
+    try:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=tokenize)
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, ...
+        raise OxrlError(
+            f"{where}: the tokenizer's chat template cannot render this conversation ({type(exc).__name__}: {exc}); "
+            "use a model whose chat template takes these roles and tool calls"
+        ) from None
+    if not tokenize:
+        return out
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
+def _assistant_turn(
+    tokenizer, messages: list[dict], i: int, whole: list[int], where: str
+) -> tuple[list[int], list[int]]:
+    """(prefix, span) of assistant message i: prefix = the template of ``messages[:i]`` with the generation prompt;
+    span = what ``messages[: i + 1]`` adds to it, up to and including its first EOS."""
+    prefix = _render(tokenizer, messages[:i], True, where)
+    full = whole if i == len(messages) - 1 else _render(tokenizer, messages[: i + 1], False, where)
+    if full[: len(prefix)] == prefix:
+        span = full[len(prefix) :]
+    else:  # a token spans the boundary (e.g. a generation prompt ending in a space): split the text instead
+        prefix_text = _render(tokenizer, messages[:i], True, where, tokenize=False)
+        full_text = _render(tokenizer, messages[: i + 1], False, where, tokenize=False)
+        if not full_text.startswith(prefix_text):
+            raise OxrlError(
+                f"{where}: the chat template renders 'messages[{i}]' (an assistant turn) without its generation "
+                "prompt in front, so its tokens cannot be told apart; use a model with a standard chat template"
+            )
+        span = tokenizer(full_text[len(prefix_text) :], add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if eos in span:  # what follows the EOS (ChatML's newline) is not generated: no loss on it
+        span = span[: span.index(eos) + 1]
+    if not span:
+        raise OxrlError(f"{where}: the chat template renders 'messages[{i}]' (an assistant turn) as no tokens")
+    shown = tokenizer.decode(span)
+    for k, call in enumerate(messages[i].get("tool_calls", [])):
+        if call["function"]["name"] not in shown:
+            raise OxrlError(
+                f"{where}: the tokenizer's chat template does not render 'messages[{i}].tool_calls[{k}]' (a call to "
+                f"'{call['function']['name']}'), so the model would learn to answer without it; use a model whose "
+                "chat template renders tool_calls (tool-use instruct models' do)"
+            )
+    return prefix, span
+
+
+def tokenise_messages(tokenizer, messages: list[dict], max_length: int, where: str = "row") -> tuple[list[dict], bool]:
+    """A conversation (`check_conversation`) as SFT examples with the loss on every assistant turn and nowhere else.
+
+    Incremental rendering with the tokenizer's chat template: for assistant message i, ``prefix_i`` is the
+    template of ``messages[:i]`` with the generation prompt, and the turn's tokens are what the template of
+    ``messages[: i + 1]`` adds to it, up to and including the first EOS (what follows, e.g. ChatML's newline after
+    ``<|im_end|>``, is not generated, so it gets no loss; a template that closes turns without EOS trains the
+    whole span). A tool call is trained as the template renders it; tool results, user and system messages are
+    context only.
+
+    One sequence (the usual case): ``input_ids`` is the template of the whole conversation, which starts with
+    every ``prefix_i`` and holds turn i's tokens right after it; ``labels`` are those tokens on the turns and
+    IGNORE everywhere else. Where the template renders an earlier turn differently inside a longer conversation
+    (Qwen3 drops the ``<think>`` of earlier assistant turns), one example per assistant turn instead: prompt
+    ``prefix_i``, completion turn i's tokens -- exactly what the model sees and generates at that turn.
+
+    Examples are cut to ``max_length`` tokens; one that keeps no token of its (first) turn is left out, so a row
+    whose first assistant turn starts past ``max_length`` gives no example.
+
+    Returns ``(examples, one_sequence)``: ``{"input_ids", "labels"}`` dicts, and False when the conversation was
+    split per turn. A tokenizer without a chat template, a template that fails on the conversation or does not
+    show a tool call is an `OxrlError` naming ``where`` (the file and row).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise OxrlError(
+            f"{where}: a multi-turn conversation (several assistant turns, tool calls or tool results) needs the "
+            "tokenizer's chat template to mark its turns, and this tokenizer has none; use a model with a chat "
+            "template (an instruct or chat model), or give the row as {prompt, response}"
+        )
+    whole = _render(tokenizer, messages, False, where)
+    turns = [
+        _assistant_turn(tokenizer, messages, i, whole, where)
+        for i, m in enumerate(messages)
+        if m["role"] == "assistant"
+    ]
+    one_sequence = all(whole[: len(p)] == p and whole[len(p) : len(p) + len(s)] == s for p, s in turns)
+    if one_sequence:
+        labels = [IGNORE] * len(whole)
+        for prefix, span in turns:
+            labels[len(prefix) : len(prefix) + len(span)] = span
+        candidates = [(whole, labels, len(turns[0][0]))]
+    else:
+        candidates = [(prefix + span, [IGNORE] * len(prefix) + span, len(prefix)) for prefix, span in turns]
+    examples = [
+        {"input_ids": ids[:max_length], "labels": labels[:max_length]}
+        for ids, labels, start in candidates
+        if start < max_length  # at least one token of the turn fits
+    ]
+    return examples, one_sequence
+
+
 def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int, origin: str = "") -> Tokenised:
-    examples, dropped = [], 0
+    """SFT examples of checked rows (`normalise_row`): the prompt's tokens with IGNORE labels, then the response's
+    tokens and EOS; a row that keeps no response token within ``max_length`` is dropped. A multi-turn
+    conversation (a row with ``messages`` and no ``prompt``) goes through `tokenise_messages`."""
+    examples, dropped, per_turn = [], 0, []
     for row in rows:
+        if "prompt" not in row:  # a multi-turn conversation
+            out, one_sequence = tokenise_messages(tokenizer, row["messages"], max_length, row_where(row, origin))
+            examples += out
+            dropped += not out
+            if out and not one_sequence:
+                per_turn.append((row.get("_origin", origin), row.get("_row", "?")))
+            continue
         prompt_ids = encode_row_prompt(tokenizer, row, origin)
         completion_ids = encode_row_completion(tokenizer, row, "response", origin)
         input_ids = (prompt_ids + completion_ids)[:max_length]
@@ -550,7 +770,7 @@ def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int, origi
             continue
         labels = [IGNORE] * len(prompt_ids) + completion_ids
         examples.append({"input_ids": input_ids, "labels": labels[: len(input_ids)]})
-    return Tokenised(examples, dropped)
+    return Tokenised(examples, dropped, per_turn=per_turn)
 
 
 def tokenise_text_packed(rows: list[dict], tokenizer, max_length: int) -> Tokenised:
@@ -562,6 +782,18 @@ def tokenise_text_packed(rows: list[dict], tokenizer, max_length: int) -> Tokeni
     blocks = [stream[i : i + max_length] for i in range(0, len(stream), max_length)]
     blocks = [b for b in blocks if len(b) > 1]
     return Tokenised([{"input_ids": b, "labels": list(b)} for b in blocks])
+
+
+def _last_turn(row: dict, origin: str) -> dict:
+    """A conversation as self-play reads it: the prompt is every message but the last, the response the last
+    assistant message's text. Self-play generates plain text, so a conversation with tool calls is refused."""
+    messages = row["messages"]
+    if any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        raise OxrlError(
+            f"{row_where(row, origin)}: field 'messages': self-play compares one generated text answer with the "
+            "last assistant message, and this conversation has tool calls; train it with sft"
+        )
+    return {**row, "prompt": messages[:-1], "response": messages[-1]["content"]}
 
 
 def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int, origin: str = "") -> Tokenised:
@@ -577,6 +809,8 @@ def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int, 
     fields = {"preference": ("chosen", "rejected"), "unpaired": ("completion",), "prompt_response": ("response",)}[fmt]
     examples, dropped, identical = [], 0, []
     for row in rows:
+        if "prompt" not in row:  # a multi-turn conversation: self-play's chosen answer is its last turn
+            row = _last_turn(row, origin)
         prompt_ids = encode_row_prompt(tokenizer, row, origin)
         room = max_length - len(prompt_ids)
         if room < 1:
@@ -607,7 +841,7 @@ def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int, self_
     by_part: dict[int, list[dict]] = {}
     for r in source.rows:
         by_part.setdefault(r.get("_source", 0), []).append(normalise_row(r, fmt, source.origin))
-    examples, dropped, identical = [], 0, []
+    examples, dropped, identical, per_turn = [], 0, [], []
     for part, rows in by_part.items():
         if fmt in ("preference", "unpaired") or self_play:
             out = tokenise_preference(rows, fmt, tokenizer, max_length, source.origin)
@@ -622,7 +856,8 @@ def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int, self_
         examples += [{**ex, "_source": part} for ex in out.examples]
         dropped += out.dropped
         identical += out.identical
-    return Tokenised(examples, dropped, identical)
+        per_turn += out.per_turn
+    return Tokenised(examples, dropped, identical, per_turn)
 
 
 def _nothing_left(origin: str, out: Tokenised, max_length: int) -> OxrlError:

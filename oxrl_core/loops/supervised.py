@@ -72,10 +72,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     eval_examples, eval_rows, eval_dataset = _eval_data(cfg, run.registry, train_source, spec.data_format, tokenizer)
     lengths = [len(e["input_ids"]) for e in train.examples]
     plan = run.plan(train_source, [e["_source"] for e in train.examples], lengths)
-    if train.dropped:
-        run.info(
-            f"[yellow]note:[/yellow] {train.dropped} rows dropped: their prompt fills data.max_length={cfg.data.max_length}"
-        )
+    for note in train.notes(cfg.data.max_length):  # too-long prompts, conversations split per assistant turn
+        run.info(f"[yellow]note:[/yellow] {note}")
 
     # ---- models: packed micro-batches attend row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
