@@ -11,3 +11,8 @@ def register_datasets(register):
 @hookimpl
 def register_rollout_backends(register):
     register("hf", "oxrl_core.rollout_hf:HFRolloutBackend")
+
+
+@hookimpl
+def register_environments(register):
+    register("calculator", "oxrl_core.task:CalculatorEnv")

@@ -1,7 +1,7 @@
 """The run configuration: one YAML file, validated by pydantic, with ``--set`` overrides.
 
 Top-level keys: ``algorithm`` (the name; ``--alg`` wins), ``model``, ``data``,
-``train``, ``engine``, ``rollout``, ``reward``, ``logging`` and ``alg`` (the
+``train``, ``engine``, ``rollout``, ``reward``, ``env``, ``logging``, ``lora`` and ``alg`` (the
 algorithm's own hyper-parameters, validated by that algorithm's ``Config``).
 Every validation problem becomes an `OxrlError` that names the file and the
 dotted field, so the CLI can print it without a traceback.
@@ -302,6 +302,26 @@ class RewardConfig(StrictModel):
     timeout_s: float | None = Field(None, gt=0, description="seconds per scoring call (default: the reward's own)")
 
 
+class EnvConfig(StrictModel):
+    """``name`` picks the environment plugin (multi-turn RL); any key beyond the four below is that
+    environment's own option (validated by its Config)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str = Field(
+        "", description="environment plugin, or `file.py:Class` / `module:Class`; empty = single-turn rollouts"
+    )
+    max_turns: int = Field(4, gt=0, description="model turns per episode at most")
+    max_tokens: int = Field(
+        512, gt=0, description="tokens after the prompt in one episode at most (the model's and the environment's)"
+    )
+    tool_parser: str = Field(
+        "auto",
+        description="how tool calls are read from the model's turns: auto (by the chat template), hermes, "
+        "llama3_json, mistral, or `module:Class` / `file.py:Class`",
+    )
+
+
 class LoraConfig(StrictModel):
     """LoRA adapters through PEFT for the policy (any algorithm); `final/` holds merged weights and `final/adapter/`."""
 
@@ -332,6 +352,7 @@ class RunConfig(StrictModel):
     engine: EngineConfig = EngineConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
     logging: LoggingConfig = LoggingConfig()
     lora: LoraConfig = LoraConfig()
     alg: dict[str, Any] = Field(default_factory=dict)
@@ -352,6 +373,11 @@ TINY_PREF_DEFAULTS = {
     "train": {"lr": 1e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0},
     "rollout": {"max_new_tokens": 8},
 }
+
+
+def merge_config(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``, section by section (neither is changed)."""
+    return _merge(base, over)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -449,3 +475,8 @@ def validate_reward_section(config: RunConfig, config_cls, source: str = "config
 def reward_options(config: RunConfig) -> dict:
     """The reward plugin's own options: the ``reward:`` keys other than ``name``/``timeout_s``."""
     return dict(config.reward.model_extra or {})
+
+
+def env_options(config: RunConfig) -> dict:
+    """The environment plugin's own options: the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser."""
+    return dict(config.env.model_extra or {})

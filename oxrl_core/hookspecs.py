@@ -7,6 +7,7 @@ register_algorithms(register)  `oxrl_core.interfaces.Algorithm` subclasses      
 register_rewards(register)     `oxrl_core.interfaces.Reward` subclasses          ``reward.name`` (``reward.*``)
 register_datasets(register)    `oxrl_core.interfaces.Dataset` subclasses         ``data.train`` / ``data.eval``
 register_rollout_backends(..)  `oxrl_core.interfaces.RolloutBackend` subclasses  ``rollout.backend`` (``rollout.options``)
+register_environments(..)      `oxrl_core.interfaces.Environment` subclasses     ``env.name`` (``env.*``)
 =============================  ================================================  =============================
 
 Every plugin, whatever its kind, is built by one function, `oxrl_core.plugins.Registry.build`: look up the
@@ -51,3 +52,8 @@ def register_datasets(register):
 @hookspec
 def register_rollout_backends(register):
     """Register `oxrl_core.interfaces.RolloutBackend` subclasses: ``register(name, "module:Class")``."""
+
+
+@hookspec
+def register_environments(register):
+    """Register `oxrl_core.interfaces.Environment` subclasses: ``register(name, "module:Class")``."""

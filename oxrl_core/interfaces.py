@@ -1,5 +1,5 @@
-"""The contracts between oxRL's parts: the four interfaces a plugin implements (`Algorithm`,
-`Reward`, `Dataset`, `RolloutBackend`), the batches the loops hand an algorithm (one `TypedDict`
+"""The contracts between oxRL's parts: the five interfaces a plugin implements (`Algorithm`,
+`Reward`, `Dataset`, `RolloutBackend`, `Environment`), the batches the loops hand an algorithm (one `TypedDict`
 per kind, one key per line with its shape) and the `Engine` the loops train through.
 
 Each plugin interface carries a pydantic ``Config`` (a `StrictModel`: ``extra="forbid"``) so that a
@@ -12,6 +12,7 @@ positions, V = vocabulary size.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ __all__ = [
     "SamplingParams",
     "Completion",
     "RolloutBackend",
+    "Environment",
+    "ToolEnvironment",
 ]
 
 Family = Literal["rl", "preference", "supervised"]
@@ -345,6 +348,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: Literal["stop", "length"]
     policy_version: int
+    #: 1 where the model sampled the token, 0 where an environment added it (multi-turn episodes);
+    #: None: every token was sampled (what a backend returns)
+    sampled: list[int] | None = None
 
 
 class RolloutBackend(ABC):
@@ -403,3 +409,107 @@ class RolloutBackend(ABC):
 
     def close(self) -> None:
         """Release resources."""
+
+
+class Environment(ABC):
+    """A multi-turn task for the RL loop (``env.name``): the conversation grows by the model's turns and
+    the environment's messages until `step` says ``done``, ``env.max_turns`` model turns, or the
+    episode's token budget ``env.max_tokens``. One instance per episode: the loop builds a fresh one for
+    every sample, so an instance may keep the episode's state.
+
+    Two ways to write one, through this interface:
+
+    - *step style* (games, simulators, user simulators): implement `step`;
+    - *tools style*: subclass `ToolEnvironment`; its public, typed, documented methods are the tools.
+
+    The loop never re-renders what the model sampled: the trained sequence is the sampled tokens plus
+    the chat template's rendering of the messages `step` returns (``docs/architecture.md``, multi-turn).
+    Before `reset`, the loop sets two attributes on the instance: ``tool_parser`` (the
+    `oxrl_core.tool_parsers.ToolParser` chosen for the model's chat template, ``env.tool_parser``) and
+    ``stats`` (a `collections.Counter` the environment may count ``tool_calls`` / ``bad_tool_calls`` in;
+    the loop logs them as ``env/...``). Every call is limited to `timeout_s`; one that raises or hangs
+    ends its episode with reward 0 and is counted (``env/errors``, ``env/timeouts``), never the run.
+    """
+
+    name: ClassVar[str]
+    #: seconds allowed for one call of `reset`, `step` or `reward`
+    timeout_s: ClassVar[float] = 30.0
+    #: when `reward` returns None: also score the final answer (the last assistant message) with
+    #: ``reward.name`` (or the algorithm's / dataset's default) and add it to the step rewards
+    scores_final_answer: ClassVar[bool] = False
+    #: config values that suit the built-in tiny model (e.g. its data), applied under the user's own
+    #: settings when ``model.name`` is empty, as the RL loop's tiny-model defaults are
+    tiny_defaults: ClassVar[dict] = {}
+
+    class Config(StrictModel):
+        """The environment's own options (the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser)."""
+
+    def __init__(self, config: "Environment.Config | None" = None):
+        self.config = config if config is not None else self.Config()
+
+    def reset(self, row: dict) -> str | None:
+        """Start an episode on a dataset row: the text of the first user turn, or None for the row's prompt."""
+        return None
+
+    def tools(self) -> list[dict]:
+        """JSON schemas of the tools the model may call, passed to the chat template as ``tools``."""
+        return []
+
+    @abstractmethod
+    def step(self, messages: list[dict]) -> tuple[list[dict], float, bool]:
+        """The conversation so far, ending with the model's turn (``{"role": "assistant", "content": text}``,
+        the text as sampled) -> (the messages the environment adds, e.g. ``tool`` or ``user`` messages;
+        this turn's reward; whether the episode is over)."""
+
+    def reward(self, row: dict, messages: list[dict]) -> float | None:
+        """Optional reward of the whole episode, added to the step rewards; None: see `scores_final_answer`."""
+        return None
+
+
+class ToolEnvironment(Environment):
+    """An environment whose public methods are its tools (tools style).
+
+    Every public method other than the `Environment` ones is a tool: typed arguments and a Google-style
+    docstring with an ``Args:`` section (its JSON schema comes from transformers' ``get_json_schema``).
+    A turn with tool calls gets one ``tool`` message per call; a turn without one is the final answer and
+    ends the episode, scored by ``reward.name`` unless `reward` is defined. A malformed call (bad JSON, an
+    unknown tool, wrong arguments) is answered with an error message in its ``tool`` message, as a real
+    agent would see it, and counted in ``bad_tool_calls``; a tool that raises ends the episode.
+    """
+
+    scores_final_answer: ClassVar[bool] = True
+
+    @classmethod
+    def tool_names(cls) -> list[str]:
+        """The public methods that are tools (not the `Environment` interface, not ``_private``)."""
+        own = set(dir(Environment)) | {"tool_names", "call_tool", "tool_parser", "stats", "config"}
+        return sorted(n for n in dir(cls) if not n.startswith("_") and n not in own and callable(getattr(cls, n)))
+
+    def tools(self) -> list[dict]:
+        from transformers.utils import get_json_schema  # lazy: transformers stays out of plugin discovery
+
+        return [get_json_schema(getattr(self, name)) for name in self.tool_names()]
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], float, bool]:
+        parsed = self.tool_parser.parse(messages[-1]["content"])
+        if not parsed.calls and not parsed.errors:
+            return [], 0.0, True  # a final answer
+        out = [{"role": "tool", "name": "error", "content": f"error: {e}"} for e in parsed.errors]
+        self.stats["bad_tool_calls"] += len(parsed.errors)
+        for call in parsed.calls:
+            out.append({"role": "tool", "name": call.name, "content": self.call_tool(call.name, call.arguments)})
+        return out, 0.0, False
+
+    def call_tool(self, name: str, arguments: dict) -> str:
+        """One tool call's result as text; a call the tool cannot take is an error message for the model."""
+        if name not in self.tool_names():
+            self.stats["bad_tool_calls"] += 1
+            return f"error: unknown tool '{name}' (tools: {', '.join(self.tool_names())})"
+        method = getattr(self, name)
+        try:
+            bound = inspect.signature(method).bind(**arguments)
+        except TypeError as exc:
+            self.stats["bad_tool_calls"] += 1
+            return f"error: {name}(): {exc}"
+        self.stats["tool_calls"] += 1
+        return str(method(*bound.args, **bound.kwargs))  # a tool that raises ends the episode (the loop counts it)

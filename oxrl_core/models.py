@@ -19,12 +19,13 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def initial_policy_path(name: str, log=None) -> str:
+def initial_policy_path(name: str, log=None, tools: bool = False) -> str:
     """Where RL and preference runs start: ``model.name``, or with it empty the built-in tiny model
-    after its cached SFT warm start on the built-in task (a random model never answers right)."""
+    after its cached SFT warm start on the built-in task (a random model never answers right); with
+    ``tools`` (multi-turn RL), the warm start on tool-use transcripts."""
     if name:
         return name
-    return str(warm_start_dir(log=log))
+    return str(warm_start_dir(log=log, tools=tools))
 
 
 def _check_local_dir(path: str, field: str) -> None:

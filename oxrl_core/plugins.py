@@ -46,6 +46,7 @@ KINDS = {
     "reward": "register_rewards",
     "dataset": "register_datasets",
     "rollout_backend": "register_rollout_backends",
+    "environment": "register_environments",
 }
 
 
@@ -117,7 +118,13 @@ def _norm(package: str) -> str:
 
 
 #: where a user names each kind, for the message that asks them to choose
-FIELDS = {"algorithm": "--alg", "reward": "reward.name", "dataset": "data.train", "rollout_backend": "rollout.backend"}
+FIELDS = {
+    "algorithm": "--alg",
+    "reward": "reward.name",
+    "dataset": "data.train",
+    "rollout_backend": "rollout.backend",
+    "environment": "env.name",
+}
 
 
 @dataclass
@@ -276,7 +283,11 @@ class Registry:
 
 
 #: kinds whose construction errors become one message (how it names the plugin); others raise as they are
-_COULD_NOT_START = {"reward": "reward '{name}'", "dataset": "{field}: dataset '{name}'"}
+_COULD_NOT_START = {
+    "reward": "reward '{name}'",
+    "dataset": "{field}: dataset '{name}'",
+    "environment": "{field}: environment '{name}'",
+}
 
 
 def _dist_of(ep: EntryPoint) -> tuple[str, str]:
@@ -393,6 +404,7 @@ def check_contract(kind: str, obj: Any, reg: Registration) -> None:
         "reward": interfaces.Reward,
         "dataset": interfaces.Dataset,
         "rollout_backend": interfaces.RolloutBackend,
+        "environment": interfaces.Environment,
     }[kind]
     label = kind.replace("_", " ")
     if not (isinstance(obj, type) and issubclass(obj, base)):
@@ -460,9 +472,20 @@ def _dataset_problems(cls: type) -> list[str]:
     return [f"formats = {formats!r} must be a non-empty tuple of {', '.join(map(repr, get_args(DataFormat)))}"]
 
 
+def _environment_problems(cls: type) -> list[str]:
+    timeout = getattr(cls, "timeout_s", None)
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    problems = [] if ok else [f"timeout_s = {timeout!r} must be a number of seconds > 0"]
+    problems += _one_of(cls, "scores_final_answer", (True, False))
+    if issubclass(cls, interfaces.ToolEnvironment) and not cls.tool_names():
+        problems.append("it is a ToolEnvironment without a tool (a public method)")
+    return problems
+
+
 _CHECKS = {
     "algorithm": _algorithm_problems,
     "reward": _reward_problems,
     "dataset": _dataset_problems,
     "rollout_backend": lambda cls: [],
+    "environment": _environment_problems,
 }

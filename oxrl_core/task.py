@@ -1,4 +1,4 @@
-"""The built-in verifiable task: small-integer arithmetic.
+"""The built-in verifiable task: small-integer arithmetic, and multi-digit products with a calculator.
 
 Rows look like the real datasets oxRL trains on: prompt-response for SFT
 (`{"prompt", "response", "answer"}`), prompt-only for RL (the `answer` field
@@ -10,8 +10,11 @@ so the split is the same everywhere.
 
 from __future__ import annotations
 
+import ast
+import operator
 import random
 import re
+from typing import Literal
 
 MAX_OPERAND = 19
 EVAL_SIZE = 100
@@ -65,21 +68,122 @@ def is_correct(completion: str, answer: str) -> bool:
     return match is not None and match.group() == str(answer).strip()
 
 
+# ----------------------------------------------------------------------------- products, with a calculator
+#: two-digit × two-digit products: answers the tiny model cannot work out in its head, one tool call can
+PRODUCT_OPERANDS = range(10, 100)
+
+
+def _product_problems() -> list[tuple[int, int]]:
+    problems = [(a, b) for a in PRODUCT_OPERANDS for b in PRODUCT_OPERANDS]
+    random.Random(4321).shuffle(problems)
+    return problems
+
+
+def product_rows(split: str) -> list[dict]:
+    """`train` or `eval` rows of the products task: prompt, response, answer, and ``messages``, a tool-use
+    transcript (the question, a ``calc`` call, its result, the answer) for a supervised warm start."""
+    problems = _product_problems()
+    if split == "eval":
+        chosen = problems[:EVAL_SIZE]
+    elif split == "train":
+        chosen = problems[EVAL_SIZE:]
+    else:
+        raise ValueError(f"unknown split {split!r} (expected 'train' or 'eval')")
+    out = []
+    for a, b in chosen:
+        question, answer, expr = f"What is {a}*{b}?", str(a * b), f"{a}*{b}"
+        call = {"type": "function", "function": {"name": "calc", "arguments": {"expr": expr}}}
+        messages = [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "calc", "content": answer},
+            {"role": "assistant", "content": answer},
+        ]
+        out.append({"prompt": question, "response": answer, "answer": answer, "messages": messages})
+    return out
+
+
+#: the operators `calculate` evaluates
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+
+
+def calculate(expr: str) -> str:
+    """The value of an arithmetic expression of numbers, + - * / // % and parentheses (no names, no
+    calls, no powers: nothing a model could use to hang or escape); an integral result is printed as one."""
+
+    def value(node):
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = value(node.operand)
+            return -v if isinstance(node.op, ast.USub) else v
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"not an arithmetic expression: {ast.unparse(node)!r}")
+
+    if len(expr) > 200:
+        raise ValueError("expression longer than 200 characters")
+    result = value(ast.parse(expr.strip(), mode="eval"))
+    if isinstance(result, float) and result.is_integer():
+        result = int(result)
+    return str(result)
+
+
 def _text_row(row: dict) -> dict:
     return {**row, "text": f"{row['prompt']} {row['response']}"}
 
 
-from oxrl_core.interfaces import Dataset  # noqa: E402  (kept below the task so the maths reads first)
+from oxrl_core.interfaces import Dataset, StrictModel, ToolEnvironment  # noqa: E402  (below the task: maths first)
 
 
 class ArithDataset(Dataset):
-    """`arith`: the built-in task as a dataset plugin (prompt, response, answer, text, chosen/rejected, completion/label)."""
+    """`arith`: the built-in task as a dataset plugin (prompt, response, answer, text, chosen/rejected,
+    completion/label); with ``task: products``, two-digit products (prompt, response, answer, and a
+    tool-use transcript in ``messages``) for the `calculator` environment."""
 
     name = "arith"
     formats = ("prompt", "prompt_response", "text", "preference", "unpaired")
 
+    class Config(StrictModel):
+        task: Literal["sums", "products"] = "sums"
+
     def rows(self, split: str) -> list[dict]:
+        if self.config.task == "products":
+            return product_rows(split)
         return [_text_row(r) for r in rows(split)]
 
     def verify(self, completion: str, row: dict) -> bool | None:
         return is_correct(completion, row["answer"])
+
+
+class CalculatorEnv(ToolEnvironment):
+    """`calculator`: a tools-style environment with one tool, ``calc``; the final answer is scored by
+    ``reward.name`` (the dataset's own check by default). On the built-in model it trains on two-digit
+    products, which the model cannot work out in its head but one call can."""
+
+    name = "calculator"
+    tiny_defaults = {
+        "data": {"train": [{"source": "arith", "task": "products"}]},  # a list: replaced, never merged
+        "rollout": {"max_new_tokens": 80},
+        "env": {"max_turns": 3, "max_tokens": 224},
+    }
+
+    def calc(self, expr: str) -> str:
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expr: numbers with + - * / // % and parentheses, e.g. "12*(3+4)"
+        """
+        try:
+            return calculate(expr)
+        except (ValueError, SyntaxError, ZeroDivisionError, TypeError) as exc:
+            return f"error: {exc}"

@@ -22,6 +22,7 @@ from oxrl_core.config import (
     RunConfig,
     dump_yaml,
     load_run_config,
+    merge_config,
     read_yaml,
 )
 from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
@@ -176,8 +177,12 @@ class Trainer:
         source = config if config else (self.run_dir / "config.yaml" if base else None)
         self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
         self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
-        if self.algorithm_cls.needs_rollouts:  # tiny-model defaults of the RL loop
+        if self.algorithm_cls.needs_rollouts:  # tiny-model defaults of the RL loop (and of its environment)
             self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_RL_DEFAULTS)
+            if self.config.env.name:
+                env_cls = self.registry.load_checked("environment", self.config.env.name)
+                defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
+                self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=defaults)
         elif self.algorithm_cls.family == "preference":  # ... and of the preference loop
             self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_PREF_DEFAULTS)
         self.algorithm = self.registry.build(
@@ -243,6 +248,17 @@ class Trainer:
                     raise OxrlError(f"{label}: data file not found: {spec}")
                 if missing and self.registry.has("dataset", spec):  # an ambiguous or broken dataset plugin
                     self.registry.load_checked("dataset", spec)
+        if cfg.env.name:
+            if not self.algorithm_cls.needs_rollouts:
+                raise OxrlError(
+                    f"env.name={cfg.env.name}: environments drive the RL loop's rollouts, and '{cfg.algorithm}' "
+                    "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
+                )
+            if cfg.rollout.actors or cfg.engine.world_size > 1:
+                raise OxrlError(
+                    f"env.name={cfg.env.name}: multi-turn episodes run in the training process for now; "
+                    "set rollout.actors=0 and engine.world_size=1"
+                )
         if self.algorithm_cls.needs_rollouts:
             self.registry.load_checked("rollout_backend", cfg.rollout.backend)  # its class checked too
             if cfg.reward.name:

@@ -23,11 +23,13 @@ from pathlib import Path
 import torch
 
 from oxrl_core.checkpoint import latest_checkpoint
+from oxrl_core.config import env_options
 from oxrl_core.critic import build_critic
 from oxrl_core.data import eval_source, load_data
 from oxrl_core.distributed import gather_rows, is_main, reduce_metrics, shard, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
+from oxrl_core.loops.episodes import Episodes
 from oxrl_core.loops.rollouts import (
     MicroBatches,
     check_completions,
@@ -57,7 +59,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     cfg, algorithm, spec, ro = run.cfg, run.algorithm, run.spec, run.cfg.rollout
 
     # ---- data and reward (before any model loads, so bad input fails fast)
-    policy_path = initial_policy_path(cfg.model.name, log=run.info)
+    policy_path = initial_policy_path(cfg.model.name, log=run.info, tools=bool(cfg.env.name))
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     train_source = load_data(cfg.data.train, "train", run.registry)
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
@@ -75,6 +77,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= {spec.min_group_size}, got {ro.n}"
         )
     backend_cls, _ = run.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
+    env = None
+    if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here
+        env = run.registry.build("environment", cfg.env.name, env_options(cfg), field="env")
 
     # ---- models; the fast path is chosen here, once. data.packing: the training forward packs a
     # micro-batch into one row in which the samples of a prompt share one copy of it (not with a
@@ -83,6 +88,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     if cfg.data.packing and not spec.needs_critic:
         attn = packed_attn_implementation(attn)
     shared = attn == PACKED_SDPA
+    if shared and env is not None:  # an episode's prompt can change mid-episode (fallback): padded rows
+        shared = False
+        run.info("[yellow]note:[/yellow] data.packing: shared prompts do not apply to multi-turn episodes (env.name)")
     model = load_causal_lm(
         run.start_from(policy_path), attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code
     )
@@ -98,7 +106,8 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         critic = build_critic(model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path))
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
-    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), ro.max_new_tokens)  # fits?
+    longest = cfg.env.max_tokens if env is not None else ro.max_new_tokens  # a whole episode, or one completion
+    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), longest)  # fits?
     engine = run.build_engine(
         model, extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches
     )
@@ -111,6 +120,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         backend = run.registry.build(
             "rollout_backend", ro.backend, ro, field="rollout", args=(model, tokenizer, policy_path)
         )
+    episodes = Episodes(type(env), env.config, cfg, tokenizer, backend) if env is not None else None
     if run.resume():
         with engine.full_weights():  # ZeRO-3: the backend may read the weights
             sync_weights(backend, model, run.start_step)
@@ -145,6 +155,8 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         with engine.full_weights():
             if not is_main():
                 return {}
+            if episodes is not None:
+                return episodes.evaluate(eval_rows, reward, eval_dataset, ro, cfg.train.seed)
             return rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed)
 
     run.evaluate_before(run_eval, bool(eval_rows), every_metric=True)
@@ -159,28 +171,39 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         picks = plan.micro_batch(step - 1)
         run.position = step
 
-        # 1. rollouts: n samples for each of batch_size prompts (each rank its shards; see generate_sharded)
+        # 1. rollouts: n samples for each of batch_size prompts (each rank its shards; see generate_sharded),
+        #    or with env.name n multi-turn episodes each (one batched backend call per turn; loops/episodes.py)
         sampling = SamplingParams(
             ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=cfg.train.seed * 1_000_003 + step
         )
-        groups = generate_sharded(backend, engine, [prompt_ids[i] for i in picks], sampling, shards)
-        check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
-        completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
+        if episodes is None:
+            groups = generate_sharded(backend, engine, [prompt_ids[i] for i in picks], sampling, shards)
+            check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
+            completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
+            prompts = [prompt_ids[i] for i in picks for _ in range(ro.n)]
+        else:
+            played = episodes.play([rows[i] for i in picks], sampling, version)
+            completions, prompts = [e.as_completion() for e in played], [e.prompt_ids for e in played]
         versions = check_on_policy(completions, version, ro.strict_on_policy, step)
         gen_s = time.perf_counter() - t_step
 
-        # 2. rewards
+        # 2. rewards: of each completion, or of each episode (the environment's, and/or its final answer's)
         t0 = time.perf_counter()
-        sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         failures = RewardFailures(reward_name)
-        scores, reward_metrics = score_sharded(reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures)
+        if episodes is None:
+            sample_rows = [rows[i] for i in picks for _ in range(ro.n)]
+            texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+            prompts_text = [r["prompt"] for r in sample_rows]
+            scores, reward_metrics = score_sharded(reward, prompts_text, texts, sample_rows, failures)
+        else:
+            scores, reward_metrics = episodes.rewards(played, reward, failures)
+            reward_metrics.update(episodes.metrics(played))
         reward_s = time.perf_counter() - t0
         reward_watch.after_scoring(step, failures, run.run_dir)  # one line per step; stops a reward that keeps failing
 
         # 3. the rollout batch, on the trainer's device
         t0 = time.perf_counter()
-        batch = rollout_batch([prompt_ids[i] for i in picks], completions, scores, ro.n, tokenizer.pad_token_id, engine)
+        batch = rollout_batch(prompts, completions, scores, ro.n, tokenizer.pad_token_id, engine)
         check_finite("rewards", batch["rewards"], step, run.run_dir)
         lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do, not the next one
 

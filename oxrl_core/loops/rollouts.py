@@ -86,20 +86,22 @@ def rollout_tensors(prompt_ids: list[list[int]], completions, pad_id: int) -> di
         start, end = len(p), len(p) + len(c.token_ids)
         input_ids[i, :end] = torch.tensor(p + c.token_ids)
         attention_mask[i, :end] = 1
-        mask[i, start - 1 : end - 1] = 1  # position t predicts token t+1
+        # position t predicts token t+1; in a multi-turn episode only the model's own tokens are scored
+        mask[i, start - 1 : end - 1] = 1 if c.sampled is None else torch.tensor(c.sampled, dtype=mask.dtype)
         logp_rollout[i, start - 1 : end - 1] = torch.tensor(c.logprobs)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "mask": mask, "logp_rollout": logp_rollout}
 
 
-def check_no_padding_holes(batch: dict[str, torch.Tensor]) -> None:
+def check_no_padding_holes(batch: dict[str, torch.Tensor], multi_turn: bool = False) -> None:
     """Each row must be tokens then padding: attention 1…1 0…0, the loss mask inside the attended part,
-    and the loss mask one contiguous run (the completion). A hole would train on padding or hide tokens."""
+    and the loss mask one contiguous run (the completion; at least one run, one per model turn, in a
+    multi-turn episode). A hole would train on padding or hide tokens."""
     attn = batch["attention_mask"]  # (B, L)
     holes = (attn[:, 1:] > attn[:, :-1]).any(dim=1)  # a 0 followed by a 1
     mask = batch["mask"]  # (B, L-1)
     outside = ((mask > 0) & (attn[:, 1:] == 0)).any(dim=1)
     starts = (mask[:, 1:] > mask[:, :-1]).sum(dim=1) + (mask[:, 0] > 0).long()  # runs of ones
-    bad = holes | outside | (starts != 1)
+    bad = holes | outside | ((starts < 1) if multi_turn else (starts != 1))
     if bad.any():
         row = int(bad.nonzero()[0])
         raise OxrlError(
@@ -290,16 +292,17 @@ def check_on_policy(completions, version: int, strict: bool, step: int) -> set[i
 
 
 def rollout_batch(prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine) -> dict:
-    """The rollout batch the update reads, on the trainer's device: `rollout_tensors` plus
-    ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each sample, ``prompt_len`` (B,)."""
-    batch = rollout_tensors([p for p in prompts for _ in range(n)], completions, pad_id)
-    check_no_padding_holes(batch)
+    """The rollout batch the update reads, on the trainer's device: `rollout_tensors` of each sample's prompt
+    (B of them) and completion, plus ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each
+    sample, ``prompt_len`` (B,)."""
+    batch = rollout_tensors(prompts, completions, pad_id)
+    check_no_padding_holes(batch, multi_turn=any(c.sampled is not None for c in completions))
     device = engine.device
     batch = {k: v.to(device) for k, v in batch.items()}
     batch["rewards"] = torch.tensor(scores, dtype=torch.float32, device=device)  # (B,)
     batch["group_size"] = n
     batch["group"] = torch.arange(len(completions), device=device) // n  # (B,)
-    batch["prompt_len"] = torch.tensor([len(p) for p in prompts for _ in range(n)], device=device)  # (B,)
+    batch["prompt_len"] = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     return batch
 
 

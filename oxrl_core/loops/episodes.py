@@ -1,0 +1,384 @@
+"""Multi-turn episodes for the RL loop (``env.name``): the model and an `Environment` take turns.
+
+Per turn, every live episode is sent to the rollout backend in ONE batched ``generate`` call (the
+first turn with ``rollout.n`` samples per prompt, later turns one continuation per episode). The
+model's turn is parsed for tool calls, the environment answers, and the episode continues until the
+environment says ``done``, a final answer (tools style), ``env.max_turns`` model turns, the token
+budget ``env.max_tokens`` or a turn cut at ``rollout.max_new_tokens``.
+
+Token-exact by construction. The backend is always given token ids, never re-rendered text: each
+turn continues from exactly the ids of the turns before. An episode's training sample is
+
+    prompt ids | model turn 1 (sampled) | environment tokens | model turn 2 (sampled) | ...
+
+where the environment tokens are the chat template's rendering of the new messages (and the next
+generation prompt), computed as an exact-prefix extension of the conversation: the template renders
+the conversation before and after the new messages, the text after must start with the text before
+plus the model's turn as sampled, and what follows is the environment's part (`extension_ids`). The
+model's sampled tokens are never re-tokenised. The loss mask is 1 on the model's tokens only, so
+logprobs, advantages, KL and TIS apply to them alone; the environment's tokens get logprob 0.
+
+Fallback, when a template breaks the extension (it rewrites earlier turns, as Qwen3's drops past
+``<think>`` blocks): the episode's training sample starts again from that turn — its prompt becomes
+the template's rendering of the whole conversation so far, the turns before it are not trained on —
+and the episode goes on from those ids (``env/retemplate_fallbacks`` counts it). What the model is
+trained on is still exactly what it was given and what it sampled.
+
+Faults never stop the run: an environment call (``reset``, ``step``, ``reward``) that raises or returns
+something malformed ends its episode with reward 0 (``env/errors``), one that runs past the
+environment's ``timeout_s`` likewise (``env/timeouts``); malformed tool calls are answered with an
+error message by `ToolEnvironment` (``env/bad_tool_calls``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
+
+from oxrl_core.data import can_verify
+from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import Completion, Environment, SamplingParams
+from oxrl_core.rewards import RewardFailures, score_batch
+from oxrl_core.tool_parsers import parser_for
+
+#: turn k of a step samples with seed + k·TURN_SEED_STRIDE
+TURN_SEED_STRIDE = 104_729
+
+
+class EnvTimeout(Exception):
+    pass
+
+
+def call_limited(fn, *args, limit_s: float):
+    """``fn(*args)`` on a daemon thread; raises `EnvTimeout` after ``limit_s`` seconds (the thread is
+    left to finish in the background: Python cannot kill it; it never blocks interpreter exit)."""
+    future: Future = Future()
+
+    def work() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+
+    threading.Thread(target=work, name="oxrl-env", daemon=True).start()
+    try:
+        return future.result(timeout=max(limit_s, 0.0))
+    except FutureTimeout:
+        raise EnvTimeout from None
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
+    )
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def extension_ids(tokenizer, before: list[dict], turn: dict, added: list[dict], ended_eos: bool, tools) -> list | None:
+    """The environment's tokens after the model's ``turn``: the template's rendering of ``added`` and the next
+    generation prompt, as an exact-prefix extension of the conversation; None when the template breaks it.
+
+    ``before`` is the conversation the model answered, ``turn`` its answer as sampled (``ended_eos``: the
+    sampled tokens ended with EOS, which the template's end of turn may repeat and is then not added twice)."""
+    prompt = render(tokenizer, before, tools, True)  # what the model answered, as the template writes it
+    full = render(tokenizer, before + [turn] + added, tools, True)
+    if not full.startswith(prompt):
+        return None  # the template rewrote the conversation before the model's turn
+    rest = full[len(prompt) :]
+    if not rest.startswith(turn["content"]):
+        return None  # ... or the model's turn itself
+    rest = rest[len(turn["content"]) :]
+    eos = tokenizer.eos_token or ""
+    if ended_eos and eos and rest.startswith(eos):
+        rest = rest[len(eos) :]  # the model sampled the template's end of turn
+    return encode(tokenizer, rest)
+
+
+# ----------------------------------------------------------------------------- one episode
+
+
+@dataclass
+class Episode:
+    """One sample: the conversation, the training sample's ids and who wrote each token."""
+
+    row: dict
+    env: Environment
+    messages: list[dict]
+    prompt_ids: list[int]  # the training sample's prompt (re-rendered after a fallback)
+    token_ids: list[int] = field(default_factory=list)  # after prompt_ids: the model's and the environment's
+    logprobs: list[float] = field(default_factory=list)  # the backend's, 0 at environment tokens
+    sampled: list[int] = field(default_factory=list)  # 1 at the model's tokens
+    step_rewards: list[float] = field(default_factory=list)
+    versions: set = field(default_factory=set)
+    turns: int = 0
+    used: int = 0  # episode tokens so far (model + environment), against env.max_tokens
+    fallbacks: int = 0
+    ended: str = ""  # done | max_turns | max_tokens | length | error | timeout
+    finish_reason: str = "stop"
+    earlier: tuple | None = None  # the sample before the last fallback (kept if the new one gets no model token)
+    tools: list[dict] = field(default_factory=list)  # the environment's tool schemas (rendered by the template)
+    turn: dict | None = None  # the model's latest turn, as sampled
+    ended_eos: bool = False  # ... and whether it ended with EOS
+    start_failure: str = ""  # error | timeout: the environment failed to start (one model turn, reward 0)
+
+    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
+        self.token_ids += ids
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.sampled += [1 if logprobs is not None else 0] * len(ids)
+        self.used += len(ids)
+
+    def end(self, why: str) -> None:
+        self.ended = why
+        if not any(self.sampled) and self.earlier is not None:  # nothing of the model since the fallback
+            self.prompt_ids, self.token_ids, self.logprobs, self.sampled = self.earlier
+
+    @property
+    def failed(self) -> bool:
+        return self.ended in ("error", "timeout")
+
+    def final_answer(self) -> str:
+        turns = [m["content"] for m in self.messages if m["role"] == "assistant"]
+        return turns[-1] if turns else ""
+
+    def as_completion(self) -> Completion:
+        return Completion(
+            list(self.token_ids), list(self.logprobs), self.finish_reason, min(self.versions), list(self.sampled)
+        )
+
+
+def _check_step(result) -> tuple[list[dict], float, bool]:
+    """An environment's ``step`` output, checked: (messages with string role/content, a finite reward, done)."""
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise TypeError(f"step() must return (messages, reward, done), got {type(result).__name__}")
+    messages, reward, done = result
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise TypeError("step() must return a list of {role, content} messages with string values")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise TypeError(f"step() returned reward {reward!r}, not a finite number")
+    if not isinstance(done, bool):
+        raise TypeError(f"step() returned done={done!r}, not True/False")
+    return messages, float(reward), done
+
+
+# ----------------------------------------------------------------------------- the runner
+
+
+class Episodes:
+    """Plays the multi-turn episodes of a rollout batch against the rollout backend, set up once per run."""
+
+    def __init__(self, env_cls, env_config, cfg, tokenizer, backend):
+        self.env_cls, self.env_config, self.tokenizer, self.backend = env_cls, env_config, tokenizer, backend
+        self.max_turns, self.max_tokens = cfg.env.max_turns, cfg.env.max_tokens
+        self.max_new_tokens = cfg.rollout.max_new_tokens
+        if not getattr(tokenizer, "chat_template", None):
+            raise OxrlError(
+                f"env.name={cfg.env.name}: the model's tokenizer has no chat template, so the environment's "
+                "messages cannot be rendered; use a model with a chat template (oxrl check-model shows it)"
+            )
+        self.parser = parser_for(tokenizer, cfg.env.tool_parser)
+
+    # ---- one rollout batch
+
+    def play(self, rows: list[dict], sampling: SamplingParams, version: int) -> list[Episode]:
+        """``sampling.n`` episodes for each row (the n of a row contiguous), played to their end."""
+        episodes = [self.start(row) for row in rows for _ in range(sampling.n)]
+        for turn in range(self.max_turns):
+            live = [e for e in episodes if not e.ended]
+            if not live:
+                break
+            self.model_turn(live, episodes, rows, sampling, turn, version)
+            for e in live:
+                if not e.ended:
+                    self.env_turn(e)
+        return episodes
+
+    def start(self, row: dict) -> Episode:
+        env = self.env_cls(self.env_config)
+        env.tool_parser, env.stats = self.parser, Counter()
+        episode = Episode(row, env, [], [])
+        try:
+            text = call_limited(env.reset, row, limit_s=env.timeout_s)
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"reset() must return text or None, got {type(text).__name__}")
+            prompt = row["prompt"] if text is None else text
+            episode.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            episode.tools = call_limited(env.tools, limit_s=env.timeout_s)
+        except EnvTimeout:
+            return self._broken(episode, "timeout")
+        except Exception:  # noqa: BLE001 - an environment that cannot start ends its episode, never the run
+            return self._broken(episode, "error")
+        episode.prompt_ids = encode(self.tokenizer, render(self.tokenizer, episode.messages, episode.tools, True))
+        return episode
+
+    def _broken(self, episode: Episode, why: str) -> Episode:
+        """An episode whose environment failed to start: the row's own prompt, one model turn, reward 0."""
+        prompt = episode.row["prompt"]
+        episode.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        episode.tools = []
+        episode.prompt_ids = encode(self.tokenizer, render(self.tokenizer, episode.messages, [], True))
+        episode.start_failure = why
+        return episode
+
+    def model_turn(self, live, episodes, rows, sampling: SamplingParams, turn: int, version: int) -> None:
+        """One batched backend call for every live episode; each gets its turn's tokens and logprobs."""
+        budget = [self.max_tokens - e.used for e in live]
+        params = replace(sampling, max_new_tokens=min(self.max_new_tokens, max(budget)))
+        if sampling.seed is not None:
+            params = replace(params, seed=sampling.seed + TURN_SEED_STRIDE * turn)
+        n = sampling.n
+        first = [episodes[i * n : (i + 1) * n] for i in range(len(rows))] if turn == 0 else []
+        if first and all(len({tuple(e.prompt_ids) for e in group}) == 1 for group in first):
+            groups = self.backend.generate([group[0].prompt_ids for group in first], params)  # n samples per prompt
+            completions = [c for g in groups for c in g]
+        else:
+            groups = self.backend.generate([e.prompt_ids + e.token_ids for e in live], replace(params, n=1))
+            completions = [g[0] for g in groups]
+        for e, c, room in zip(live, completions, budget):
+            ids, logprobs = c.token_ids[:room], c.logprobs[:room]
+            e.add(ids, logprobs)
+            e.turns += 1
+            e.versions.add(c.policy_version)
+            eos = c.finish_reason == "stop" and len(ids) == len(c.token_ids)
+            e.finish_reason = "stop" if eos else "length"
+            text = self.tokenizer.decode(ids[:-1] if eos else ids, skip_special_tokens=False)
+            e.turn = {"role": "assistant", "content": text}
+            e.ended_eos = eos
+            if e.start_failure:
+                e.messages.append(e.turn)
+                e.end(e.start_failure)
+            elif len(ids) < len(c.token_ids):
+                e.messages.append(e.turn)
+                e.end("max_tokens")
+            elif not eos:
+                e.messages.append(e.turn)
+                e.end("length")
+
+    def env_turn(self, e: Episode) -> None:
+        """The environment answers the model's turn; its messages join the sample as template tokens."""
+        before = list(e.messages)
+        e.messages.append(e.turn)
+        try:
+            added, reward, done = _check_step(call_limited(e.env.step, list(e.messages), limit_s=e.env.timeout_s))
+        except EnvTimeout:
+            return e.end("timeout")
+        except Exception:  # noqa: BLE001 - a failing environment ends its episode, never the run
+            return e.end("error")
+        e.step_rewards.append(reward)
+        if done:
+            return e.end("done")
+        if e.turns >= self.max_turns:
+            return e.end("max_turns")
+        ids = extension_ids(self.tokenizer, before, e.turn, added, e.ended_eos, e.tools)
+        e.messages += added
+        if ids is None:  # the template rewrote history: a new training sample from this turn
+            prompt = encode(self.tokenizer, render(self.tokenizer, e.messages, e.tools, True))
+            grown = max(0, len(prompt) - len(e.prompt_ids) - len(e.token_ids))
+            if e.used + grown >= self.max_tokens:
+                return e.end("max_tokens")
+            e.earlier = (e.prompt_ids, e.token_ids, e.logprobs, e.sampled)
+            e.prompt_ids, e.token_ids, e.logprobs, e.sampled = prompt, [], [], []
+            e.used += grown
+            e.fallbacks += 1
+            return None
+        if e.used + len(ids) >= self.max_tokens:
+            return e.end("max_tokens")  # no room left for the model's next turn
+        e.add(ids, None)
+        return None
+
+    # ---- rewards and metrics
+
+    def rewards(self, episodes: list[Episode], reward, failures: RewardFailures) -> tuple[list[float], dict]:
+        """R = Σ step rewards + the environment's `reward` (or, where it gives none and scores final answers,
+        ``reward`` on the final answer); 0 for an episode whose environment failed."""
+        scores = [0.0 if e.failed else sum(e.step_rewards) for e in episodes]
+        final = []
+        for i, e in enumerate(episodes):
+            if e.failed:
+                continue
+            try:
+                extra = call_limited(e.env.reward, e.row, list(e.messages), limit_s=e.env.timeout_s)
+                if extra is not None and (isinstance(extra, bool) or not isinstance(extra, (int, float))):
+                    raise TypeError(f"reward() returned {extra!r}, not a number or None")
+                if extra is not None and not math.isfinite(extra):
+                    raise TypeError(f"reward() returned {extra!r}, not a finite number")
+            except EnvTimeout:
+                e.ended, scores[i] = "timeout", 0.0
+                continue
+            except Exception:  # noqa: BLE001
+                e.ended, scores[i] = "error", 0.0
+                continue
+            if extra is not None:
+                scores[i] += float(extra)
+            elif e.env.scores_final_answer:
+                final.append(i)
+        metrics: dict[str, float] = {}
+        if final:
+            rows = [episodes[i].row for i in final]
+            texts = [episodes[i].final_answer() for i in final]
+            got, metrics = score_batch(reward, [r["prompt"] for r in rows], texts, rows, failures)
+            for i, s in zip(final, got):
+                scores[i] += s
+        mean = sum(scores) / len(scores)
+        metrics = {k: v for k, v in metrics.items() if k in ("reward/errors", "reward/timeouts")}
+        metrics["reward/mean"] = mean
+        metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+        return scores, metrics
+
+    def metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        """Per step: means per episode (turns, tool calls, tokens) and counts (the rest)."""
+        n = len(episodes)
+        stats = Counter()
+        for e in episodes:
+            stats.update(e.env.stats)
+        return {
+            "env/turns": sum(e.turns for e in episodes) / n,
+            "env/tool_calls": stats["tool_calls"] / n,
+            "env/episode_tokens": sum(e.used for e in episodes) / n,
+            "env/bad_tool_calls": float(stats["bad_tool_calls"]),
+            "env/errors": float(sum(e.ended == "error" for e in episodes)),
+            "env/timeouts": float(sum(e.ended == "timeout" for e in episodes)),
+            "env/truncated": float(sum(e.ended in ("max_tokens", "length", "max_turns") for e in episodes)),
+            "env/retemplate_fallbacks": float(sum(e.fallbacks for e in episodes)),
+        }
+
+    # ---- held-out evaluation
+
+    def evaluate(self, rows: list[dict], reward, dataset, ro, seed: int, batch: int = 64) -> dict:
+        """Held-out episodes, greedy: ``eval/reward``, ``eval/accuracy`` of the final answers when the data can
+        check them, ``eval/turns``, ``eval/tool_calls``. (Unlike single-turn evaluation, no sampled pass: n
+        episodes per prompt of several turns each would cost more than the training steps between evaluations.)"""
+        if not rows:
+            return {}
+        out = {}
+        modes = {"": SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=0.0)}
+        for suffix, sampling in modes.items():
+            scores, episodes, metrics = [], [], Counter()
+            for start in range(0, len(rows), batch):
+                played = self.play(rows[start : start + batch], sampling, version=0)
+                got, _ = self.rewards(played, reward, RewardFailures(getattr(reward, "name", "reward")))
+                m = self.metrics(played)
+                scores += got
+                episodes += played
+                metrics.update({k: v * len(played) for k, v in m.items()})
+            out[f"eval/reward{suffix}"] = sum(scores) / len(scores)
+            if not suffix:
+                out["eval/turns"] = metrics["env/turns"] / len(episodes)
+                out["eval/tool_calls"] = metrics["env/tool_calls"] / len(episodes)
+                if can_verify(dataset):
+                    right = sum(bool(dataset.verify(e.final_answer(), e.row)) for e in episodes)
+                    out["eval/accuracy"] = right / len(episodes)
+        return out
