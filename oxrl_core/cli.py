@@ -160,7 +160,11 @@ def score(
 def eval_(
     model: str = typer.Option(..., "--model", "-m", help="a model directory (e.g. runs/sft-.../final) or hub id"),
     data: str = typer.Option(
-        "arith", "--data", "-d", help="held-out rows: a file, a dataset plugin (its eval split) or a hub id"
+        "arith",
+        "--data",
+        "-d",
+        help="held-out rows: a file, a dataset plugin (its eval split) or a hub id; "
+        "with options as YAML: '{source: arith, task: products}'",
     ),
     reward: str = typer.Option("", "--reward", "-r", help="reward name; empty = the dataset plugin's own answer check"),
     n: int = typer.Option(
@@ -174,6 +178,10 @@ def eval_(
     batch_size: int = typer.Option(32, "--batch-size", min=1, help="prompts per generate call"),
     seed: int = typer.Option(0, "--seed"),
     backend: str = typer.Option("hf", "--backend", help="rollout backend plugin that generates"),
+    env: str = typer.Option(
+        "", "--env", help="play multi-turn episodes with this environment (e.g. calculator); pass@k over episodes"
+    ),
+    max_turns: int = typer.Option(4, "--max-turns", min=1, help="with --env: model turns per episode at most"),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", help="also write the report, with every completion and score, as JSON here"
     ),
@@ -196,6 +204,8 @@ def eval_(
         batch_size=batch_size,
         seed=seed,
         backend=backend,
+        env=env,
+        max_turns=max_turns,
     )
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

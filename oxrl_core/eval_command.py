@@ -9,6 +9,9 @@ prompts:
 
 so pass@1 is the mean accuracy of single samples. With ``n = 1`` decoding is greedy by default
 and pass@1 is the greedy accuracy; with ``n > 1`` the default temperature is 1.0.
+
+With ``env`` (``--env NAME``) each sample is a multi-turn episode with that environment, played as
+the RL loop plays them (`oxrl_core.loops.episodes`), and its reward is the episode's.
 """
 
 from __future__ import annotations
@@ -16,14 +19,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from oxrl_core.config import RolloutConfig, RunConfig
 from oxrl_core.data import encode_row_prompt, load_data, normalise_row
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
+from oxrl_core.loops.episodes import Episodes
 from oxrl_core.models import load_causal_lm, load_tokenizer
 from oxrl_core.plugins import registry as get_registry
-from oxrl_core.rewards import build_reward, score_batch
+from oxrl_core.rewards import RewardFailures, build_reward, score_batch
 from oxrl_core.rollout_hf import check_generation_length
+from oxrl_core.schema import format_validation_error
 
 CORRECT = 1.0 - 1e-9  # a reward at least this large counts as a correct sample
 
@@ -56,6 +64,8 @@ def evaluate_model(
     batch_size: int = 32,
     seed: int = 0,
     backend: str = "hf",
+    env: str = "",
+    max_turns: int = 4,
 ) -> dict:
     """Generate ``n`` completions per held-out prompt, score them, and return the report."""
     import torch
@@ -66,6 +76,8 @@ def evaluate_model(
         raise OxrlError("--n > 1 with --temperature 0 gives n identical greedy samples; set a temperature above 0")
 
     # data and reward first: bad input fails before a model loads
+    if isinstance(data, str) and data.strip().startswith(("{", "[")):  # {source: arith, task: products}
+        data = yaml.safe_load(data)
     source = load_data(data, "eval", registry, field="--data")
     if not source.rows:
         raise OxrlError(
@@ -74,28 +86,54 @@ def evaluate_model(
     rows = [normalise_row(r, "prompt", source.origin) for r in source.rows]
     if limit:
         rows = rows[:limit]
-    config = RunConfig.model_validate({"algorithm": "eval", "reward": {"name": reward}})
+    sections = {"reward": {"name": reward}, "rollout": {"max_new_tokens": max_new_tokens}}
+    if env:
+        sections["env"] = {"name": env, "max_turns": max_turns, "max_tokens": max_turns * max_new_tokens * 2}
+    try:
+        config = RunConfig.model_validate({"algorithm": "eval", **sections})
+    except ValidationError as exc:
+        raise format_validation_error(exc, RunConfig, "oxrl eval") from None
     scorer = build_reward(config, registry, dataset=source.dataset, source="--reward")
+    environment = registry.build("environment", env, {}, field="--env") if env else None
 
     tokenizer = load_tokenizer(model, field="--model")
     prompt_ids = [encode_row_prompt(tokenizer, r, source.origin) for r in rows]  # before the weights load
     policy = load_causal_lm(model, field="--model")
     policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     check_generation_length(policy, max(map(len, prompt_ids)), max_new_tokens, "--max-new-tokens")
+    if env:  # an episode's budget: up to two completions' worth per turn, within the model's context
+        room = getattr(policy.config.get_text_config(), "max_position_embeddings", 0) or 1 << 30
+        config.env.max_tokens = min(config.env.max_tokens, room - max(map(len, prompt_ids)))
     rollout = RolloutConfig(backend=backend, n=n, max_new_tokens=max_new_tokens, temperature=temperature)
     generator = registry.build("rollout_backend", backend, rollout, field="rollout", args=(policy, tokenizer, model))
 
     sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     texts, lengths = [], []
+    sample_rows = [r for r in rows for _ in range(n)]
+    env_metrics: dict[str, float] = {}
     try:
-        for start in range(0, len(rows), batch_size):
-            for group in generator.generate(prompt_ids[start : start + batch_size], sampling):
-                texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
-                lengths += [len(c.token_ids) for c in group]
+        if environment is not None:  # multi-turn episodes, scored as the RL loop scores them
+            runner = Episodes(type(environment), environment.config, config, tokenizer, generator)
+            played = [
+                e
+                for start in range(0, len(rows), batch_size)
+                for e in runner.play(rows[start : start + batch_size], sampling, 0)
+            ]
+            texts = [e.final_answer() for e in played]
+            lengths = [e.used for e in played]
+            scores, reward_metrics = runner.rewards(played, scorer, RewardFailures(getattr(scorer, "name", "reward")))
+            reward_metrics.setdefault("reward/errors", 0.0)
+            reward_metrics.setdefault("reward/timeouts", 0.0)
+            env_metrics = {k: v for k, v in runner.metrics(played).items()}
+        else:
+            for start in range(0, len(rows), batch_size):
+                for group in generator.generate(prompt_ids[start : start + batch_size], sampling):
+                    texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+                    lengths += [len(c.token_ids) for c in group]
     finally:
         generator.close()
-    sample_rows = [r for r in rows for _ in range(n)]
-    scores, reward_metrics = score_batch(scorer, [r["prompt"] for r in sample_rows], texts, sample_rows)
+    if environment is None:
+        scores, reward_metrics = score_batch(scorer, [r["prompt"] for r in sample_rows], texts, sample_rows)
 
     correct = [sum(s >= CORRECT for s in scores[i * n : (i + 1) * n]) for i in range(len(rows))]
     metrics: dict[str, float] = {
@@ -111,6 +149,7 @@ def evaluate_model(
             "response/length": sum(lengths) / len(lengths),
             "prompts": len(rows),
             "samples": len(texts),
+            **env_metrics,
         }
     )
     samples = [
@@ -125,6 +164,7 @@ def evaluate_model(
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,
         "seed": seed,
+        "env": env,
         "metrics": metrics,
         "samples": samples,
     }
