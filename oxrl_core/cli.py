@@ -244,21 +244,22 @@ def check_model(
 
 @app.command("new-plugin")
 def new_plugin(
-    name: str = typer.Argument(..., help="algorithm name, e.g. myalg (package oxrl-myalg)"),
+    name: str = typer.Argument(..., help="plugin name, e.g. myalg (package oxrl-myalg)"),
+    kind: str = typer.Option(
+        "algorithm", "--kind", "-k", help="what to scaffold: algorithm, or environment (multi-turn RL with tools)"
+    ),
     directory: Path = typer.Option(Path("."), "--dir", help="where to create oxrl-<name>/"),
 ):
-    """Scaffold a third-party algorithm plugin package that installs and runs."""
+    """Scaffold a third-party plugin package that installs and runs: an algorithm, or (--kind environment) a
+    tools-style environment for multi-turn RL."""
     # lazy: only `oxrl new-plugin` needs the scaffold (keeps `oxrl --help` light)
-    from oxrl_core.scaffold import create, name_taken
+    from oxrl_core.scaffold import create, name_taken, next_steps
 
-    root = create(name, directory)
-    warning = name_taken(name)
+    root = create(name, directory, kind)
+    warning = name_taken(name, kind)
     if warning:
         err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
-    alg = f"oxrl-{name}:{name}" if warning else name
-    out.print(
-        f"created {root}\n  pip install -e {root}\n  oxrl run --alg {alg} --set train.max_steps=20", highlight=False
-    )
+    out.print(next_steps(root, name, kind, ambiguous=bool(warning)), highlight=False, soft_wrap=True)
 
 
 def main() -> None:
