@@ -21,9 +21,22 @@ from oxrl_core import task
 from oxrl_core.data import IGNORE, collate, tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
 
+#: ``<|role|>content<|end|>`` per message. An assistant message's ``tool_calls`` (HF format, ``{"function": {"name",
+#: "arguments"}}`` or flat) follow its content, on a new line after non-empty content, exactly as the ``hermes`` tool
+#: parser's ``format`` writes them (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per line); a
+#: ``tool`` message is ``<|tool|>content<|end|>``. A message without tool calls renders as it always has.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "<|{{ message['role'] }}|>"
+    "{% if message['content'] is not none %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set fn = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) }}"
+    "{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "<|end|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -106,7 +119,10 @@ def cache_dir() -> Path:
 
 def default_model_dir(hidden_size: int = 128, num_layers: int = 4, seed: int = 0) -> Path:
     """Path of the built-in tiny model, created on first use (seeded, so identical everywhere)."""
-    key = json.dumps({"v": 1, "h": hidden_size, "l": num_layers, "s": seed, "chars": CHARACTERS})
+    # the tokenizer's whole definition is in the key: a directory cached before a change of template or
+    # vocabulary is never served for the new one
+    key = {"v": 1, "h": hidden_size, "l": num_layers, "s": seed, "chars": CHARACTERS}
+    key = json.dumps(key | {"specials": SPECIAL_TOKENS, "template": CHAT_TEMPLATE})
     path = cache_dir() / f"tiny-llama-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -52,19 +52,70 @@ def _corpus() -> list[str]:
     return lines
 
 
-# family style: special tokens, which are bos/eos/pad, the chat template and whether encoding adds BOS
-_CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+# family style: special tokens, which are bos/eos/pad, the chat template and whether encoding adds BOS.
+# Every template renders HF-format tool calls (an assistant message's ``tool_calls``, each
+# ``{"type": "function", "function": {"name", "arguments"}}`` or flat) and ``tool`` messages in its family's
+# style; a message without tool calls renders as it did before tools were added.
+
+#: Jinja: one call (``fn``) as hermes / mistral JSON, the way the tool parsers' ``format`` writes it
+_CALL_JSON = (
+    "'{\"name\": ' + (fn['name'] | tojson) + ', \"arguments\": ' + "
+    "(fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson)) + '}'"
 )
+_FN = "{% set fn = call['function'] if call['function'] is defined else call %}"
+
+
+def _hermes_calls(content: str, inner: str = "") -> str:
+    """Jinja: the message's tool calls as ``<tool_call>`` blocks, each on its own line after ``content`` (an
+    expression; no newline before the first call when it is empty); ``inner`` pads the JSON (Qwen: a newline)."""
+    return (
+        "{% for call in message['tool_calls'] or [] %}" + _FN + "{% if " + content + " or not loop.first %}"
+        "{{ '\n' }}{% endif %}{{ '<tool_call>" + inner + "' + " + _CALL_JSON + " + '" + inner + "</tool_call>' }}"
+        "{% endfor %}"
+    )
+
+
+def _tool_responses(open_turn: str, close_turn: str) -> str:
+    """Jinja: a ``tool`` message as ``<tool_response>`` in a user turn; a run of them shares one turn (Qwen2.5)."""
+    return (
+        "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '" + open_turn + "' }}{% endif %}"
+        "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '" + close_turn + "' }}{% endif %}"
+    )
+
+
+def _chatml(strip_earlier_thinking: bool = False) -> str:
+    """ChatML in Qwen2.5's style for tools; ``strip_earlier_thinking``: Qwen3's rewriting of history, an assistant
+    message that is not the conversation's last loses everything up to its ``</think>``."""
+    rewrite = (
+        "{% if not loop.last and message['role'] == 'assistant' and '</think>' in content %}"
+        "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    )
+    return (
+        "{% for message in messages %}"
+        "{% if message['role'] == 'tool' %}" + _tool_responses("<|im_start|>user", "<|im_end|>\n") + "{% else %}"
+        "{% set content = message['content'] or '' %}" + (rewrite if strip_earlier_thinking else "") + ""
+        "{{ '<|im_start|>' + message['role'] + '\n' + content }}" + _hermes_calls("content", inner="\n") + ""
+        "{{ '<|im_end|>' + '\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+
+
+_CHATML = _chatml()
+#: a ChatML template that, like Qwen3's, rewrites history: re-rendering a conversation drops the ``<think>`` block
+#: of every assistant message but the last, so the text of earlier turns is not what the model sampled
+HISTORY_REWRITING_TEMPLATE = _chatml(strip_earlier_thinking=True)
 _GEMMA = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{% if role == 'system' %}{% set role = 'user' %}{% endif %}"
-    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% if role == 'tool' %}" + _tool_responses("<start_of_turn>user", "<end_of_turn>\n") + "{% else %}"
+    "{% set content = (message['content'] or '') | trim %}"
+    "{{ '<start_of_turn>' + role + '\n' + content }}" + _hermes_calls("content") + "{{ '<end_of_turn>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
@@ -73,13 +124,19 @@ _MISTRAL = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
     "{% elif message['role'] == 'system' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] or '' }}"
+    "{% if message['tool_calls'] %}{{ '[TOOL_CALLS][' }}"
+    "{% for call in message['tool_calls'] %}" + _FN + "{% if not loop.first %}{{ ', ' }}{% endif %}"
+    "{{ " + _CALL_JSON + " }}{% endfor %}{{ ']' }}{% endif %}"
+    "{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}{{ '[TOOL_RESULTS] ' + message['content'] + ' [/TOOL_RESULTS]' }}"
     "{% endif %}"
     "{% endfor %}"
 )
 _PHI3 = (
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% set content = message['content'] or '' %}"
+    "{{ '<|' + message['role'] + '|>\n' + content }}" + _hermes_calls("content") + "{{ '<|end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
