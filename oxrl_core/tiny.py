@@ -18,7 +18,7 @@ import string
 from pathlib import Path
 
 from oxrl_core import task
-from oxrl_core.data import IGNORE, collate, tokenise_prompt_response
+from oxrl_core.data import IGNORE, collate, tokenise_messages, tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
 
 #: ``<|role|>content<|end|>`` per message. An assistant message's ``tool_calls`` (HF format, ``{"function": {"name",
@@ -134,15 +134,22 @@ def default_model_dir(hidden_size: int = 128, num_layers: int = 4, seed: int = 0
 WARM_START_STEPS = 450
 
 
-def warm_start_dir(steps: int = WARM_START_STEPS, seed: int = 0, log=None) -> Path:
+#: ... and the tool-use warm start that multi-turn RL (``env.name``) begins from
+TOOL_WARM_START_STEPS = 300
+
+
+def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: bool = False) -> Path:
     """The built-in tiny model after a short SFT on the built-in task's train split (cached).
 
     RL needs a policy that sometimes answers correctly; a random one never does. This is a
     plain masked-NLL loop (the same maths as the `sft` algorithm, written out here so the core
-    does not depend on an algorithm package), deterministic on CPU, run once per cache.
+    does not depend on an algorithm package), deterministic on CPU, run once per cache. With
+    ``tools``, the SFT is on tool-use transcripts of the products task (question, a ``calc`` call,
+    its result, the answer; loss on the assistant turns): a policy that sometimes calls the tool.
     """
+    steps = steps if steps is not None else (TOOL_WARM_START_STEPS if tools else WARM_START_STEPS)
     base = default_model_dir()
-    path = base.with_name(f"{base.name}-warm{steps}-s{seed}")
+    path = base.with_name(f"{base.name}-{'tools' if tools else 'warm'}{steps}-s{seed}")
     if (path / "config.json").exists():
         return path
     import torch
@@ -150,10 +157,16 @@ def warm_start_dir(steps: int = WARM_START_STEPS, seed: int = 0, log=None) -> Pa
 
     quiet_transformers()
     if log is not None:
-        log(f"first RL run on the built-in model: a {steps}-step SFT warm start (cached in {path})")
+        kind = "tool-use SFT warm start" if tools else "SFT warm start"
+        log(f"first RL run on the built-in model: a {steps}-step {kind} (cached in {path})")
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    examples = tokenise_prompt_response(task.rows("train"), tokenizer, 64).examples
+    if tools:
+        examples = [
+            ex for row in task.product_rows("train") for ex in tokenise_messages(tokenizer, row["messages"], 160)[0]
+        ]
+    else:
+        examples = tokenise_prompt_response(task.rows("train"), tokenizer, 64).examples
     rng = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
