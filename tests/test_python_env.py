@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
-from oxrl_envs.python import START_UP_S, PythonEnv
 
 from oxrl_core.errors import OxrlError
 from oxrl_core.loops.episodes import call_limited
 from oxrl_core.plugins import discover
 from oxrl_core.tool_parsers import HermesParser, ToolCall
+from oxrl_envs.python import START_UP_S, PythonEnv
 from oxrl_rewards.sandbox import Limits
 
 #: short limits so the file stays fast
