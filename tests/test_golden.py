@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -35,19 +37,20 @@ KEPT = ("loss", "reward", "rewards/", "eval/")
 
 
 def run(alg: str, out: Path) -> dict:
-    """One 5-step run through the real CLI, in process; its logged losses and rewards. KD's teacher is
-    the SFT golden run's final/ (run first when it is not there yet)."""
-    from typer.testing import CliRunner
-
-    from oxrl_core.cli import app
-
+    """One 5-step run through the real CLI, in a process of its own (nothing carries over from whatever ran
+    before in the test process); its logged losses and rewards. KD's teacher is the SFT golden run's final/
+    (run first when it is not there yet). The built-in model and its warm start come from ``$OXRL_CACHE``,
+    which must be a fresh directory (the test session's, or the recorder's own)."""
     extra = []
     if alg == "kd":
         if not (out / "sft" / "final").is_dir():
             run("sft", out)
         extra = ["--set", f"model.teacher={out / 'sft' / 'final'}"]
-    result = CliRunner().invoke(app, ["run", "--alg", alg, *COMMON, *extra, "-o", str(out / alg)])
-    assert result.exit_code == 0, (result.output, result.exception)
+    exe = Path(sys.executable).with_name("oxrl")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]
+    cmd += ["run", "--alg", alg, *COMMON, *extra, "-o", str(out / alg)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in (out / alg / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [{k: v for k, v in m.items() if k.startswith(KEPT) and isinstance(v, (int, float))} for m in lines]
     summary = json.loads((out / alg / "summary.json").read_text())
@@ -89,6 +92,7 @@ if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
+        os.environ["OXRL_CACHE"] = str(Path(tmp) / "cache")  # a fresh built-in model and warm start, as in CI
         record = {alg: run(alg, Path(tmp)) for alg in (sys.argv[1:] or RUNS)}
     if sys.argv[1:]:
         record = {**json.loads(GOLDEN.read_text()), **record}
