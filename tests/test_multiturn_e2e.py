@@ -1,0 +1,116 @@
+"""Multi-turn RL through the real CLI: resume after SIGKILL, a failing environment.
+
+The runs use the built-in model's arithmetic warm start (it answers briefly and stops) with a scripted tool
+parser (every episode has tool turns although that model never writes a real tool call), so they do not
+need the tool-use warm start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import oxrl, read_metrics, write_jsonl
+
+from oxrl_core.tiny import warm_start_dir
+
+
+def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    return out
+
+
+#: a tool parser that reads every turn of the untrained test model as one `calc` call, so that every episode
+#: has tool turns (the random model never writes a real tool call)
+ALWAYS_CALLS = """
+from oxrl_core.tool_parsers import ParsedTurn, ToolCall, ToolParser
+
+
+class AlwaysCalls(ToolParser):
+    name = "always_calls"
+
+    def parse(self, text):
+        if len(text) % 3 == 0:
+            return ParsedTurn(text, [], [])  # a final answer, now and then
+        return ParsedTurn("", [ToolCall("calc", {"expr": str(len(text)) + "*7"})], [])
+
+    def format(self, calls):
+        return ""
+"""
+
+
+def _multiturn_sets(tmp_path: Path, model: Path) -> list[str]:
+    parser = tmp_path / "always_calls.py"
+    parser.write_text(ALWAYS_CALLS)
+    rows = write_jsonl(
+        tmp_path / "q.jsonl",
+        [{"prompt": f"What is {a}*{b}?", "answer": str(a * b)} for a in range(2, 9) for b in range(2, 9)],
+    )
+    sets = {
+        "model.name": model, "data.train": rows, "data.eval": rows, "env.name": "calculator",
+        "env.tool_parser": f"{parser}:AlwaysCalls", "env.max_turns": 3, "env.max_tokens": 48,
+        "train.batch_size": 4, "rollout.n": 4, "rollout.max_new_tokens": 8, "train.lr": 1e-3, "reward.name": "arith",
+    }  # fmt: skip
+    return [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_in_multi_turn_training_equals_an_uninterrupted_run(tmp_path):
+    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=8", "--set", "train.save_steps=2"]
+    full = tmp_path / "full"
+    _ok(oxrl("run", "--alg", "sgrpo", *sets, "-o", str(full)))
+    assert all(m["env/tool_calls"] > 0 for m in read_metrics(full))
+    killed = tmp_path / "killed"
+    exe = Path(sys.executable).with_name("oxrl")
+    proc = subprocess.Popen(
+        [str(exe), "run", "--alg", "sgrpo", *sets, "-o", str(killed), "-q"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "step-4").exists():
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _ok(oxrl("run", "--resume", "-o", str(killed)))
+    a, b = read_metrics(full), read_metrics(killed)
+    assert [m["step"] for m in b] == list(range(1, 9))
+    for key in ("loss", "reward/mean", "env/turns", "env/episode_tokens"):
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], abs=1e-5), key
+
+
+BROKEN_ENV = """
+from oxrl_core.interfaces import Environment
+
+
+class Broken(Environment):
+    name = "broken"
+
+    def step(self, messages):
+        if sum(m["role"] == "assistant" for m in messages) == 2:
+            raise RuntimeError("the simulator crashed")
+        return [{"role": "user", "content": "go on"}], 0.0, False
+"""
+
+
+@pytest.mark.slow
+def test_a_crashing_environment_is_counted_and_never_stops_the_run(tmp_path):
+    env_file = tmp_path / "broken_env.py"
+    env_file.write_text(BROKEN_ENV)
+    sets = _multiturn_sets(tmp_path, warm_start_dir()) + [
+        "--set",
+        f"env.name={env_file}:Broken",
+        "--set",
+        "train.max_steps=2",
+    ]
+    run_dir = tmp_path / "broken"
+    _ok(oxrl("run", "--alg", "sgrpo", *sets, "-o", str(run_dir)))
+    metrics = read_metrics(run_dir)
+    assert all(m["env/errors"] > 0 for m in metrics) and (run_dir / "final").is_dir()
