@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import importlib.util
 import os
 import re
-import sys
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -39,6 +37,7 @@ from oxrl_core import hookspecs, interfaces
 from oxrl_core.errors import OxrlError, PluginError
 from oxrl_core.interfaces import Algorithm, DataFormat, Family, StrictModel
 from oxrl_core.schema import validate_options
+from oxrl_core.user_code import import_file
 
 GROUP = "oxrl"
 KINDS = {
@@ -72,7 +71,7 @@ class Registration:
             return self.target
         module_name, _, attr = self.target.partition(":")
         try:
-            obj = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+            obj = import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
             for part in filter(None, attr.split(".")):
                 obj = getattr(obj, part)
         except Exception as exc:  # noqa: BLE001 - any failure in plugin code is reported, not raised raw
@@ -81,24 +80,6 @@ class Registration:
                 f"{self.target!r}: {type(exc).__name__}: {exc}"
             ) from exc
         return obj
-
-
-def _import_file(path: str):
-    """Import a Python file as a module (its directory is not added to sys.path)."""
-    module_name = f"oxrl_user_{Path(path).stem}_{abs(hash(str(Path(path).resolve()))) % 10**8}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
-    return module
 
 
 @dataclass

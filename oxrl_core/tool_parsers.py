@@ -24,16 +24,15 @@ model's own format.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import re
-import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from oxrl_core.errors import OxrlError
+from oxrl_core.user_code import import_file
 
 #: how much of a malformed call an error message quotes
 QUOTE_CHARS = 120
@@ -249,31 +248,13 @@ def detect(tokenizer_or_template: Any) -> str:
     return "hermes"
 
 
-def _import_file(path: str):
-    """Import a Python file as a module (its directory is not added to sys.path)."""
-    module_name = f"oxrl_tool_parser_{Path(path).stem}_{abs(hash(str(Path(path).resolve()))) % 10**8}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
-    return module
-
-
 def _load_path(name: str) -> Any:
     """``package.module:Class`` or ``path/to/file.py:Class`` -> the object it names."""
     module_name, _, attr = name.partition(":")
     if module_name.endswith(".py") and not Path(module_name).is_file():
         raise OxrlError(f"env.tool_parser: tool-call parser '{name}': file not found: {module_name}")
     try:
-        obj = _import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+        obj = import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except Exception as exc:  # noqa: BLE001 - any failure in the user's code is one message naming it
