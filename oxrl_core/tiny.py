@@ -135,7 +135,7 @@ WARM_START_STEPS = 450
 
 
 #: ... and the tool-use warm start that multi-turn RL (``env.name``) begins from
-TOOL_WARM_START_STEPS = 230
+TOOL_WARM_START_STEPS = 170
 
 
 def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: bool = False) -> Path:

@@ -1,12 +1,14 @@
-"""Multi-turn RL through the real CLI: resume after SIGKILL, a failing environment.
+"""Multi-turn RL through the real CLI: the calculator demo, resume after SIGKILL, a failing environment.
 
-The runs use the built-in model's arithmetic warm start (it answers briefly and stops) with a scripted tool
+The demo runs on the built-in model after its tool-use warm start (built once per test session in the
+hermetic cache). The other runs use the built-in model's arithmetic warm start (it answers briefly and stops) with a scripted tool
 parser (every episode has tool turns although that model never writes a real tool call), so they do not
 need the tool-use warm start.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,11 +21,41 @@ from conftest import oxrl, read_metrics, write_jsonl
 
 from oxrl_core.tiny import warm_start_dir
 
+PRODUCTS = "{source: arith, task: products}"
+
 
 def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     return out
+
+
+@pytest.mark.slow
+def test_calculator_demo_raises_held_out_accuracy_above_the_model_without_the_tool(tmp_path):
+    """`oxrl run --alg sgrpo --set env.name=calculator`: reward and held-out accuracy rise, and the trained
+    model with the tool is far above the same model answering without it."""
+    run_dir = tmp_path / "calc"
+    _ok(
+        oxrl("run", "--alg", "sgrpo", "--set", "env.name=calculator", "--set", "train.max_steps=20", "-o", str(run_dir))
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["eval_before"]["eval/accuracy"], summary["eval_after"]["eval/accuracy"]
+    metrics = read_metrics(run_dir)
+    first, last = metrics[:5], metrics[-5:]
+    mean = lambda rows, k: sum(m[k] for m in rows) / len(rows)  # noqa: E731
+    assert after > before, (before, after)
+    assert mean(last, "reward/mean") > mean(first, "reward/mean")
+    assert all(m["env/tool_calls"] > 0 and m["env/errors"] == 0 for m in metrics)
+    assert all(m["rollout/logprob_diff"] < 1e-3 for m in metrics)  # as small as single-turn
+    # the same final model, no tool: it cannot multiply two-digit numbers in its head
+    out = _ok(oxrl("eval", "--model", str(run_dir / "final"), "--data", PRODUCTS, "--max-new-tokens", "80", "--json"))
+    without = json.loads(out.stdout)["metrics"]["pass@1"]
+    out = _ok(
+        oxrl("eval", "--model", str(run_dir / "final"), "--data", PRODUCTS, "--env", "calculator",
+             "--max-new-tokens", "80", "--max-turns", "3", "--json")
+    )  # fmt: skip
+    with_tool = json.loads(out.stdout)["metrics"]["pass@1"]
+    assert with_tool == pytest.approx(after) and with_tool > without + 0.5, (with_tool, without)
 
 
 #: a tool parser that reads every turn of the untrained test model as one `calc` call, so that every episode
