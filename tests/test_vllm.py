@@ -386,3 +386,18 @@ def test_cli_builtin_task_sgrpo_with_vllm_including_the_held_out_evaluation(tmp_
     metrics = read_metrics(run)
     assert [m["step"] for m in metrics] == [1] and metrics[0]["rollout/logprob_diff"] < 1e-4
     assert (run / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_with_the_vllm_backend_are_token_exact(tmp_path):
+    """The calculator on the built-in model with vLLM generating every turn: tool calls are made and the
+    trainer's logprobs of the sampled tokens match vLLM's as closely as in single-turn runs."""
+    run_dir = tmp_path / "calc-vllm"
+    out = oxrl(
+        "run", "--alg", "sgrpo", "--set", "env.name=calculator", "--set", "rollout.backend=vllm",
+        "--set", "train.max_steps=2", "--set", "train.batch_size=4", "-o", str(run_dir),
+    )  # fmt: skip
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    for m in read_metrics(run_dir):
+        assert m["env/tool_calls"] > 0.5 and m["env/errors"] == 0
+        assert m["rollout/logprob_diff"] < 1e-4 and m["sync/probe_logprob_diff"] < 1e-4
