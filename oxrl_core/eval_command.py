@@ -124,7 +124,7 @@ def evaluate_model(
             scores, reward_metrics = runner.rewards(played, scorer, RewardFailures(getattr(scorer, "name", "reward")))
             reward_metrics.setdefault("reward/errors", 0.0)
             reward_metrics.setdefault("reward/timeouts", 0.0)
-            env_metrics = {k: v for k, v in runner.metrics(played).items()}
+            env_metrics = runner.metrics(played)
         else:
             for start in range(0, len(rows), batch_size):
                 for group in generator.generate(prompt_ids[start : start + batch_size], sampling):

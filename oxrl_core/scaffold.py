@@ -17,7 +17,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "oxrl-{name}"
 version = "0.1.0"
-description = "The {name} algorithm for oxRL"
+description = "{description}"
 requires-python = ">=3.10"
 dependencies = ["oxrl"]
 
@@ -28,14 +28,14 @@ dependencies = ["oxrl"]
 packages = ["oxrl_{name}"]
 """
 
-INIT = '''"""oxRL plugin: registers the `{name}` algorithm (imported lazily, so `oxrl plugins` stays fast)."""
+INIT = '''"""oxRL plugin: registers the `{name}` {kind} (imported lazily, so `oxrl plugins` stays fast)."""
 
 from oxrl_core import hookimpl
 
 
 @hookimpl
-def register_algorithms(register):
-    register("{name}", "oxrl_{name}.algorithm:{cls}")
+def register_{kind}s(register):
+    register("{name}", "oxrl_{name}.{kind}:{cls}")
 '''
 
 ALGORITHM = '''"""{cls}: supervised fine-tuning with label smoothing (a starting point; edit the maths).
@@ -104,34 +104,6 @@ The algorithm lives in `oxrl_{name}/algorithm.py`; its registration in `oxrl_{na
 the entry point in `pyproject.toml` under `[project.entry-points.oxrl]`.
 """
 
-
-ENV_PYPROJECT = """[build-system]
-requires = ["setuptools>=61"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "oxrl-{name}"
-version = "0.1.0"
-description = "The {name} environment for oxRL (multi-turn RL with tools)"
-requires-python = ">=3.10"
-dependencies = ["oxrl"]
-
-[project.entry-points.oxrl]
-{name} = "oxrl_{name}"
-
-[tool.setuptools]
-packages = ["oxrl_{name}"]
-"""
-
-ENV_INIT = '''"""oxRL plugin: registers the `{name}` environment (imported lazily, so `oxrl plugins` stays fast)."""
-
-from oxrl_core import hookimpl
-
-
-@hookimpl
-def register_environments(register):
-    register("{name}", "oxrl_{name}.environment:{cls}")
-'''
 
 ENVIRONMENT = '''"""{cls}: a tools-style environment for multi-turn RL (a starting point; edit the tools).
 
@@ -212,7 +184,7 @@ its registration in `oxrl_{name}/__init__.py`; the entry point in `pyproject.tom
 `[project.entry-points.oxrl]`.
 """
 
-#: what each kind writes: (relative path -> template), the class name's suffix, and the hook's noun
+#: what each kind writes: (relative path -> template), the class name's suffix, the package description
 KINDS = {
     "algorithm": (
         {
@@ -223,16 +195,18 @@ KINDS = {
             "tests/test_{name}.py": TEST,
         },
         "",
+        "The {name} algorithm for oxRL",
     ),
     "environment": (
         {
-            "pyproject.toml": ENV_PYPROJECT,
+            "pyproject.toml": PYPROJECT,
             "README.md": ENV_README,
-            "oxrl_{name}/__init__.py": ENV_INIT,
+            "oxrl_{name}/__init__.py": INIT,
             "oxrl_{name}/environment.py": ENVIRONMENT,
             "tests/test_{name}.py": ENV_TEST,
         },
         "Env",
+        "The {name} environment for oxRL (multi-turn RL with tools)",
     ),
 }
 
@@ -246,8 +220,9 @@ def create(name: str, parent: Path, kind: str = "algorithm") -> Path:
     root = parent / f"oxrl-{name}"
     if root.exists():
         raise OxrlError(f"{root} already exists; choose another name or directory")
-    templates, suffix = KINDS[kind]
-    fields = {"name": name, "cls": "".join(part.capitalize() for part in name.split("_")) + suffix}
+    templates, suffix, description = KINDS[kind]
+    fields = {"name": name, "kind": kind, "cls": "".join(part.capitalize() for part in name.split("_")) + suffix}
+    fields["description"] = description.format(**fields)
     for rel, template in templates.items():
         path = root / rel.format(**fields)
         path.parent.mkdir(parents=True, exist_ok=True)
