@@ -254,11 +254,6 @@ class Trainer:
                     f"env.name={cfg.env.name}: environments drive the RL loop's rollouts, and '{cfg.algorithm}' "
                     "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
                 )
-            if cfg.rollout.actors or cfg.engine.world_size > 1:
-                raise OxrlError(
-                    f"env.name={cfg.env.name}: multi-turn episodes run in the training process for now; "
-                    "set rollout.actors=0 and engine.world_size=1"
-                )
         if self.algorithm_cls.needs_rollouts:
             self.registry.load_checked("rollout_backend", cfg.rollout.backend)  # its class checked too
             if cfg.reward.name:

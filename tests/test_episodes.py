@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from oxrl_core.interfaces import Completion, Environment, RolloutBackend, Sampli
 from oxrl_core.loops.episodes import Episodes, extension_ids, render
 from oxrl_core.loops.rollouts import policy_forward, rollout_batch
 from oxrl_core.rewards import RewardFailures
+from oxrl_core.rollout_hf import HFRolloutBackend
 from oxrl_core.tiny import build_model, build_tokenizer
 from oxrl_core.tool_parsers import ToolCall, parser_for
 
@@ -326,3 +328,46 @@ def test_a_malformed_tool_call_is_answered_with_an_error_and_the_episode_goes_on
     assert e.messages[6]["content"] == "6" and e.ended == "done"
     metrics = runner.metrics(episodes)
     assert metrics["env/bad_tool_calls"] == 4 and metrics["env/tool_calls"] == 1.0
+
+
+# ----------------------------------------------------------------------------- shards (rollout actors, ranks)
+
+
+class Remote(HFRolloutBackend):
+    """A stand-in for the rollout actors: every turn's shards in one call, generated in reverse order."""
+
+    remote = True
+
+    def generate_shards(self, shards):
+        self.shard_calls = getattr(self, "shard_calls", 0) + 1
+        return [self.generate(prompts, sampling) for prompts, sampling in shards[::-1]][::-1]
+
+
+def test_a_shard_plays_the_same_episodes_wherever_it_is_played():
+    """Shard k samples with its own seed: alone, beside another shard, or through a remote backend's
+    ``generate_shards`` (one call per turn for all shards), its episodes are the same; `collect` gives the
+    episodes in shard order with the metrics of them all."""
+    tok = build_tokenizer()
+    model = build_model(len(tok)).eval()
+    rows = [{"prompt": f"What is {a}*7?", "answer": str(7 * a)} for a in range(2, 6)]
+    sampling = SamplingParams(n=2, max_new_tokens=12, temperature=1.0, seed=11)
+
+    def runner(backend):
+        return Episodes(ToolEcho, ToolEcho.Config(), config(max_turns=3), tok, backend)
+
+    local = runner(HFRolloutBackend(model, tok))
+    alone = local.play_shards([(0, rows[:2])], sampling, 0) + local.play_shards([(1, rows[2:])], sampling, 0)
+    together = local.play_shards([(0, rows[:2]), (1, rows[2:])], sampling, 0)
+    remote_backend = Remote(model, tok)
+    remote = runner(remote_backend).play_sharded(rows, sampling, 0, shards=2, engine=None)
+    assert remote_backend.shard_calls == 3  # one call per turn
+    as_ids = lambda eps: [(e.prompt_ids, e.token_ids, e.sampled) for e in eps]  # noqa: E731
+    assert as_ids(alone) == as_ids(together) == as_ids(remote)
+    assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12), 0))
+    prompts, completions, scores, metrics = local.collect(together, Right(), RewardFailures("right"))
+    assert prompts == [e.prompt_ids for e in together] and [c.token_ids for c in completions] == [
+        e.token_ids for e in together
+    ]
+    assert scores == [sum(e.step_rewards) for e in together]  # step style: the environment's rewards
+    assert metrics["reward/mean"] == pytest.approx(sum(scores) / 8)
+    assert metrics["env/turns"] == pytest.approx(sum(e.turns for e in together) / 8)

@@ -34,19 +34,25 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 
 from oxrl_core.data import can_verify
+from oxrl_core.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
+from oxrl_core.loops.rollouts import SHARD_SEED_STRIDE
 from oxrl_core.rewards import RewardFailures, score_batch
 from oxrl_core.tool_parsers import parser_for
 
 #: turn k of a step samples with seed + k·TURN_SEED_STRIDE
 TURN_SEED_STRIDE = 104_729
+#: metrics that are means per episode (the other episode metrics are counts)
+EPISODE_MEANS = ("env/turns", "env/tool_calls", "env/episode_tokens")
+#: reward failures, counted over the episodes scored on their final answers
+COUNTS = ("reward/errors", "reward/timeouts")
 
 
 class EnvTimeout(Exception):
@@ -195,16 +201,79 @@ class Episodes:
 
     def play(self, rows: list[dict], sampling: SamplingParams, version: int) -> list[Episode]:
         """``sampling.n`` episodes for each row (the n of a row contiguous), played to their end."""
-        episodes = [self.start(row) for row in rows for _ in range(sampling.n)]
+        return self.play_shards([(0, rows)], sampling, version)
+
+    def play_shards(
+        self, shards: list[tuple[int, list[dict]]], sampling: SamplingParams, version: int
+    ) -> list[Episode]:
+        """The episodes of several shards ``(k, rows)`` of a rollout batch, in shard order. Shard k samples
+        with seed + k·SHARD_SEED_STRIDE (as single-turn shards do), so its episodes do not depend on which
+        process plays it or beside which other shards; each turn is one backend call per shard, or one
+        call for all of them with rollout actors (``generate_shards`` deals them to the actors)."""
+        played = []
+        for k, rows in shards:
+            seed = None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k
+            played.append((rows, [self.start(row) for row in rows for _ in range(sampling.n)], seed))
         for turn in range(self.max_turns):
-            live = [e for e in episodes if not e.ended]
-            if not live:
+            requests, lives = [], []
+            for rows, episodes, seed in played:
+                live = [e for e in episodes if not e.ended]
+                if live:
+                    requests.append(self.turn_request(live, episodes, rows, replace(sampling, seed=seed), turn))
+                    lives.append(live)
+            if not requests:
                 break
-            self.model_turn(live, episodes, rows, sampling, turn, version)
-            for e in live:
-                if not e.ended:
-                    self.env_turn(e)
-        return episodes
+            if self.backend.remote:  # rollout actors: the shards of this turn generated in parallel
+                results = self.backend.generate_shards([(prompts, params) for prompts, params, _ in requests])
+            else:
+                results = [self.backend.generate(prompts, params) for prompts, params, _ in requests]
+            for live, (_, _, grouped), groups in zip(lives, requests, results):
+                self.take_turn(live, [c for g in groups for c in g] if grouped else [g[0] for g in groups])
+                for e in live:
+                    if not e.ended:
+                        self.env_turn(e)
+        return [e for _, episodes, _ in played for e in episodes]
+
+    def play_sharded(self, rows: list[dict], sampling: SamplingParams, version: int, shards: int, engine):
+        """This process's episodes of a rollout batch cut into ``shards`` shards of whole prompts, dealt as
+        single-turn rollouts are (`generate_sharded`): with rollout actors rank 0 plays every shard and the
+        actors generate them in parallel; else each rank plays its contiguous block of shards on whole
+        weights. The episodes depend on ``shards``, not on the world size. `collect` brings them together."""
+        size = len(rows) // shards
+        blocks = [(k, rows[k * size : (k + 1) * size]) for k in range(shards)]
+        if self.backend is None or self.backend.remote:
+            return self.play_shards(blocks, sampling, version) if is_main() else []
+        per_rank = shards // world_size()
+        with engine.full_weights():  # ZeRO-3: every rank generates on whole weights
+            return self.play_shards(blocks[rank() * per_rank : (rank() + 1) * per_rank], sampling, version)
+
+    def collect(self, played: list[Episode], reward, failures: RewardFailures):
+        """Every process's episodes of the step on every process: ``(prompt ids, completions, scores,
+        metrics)`` in batch order. Each process scores its own episodes (their environments live there);
+        the reward failures of all of them are added to ``failures``."""
+        local = RewardFailures(failures.reward)
+        scores, counts = self.rewards(played, reward, local) if played else ([], {})
+        mine = (
+            [(e.prompt_ids, e.as_completion()) for e in played],
+            scores,
+            {k: v for k, v in counts.items() if k in COUNTS},
+            self.metrics(played) if played else {},
+            local,
+        )
+        parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
+        samples = [s for part in parts for s in part[0]]
+        scores = [s for part in parts for s in part[1]]
+        metrics: dict[str, float] = defaultdict(float)
+        for _, part_scores, part_counts, part_metrics, part_failures in parts:
+            failures.merge(part_failures)
+            for k, v in part_counts.items():
+                metrics[k] += v
+            for k, v in part_metrics.items():  # per-episode means weighted by episodes; counts summed
+                metrics[k] += v * len(part_scores) / len(scores) if k in EPISODE_MEANS else v
+        mean = sum(scores) / len(scores)
+        metrics["reward/mean"] = mean
+        metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+        return [p for p, _ in samples], [c for _, c in samples], scores, dict(metrics)
 
     def start(self, row: dict) -> Episode:
         env = self.env_cls(self.env_config)
@@ -233,21 +302,23 @@ class Episodes:
         episode.start_failure = why
         return episode
 
-    def model_turn(self, live, episodes, rows, sampling: SamplingParams, turn: int, version: int) -> None:
-        """One batched backend call for every live episode; each gets its turn's tokens and logprobs."""
-        budget = [self.max_tokens - e.used for e in live]
-        params = replace(sampling, max_new_tokens=min(self.max_new_tokens, max(budget)))
+    def turn_request(self, live, episodes, rows, sampling: SamplingParams, turn: int):
+        """One backend call for the live episodes of a shard: ``(prompt ids, sampling, grouped)``. On the
+        first turn the n episodes of a row share their prompt and are sampled as one group of n."""
+        budget = max(self.max_tokens - e.used for e in live)
+        params = replace(sampling, max_new_tokens=min(self.max_new_tokens, budget))
         if sampling.seed is not None:
             params = replace(params, seed=sampling.seed + TURN_SEED_STRIDE * turn)
         n = sampling.n
         first = [episodes[i * n : (i + 1) * n] for i in range(len(rows))] if turn == 0 else []
         if first and all(len({tuple(e.prompt_ids) for e in group}) == 1 for group in first):
-            groups = self.backend.generate([group[0].prompt_ids for group in first], params)  # n samples per prompt
-            completions = [c for g in groups for c in g]
-        else:
-            groups = self.backend.generate([e.prompt_ids + e.token_ids for e in live], replace(params, n=1))
-            completions = [g[0] for g in groups]
-        for e, c, room in zip(live, completions, budget):
+            return [group[0].prompt_ids for group in first], params, True  # n samples per prompt
+        return [e.prompt_ids + e.token_ids for e in live], replace(params, n=1), False
+
+    def take_turn(self, live: list[Episode], completions: list[Completion]) -> None:
+        """Each live episode gets its turn's tokens and logprobs (cut at its own token budget)."""
+        for e, c in zip(live, completions):
+            room = self.max_tokens - e.used
             ids, logprobs = c.token_ids[:room], c.logprobs[:room]
             e.add(ids, logprobs)
             e.turns += 1
@@ -333,7 +404,7 @@ class Episodes:
             for i, s in zip(final, got):
                 scores[i] += s
         mean = sum(scores) / len(scores)
-        metrics = {k: v for k, v in metrics.items() if k in ("reward/errors", "reward/timeouts")}
+        metrics = {k: v for k, v in metrics.items() if k in COUNTS}
         metrics["reward/mean"] = mean
         metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
         return scores, metrics

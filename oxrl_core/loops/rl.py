@@ -181,10 +181,8 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             check_completions(groups, ro.n, ro.max_new_tokens, tokenizer.eos_token_id, ro.backend)
             completions = [c for g in groups for c in g]  # (B = P·n), the samples of a prompt contiguous
             prompts = [prompt_ids[i] for i in picks for _ in range(ro.n)]
-        else:
-            played = episodes.play([rows[i] for i in picks], sampling, version)
-            completions, prompts = [e.as_completion() for e in played], [e.prompt_ids for e in played]
-        versions = check_on_policy(completions, version, ro.strict_on_policy, step)
+        else:  # this process's episodes (each rank its shards, or rank 0 all of them with rollout actors)
+            played = episodes.play_sharded([rows[i] for i in picks], sampling, version, shards, engine)
         gen_s = time.perf_counter() - t_step
 
         # 2. rewards: of each completion, or of each episode (the environment's, and/or its final answer's)
@@ -195,9 +193,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
             prompts_text = [r["prompt"] for r in sample_rows]
             scores, reward_metrics = score_sharded(reward, prompts_text, texts, sample_rows, failures)
-        else:
-            scores, reward_metrics = episodes.rewards(played, reward, failures)
-            reward_metrics.update(episodes.metrics(played))
+        else:  # each process scores its own episodes; every process gets all of them, in batch order
+            prompts, completions, scores, reward_metrics = episodes.collect(played, reward, failures)
+        versions = check_on_policy(completions, version, ro.strict_on_policy, step)
         reward_s = time.perf_counter() - t0
         reward_watch.after_scoring(step, failures, run.run_dir)  # one line per step; stops a reward that keeps failing
 
