@@ -18,7 +18,9 @@ KL penalty to the reference policy is folded into the reward:
 Means run over every completion token of the batch. GAE is computed for all positions at once
 as a product with a (T, T) matrix of discount powers (no Python loop over time); that costs
 T² memory, small next to the (B, T, V) logits. Deviation: a completion cut at the length
-limit is treated as terminal (no bootstrap from V), as in TRL and OpenRLHF. The truncated
+limit is treated as terminal (no bootstrap from V), as in TRL and OpenRLHF. In a multi-turn
+episode the environment's tokens are not time steps: GAE runs over the model's tokens in order, so
+V(s_{t+1}) at the end of a turn is the value at the start of the model's next turn. The truncated
 importance weight w_t corrects for the rollout engine's numerics (C = ``rollout.tis_cap``; w = 1 when
 off, the default); it weights the policy term only, not the value loss.
 """
@@ -49,14 +51,22 @@ def gae(
     """Generalised advantage estimation over masked token positions.
 
     rewards, values, mask (B, T) -> advantages A (B, T), returns R = A + V (B, T); zero off the mask.
+
+    The time steps are the masked (model) tokens in order: in a multi-turn episode the environment's
+    tokens between two model turns are part of the transition, not steps, so s_{t+1} is the state at
+    the model's next token and the discount counts model tokens only. Each row's masked positions are
+    moved to the front in order (a stable sort), GAE runs there, and the result goes back in place.
     """
-    values = values * mask  # (B, T)
-    next_values = torch.zeros_like(values)
-    next_values[:, :-1] = values[:, 1:]  # V(s_{t+1}); 0 after the last completion token
+    order = torch.sort((mask <= 0).to(torch.uint8), dim=-1, stable=True).indices  # (B, T): masked first
+    r, m = rewards.gather(-1, order), mask.gather(-1, order)  # (B, T); m is 1…1 0…0
+    v = values.gather(-1, order) * m  # (B, T)
+    next_v = torch.zeros_like(v)
+    next_v[:, :-1] = v[:, 1:]  # V(s_{t+1}); 0 after the last model token
     # δ_t = r_t + γ V(s_{t+1}) − V(s_t)
-    delta = (rewards + gamma * next_values - values) * mask  # (B, T)
+    delta = (r + gamma * next_v - v) * m  # (B, T)
     # A_t = Σ_k (γλ)^k δ_{t+k}
-    adv = discounted_cumsum(delta, gamma * lam) * mask  # (B, T)
+    adv_packed = discounted_cumsum(delta, gamma * lam) * m  # (B, T)
+    adv = torch.zeros_like(adv_packed).scatter(-1, order, adv_packed)  # (B, T), back in place
     return adv, (adv + values) * mask
 
 

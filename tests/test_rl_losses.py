@@ -112,6 +112,28 @@ def test_discounted_cumsum_and_gae_match_a_loop():
     assert torch.allclose(discounted_cumsum(x, 0.5), loop, atol=1e-6)
 
 
+def test_gae_skips_environment_tokens_between_model_turns():
+    """A multi-turn row: model tokens at 1-2 and 5-6, environment tokens at 3-4 (mask 0). The model's
+    tokens are the time steps: the last token of turn 1 bootstraps from V at the first token of turn 2,
+    and the discount counts model tokens only."""
+    gamma, lam = 0.9, 0.5
+    mask = torch.tensor([[0.0, 1, 1, 0, 0, 1, 1]])
+    values = torch.tensor([[9.0, 1.0, 2.0, 9.0, 9.0, 3.0, 4.0]])  # 9s: never read
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]])
+    adv, returns = gae(rewards, values, mask, gamma, lam)
+    # by hand, over the steps (V = 1, 2, 3, 4; r = 0, 0, 0, 1):
+    d6 = 1.0 - 4.0  # δ = r + γ·0 − V
+    d5 = 0.0 + 0.9 * 4.0 - 3.0
+    d2 = 0.0 + 0.9 * 3.0 - 2.0  # bootstraps from turn 2's first token, across the environment's tokens
+    d1 = 0.0 + 0.9 * 2.0 - 1.0
+    a6 = d6
+    a5 = d5 + 0.45 * a6
+    a2 = d2 + 0.45 * a5  # one step of discount, not three
+    a1 = d1 + 0.45 * a2
+    assert adv[0].tolist() == pytest.approx([0.0, a1, a2, 0.0, 0.0, a5, a6], abs=1e-6)
+    assert returns[0].tolist() == pytest.approx([0.0, a1 + 1, a2 + 2, 0.0, 0.0, a5 + 3, a6 + 4], abs=1e-6)
+
+
 def test_ppo_advantages_fold_kl_into_the_reward():
     alg = PPO(PPO.Config(gamma=1.0, lam=1.0, kl_coeff=0.5, whiten_advantages=False))
     mask = torch.tensor([[0.0, 1.0, 1.0]])
