@@ -45,3 +45,48 @@ def test_every_promise_in_the_readme_points_at_a_test_that_exists():
         if name not in defined[current]:
             missing.append(f"{current}::{name}")
     assert not missing, missing
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    import re
+
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set[str]:
+    import re
+
+    anchors, fence = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and (m := re.match(r"^#{1,6} (.*)$", line)):
+            anchors.add(_slug(m.group(1)))
+    return anchors
+
+
+def test_the_table_of_contents_and_every_link_resolve():
+    """The README's contents list every section, in order; each `[..](#anchor)` names a heading, each
+    relative link an existing file (and its `#anchor` a heading there), in the README and in docs/."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    contents = readme.split("## Contents", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"\]\(#([^)]+)\)", contents)
+    body = readme.split("## Contents", 1)[1].split("\n## ", 1)[1]
+    sections = [_slug(h) for h in re.findall(r"^#{2,3} (.*)$", "## " + body, flags=re.M)]
+    assert listed == sections, (set(sections) ^ set(listed)) or "out of order"
+    problems = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                problems.append(f"{doc.name}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                problems.append(f"{doc.name}: {target}: no such heading")
+    assert not problems, problems
