@@ -12,8 +12,9 @@ __all__ = ["can_verify", "eval_loss", "evaluate", "greedy_completions"]
 
 
 @torch.no_grad()
-def eval_loss(model, examples: list[dict], pad_id: int, batch_size: int, device) -> float:
-    """Token-mean negative log-likelihood of the labelled tokens (chunk by chunk, `token_head`)."""
+def eval_loss(model, examples: list[dict], pad_id: int, batch_size: int, device, progress=None) -> float:
+    """Token-mean negative log-likelihood of the labelled tokens (chunk by chunk, `token_head`);
+    ``progress(done)`` after each batch, ``done`` examples so far."""
     total, count = 0.0, 0
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(device) for k, v in collate(examples[start : start + batch_size], pad_id).items()}
@@ -23,12 +24,17 @@ def eval_loss(model, examples: list[dict], pad_id: int, batch_size: int, device)
         logp = token_stats(model, inputs, rows, pos, targets[rows, pos])["logp"]  # (M,)
         total += -float(logp.sum())
         count += int(rows.numel())
+        if progress is not None:
+            progress(min(start + batch_size, len(examples)))
     return total / max(count, 1)
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, device) -> list[str]:
-    """Greedy decoding with left padding; returns the decoded completions (special tokens removed)."""
+def greedy_completions(
+    model, tokenizer, prompts: list, max_new_tokens: int, batch_size: int, device, progress=None
+) -> list[str]:
+    """Greedy decoding with left padding; returns the decoded completions (special tokens removed);
+    ``progress(done)`` after each batch, ``done`` prompts so far."""
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
         ids = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
@@ -45,19 +51,45 @@ def greedy_completions(model, tokenizer, prompts: list, max_new_tokens: int, bat
             eos_token_id=tokenizer.eos_token_id,
         )
         out += tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
+        if progress is not None:
+            progress(len(out))
     return out
 
 
-def evaluate(model, tokenizer, device, eval_examples, eval_rows, dataset, batch_size: int, max_new_tokens: int) -> dict:
+def evaluate(
+    model,
+    tokenizer,
+    device,
+    eval_examples,
+    eval_rows,
+    dataset,
+    batch_size: int,
+    max_new_tokens: int,
+    progress=None,
+) -> dict:
+    """``eval/loss`` on ``eval_examples``, ``eval/accuracy`` of greedy answers to ``eval_rows``;
+    ``progress(done, total)`` counts both (a `progress.Reporter.counter` update)."""
     was_training = model.training
     model.eval()
+    rows = eval_rows if eval_rows and can_verify(dataset) else []
+    total = len(eval_examples) + len(rows)
+    update = progress or (lambda done, total=None: None)
+    update(0, total)
     try:
         metrics = {}
         if eval_examples:
-            metrics["eval/loss"] = eval_loss(model, eval_examples, tokenizer.pad_token_id, batch_size, device)
-        if eval_rows and can_verify(dataset):
+            metrics["eval/loss"] = eval_loss(
+                model, eval_examples, tokenizer.pad_token_id, batch_size, device, progress=update
+            )
+        if rows:
             completions = greedy_completions(
-                model, tokenizer, [r["prompt"] for r in eval_rows], max_new_tokens, max(batch_size, 32), device
+                model,
+                tokenizer,
+                [r["prompt"] for r in eval_rows],
+                max_new_tokens,
+                max(batch_size, 32),
+                device,
+                progress=lambda done: update(len(eval_examples) + done),
             )
             correct = [bool(dataset.verify(c, r)) for c, r in zip(completions, eval_rows)]
             metrics["eval/accuracy"] = sum(correct) / len(correct)

@@ -128,7 +128,7 @@ def _prepare_shared(trainer) -> None:
     if trainer.algorithm_cls.needs_rollouts or trainer.algorithm_cls.family == "preference":
         from oxrl_core.progress import Reporter  # lazy: as above
 
-        initial_policy_path("", log=Reporter(trainer.quiet).info)
+        initial_policy_path("", reporter=Reporter(trainer.quiet))
     else:
         resolve_model_path("")
 

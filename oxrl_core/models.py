@@ -7,6 +7,7 @@ from pathlib import Path
 from oxrl_core.data import path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
+from oxrl_core.progress import activity
 from oxrl_core.tiny import default_model_dir, warm_start_dir
 
 #: what a model field takes, for the message when a value cannot even be looked up as a path
@@ -19,13 +20,13 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def initial_policy_path(name: str, log=None, tools: bool = False) -> str:
+def initial_policy_path(name: str, log=None, tools: bool = False, reporter=None) -> str:
     """Where RL and preference runs start: ``model.name``, or with it empty the built-in tiny model
     after its cached SFT warm start on the built-in task (a random model never answers right); with
-    ``tools`` (multi-turn RL), the warm start on tool-use transcripts."""
+    ``tools`` (multi-turn RL), the warm start on tool-use transcripts. ``reporter`` shows its progress."""
     if name:
         return name
-    return str(warm_start_dir(log=log, tools=tools))
+    return str(warm_start_dir(log=log, tools=tools, reporter=reporter))
 
 
 def _check_local_dir(path: str, field: str) -> None:
@@ -210,9 +211,14 @@ def check_loading(
 
 
 def load_causal_lm(
-    name: str, field: str = "model.name", attn_implementation: str = "sdpa", trust_remote_code: bool = False
+    name: str,
+    field: str = "model.name",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    reporter=None,
 ):
-    """A causal LM in fp32; a checkpoint whose weights do not fit the class is refused (`check_loading`)."""
+    """A causal LM in fp32; a checkpoint whose weights do not fit the class is refused (`check_loading`).
+    ``reporter`` (a `progress.Reporter`) shows that it is loading (a spinner, or one line)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -220,13 +226,14 @@ def load_causal_lm(
     path = resolve_model_path(name)
     check_model_path(path, field)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=torch.float32,
-            attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-        )
+        with activity(reporter, f"loading {field} {path}"):
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=torch.float32,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+            )
     except Exception as exc:  # noqa: BLE001
         raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     check_loading(model, info, path, field)
@@ -251,6 +258,7 @@ def load_score_model(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     log=None,
+    reporter=None,
 ):
     """A sequence-classification model with one output (a reward model), e.g. from a causal-LM
     checkpoint (the scalar head ``score`` then starts fresh, seeded by the run's seed)."""
@@ -261,14 +269,15 @@ def load_score_model(
     path = resolve_model_path(name)
     check_model_path(path, field)
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            path,
-            num_labels=1,
-            dtype=torch.float32,
-            attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-        )
+        with activity(reporter, f"loading {field} {path}"):
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                path,
+                num_labels=1,
+                dtype=torch.float32,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+            )
     except Exception as exc:  # noqa: BLE001
         raise OxrlError(
             f"{field}: cannot load a sequence-classification model from '{path}': {type(exc).__name__}: {exc}"

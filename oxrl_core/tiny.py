@@ -20,6 +20,7 @@ from pathlib import Path
 from oxrl_core import task
 from oxrl_core.data import IGNORE, collate, tokenise_messages, tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
+from oxrl_core.progress import counter
 
 #: ``<|role|>content<|end|>`` per message. An assistant message's ``tool_calls`` (HF format, ``{"function": {"name",
 #: "arguments"}}`` or flat) follow its content, on a new line after non-empty content, exactly as the ``hermes`` tool
@@ -99,6 +100,7 @@ def build_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 4, ma
 def save_tiny_model(path: str | os.PathLike, hidden_size: int = 128, num_layers: int = 4, seed: int = 0) -> Path:
     """Build the tiny model + tokenizer and save them as an ordinary HF directory."""
     path = Path(path)
+    quiet_transformers()  # no "Writing model shards" bar
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -138,7 +140,7 @@ WARM_START_STEPS = 450
 TOOL_WARM_START_STEPS = 170
 
 
-def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: bool = False) -> Path:
+def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: bool = False, reporter=None) -> Path:
     """The built-in tiny model after a short SFT on the built-in task's train split (cached).
 
     RL needs a policy that sometimes answers correctly; a random one never does. This is a
@@ -146,6 +148,7 @@ def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: boo
     does not depend on an algorithm package), deterministic on CPU, run once per cache. With
     ``tools``, the SFT is on tool-use transcripts of the products task (question, a ``calc`` call,
     its result, the answer; loss on the assistant turns): a policy that sometimes calls the tool.
+    ``reporter`` (a `progress.Reporter`) shows the steps as they go (``warm start: 50/450 steps``).
     """
     steps = steps if steps is not None else (TOOL_WARM_START_STEPS if tools else WARM_START_STEPS)
     base = default_model_dir()
@@ -156,6 +159,7 @@ def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: boo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
+    log = log or (reporter.info if reporter is not None else None)
     if log is not None:
         kind = "tool-use SFT warm start" if tools else "SFT warm start"
         log(f"first RL run on the built-in model: a {steps}-step {kind} (cached in {path})")
@@ -170,16 +174,18 @@ def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: boo
     rng = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
-    for _ in range(steps):
-        picks = torch.randint(len(examples), (32,), generator=rng).tolist()
-        batch = collate([examples[i] for i in picks], tokenizer.pad_token_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE
-        )
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    with counter(reporter, "warm start", "steps", total=steps) as update:
+        for step in range(steps):
+            picks = torch.randint(len(examples), (32,), generator=rng).tolist()
+            batch = collate([examples[i] for i in picks], tokenizer.pad_token_id)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            update(step + 1)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -428,10 +428,11 @@ class Episodes:
 
     # ---- held-out evaluation
 
-    def evaluate(self, rows: list[dict], reward, dataset, ro, seed: int, batch: int = 64) -> dict:
+    def evaluate(self, rows: list[dict], reward, dataset, ro, seed: int, batch: int = 64, progress=None) -> dict:
         """Held-out episodes, greedy: ``eval/reward``, ``eval/accuracy`` of the final answers when the data can
         check them, ``eval/turns``, ``eval/tool_calls``. (Unlike single-turn evaluation, no sampled pass: n
-        episodes per prompt of several turns each would cost more than the training steps between evaluations.)"""
+        episodes per prompt of several turns each would cost more than the training steps between evaluations.)
+        ``progress(done, total)`` counts the episodes (a `progress.Reporter.counter` update)."""
         if not rows:
             return {}
         out = {}
@@ -445,6 +446,8 @@ class Episodes:
                 scores += got
                 episodes += played
                 metrics.update({k: v * len(played) for k, v in m.items()})
+                if progress is not None:
+                    progress(len(episodes), len(rows))
             out[f"eval/reward{suffix}"] = sum(scores) / len(scores)
             if not suffix:
                 out["eval/turns"] = metrics["env/turns"] / len(episodes)

@@ -260,7 +260,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     fmt, self_play, packing = spec.data_format, spec.self_play, cfg.data.packing
 
     # ---- data (before any model loads, so bad data fails fast)
-    policy_path = initial_policy_path(cfg.model.name, log=run.info)
+    policy_path = initial_policy_path(cfg.model.name, reporter=run.reporter)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
     train_source = load_data(cfg.data.train, "train", run.registry)
@@ -289,9 +289,12 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             attn_implementation=attn,
             trust_remote_code=cfg.model.trust_remote_code,
             log=run.info,
+            reporter=run.reporter,
         )
     else:
-        model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code)
+        model = load_causal_lm(
+            start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code, reporter=run.reporter
+        )
     if packing == "shared" and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         packing = True  # decided once: ordinary packing (row by row), each prompt computed twice
         run.info(
@@ -325,7 +328,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     run.checkpointer(model, tokenizer, extra=extra_files)
     run.banner(model, "built-in tiny llama (warm start)", f"{train_source.origin} ({len(train.examples)} rows)")
 
-    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+    def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         metrics = {}
         with engine.full_weights():
             if eval_examples and is_main():
@@ -345,6 +348,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
                         eval_dataset,
                         cfg.train.batch_size,
                         cfg.rollout.max_new_tokens,
+                        progress=progress,
                     )
                 )
         return metrics

@@ -59,7 +59,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     cfg, algorithm, spec, ro = run.cfg, run.algorithm, run.spec, run.cfg.rollout
 
     # ---- data and reward (before any model loads, so bad input fails fast)
-    policy_path = initial_policy_path(cfg.model.name, log=run.info, tools=bool(cfg.env.name))
+    policy_path = initial_policy_path(cfg.model.name, tools=bool(cfg.env.name), reporter=run.reporter)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     train_source = load_data(cfg.data.train, "train", run.registry)
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
@@ -92,7 +92,10 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         shared = False
         run.info("[yellow]note:[/yellow] data.packing: shared prompts do not apply to multi-turn episodes (env.name)")
     model = load_causal_lm(
-        run.start_from(policy_path), attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code
+        run.start_from(policy_path),
+        attn_implementation=attn,
+        trust_remote_code=cfg.model.trust_remote_code,
+        reporter=run.reporter,
     )
     if shared and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         shared = False  # decided once: padded rows
@@ -103,7 +106,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     ref = run.reference(policy_path, attn) if algorithm.uses_ref() else None
     critic = None
     if spec.needs_critic:
-        critic = build_critic(model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path))
+        critic = build_critic(
+            model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path, reporter=run.reporter)
+        )
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
     longest = cfg.env.max_tokens if env is not None else ro.max_new_tokens  # a whole episode, or one completion
@@ -151,13 +156,15 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         f"{train_source.origin} ({len(rows)} prompts) · reward {reward_name} · {samples}",
     )
 
-    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+    def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         with engine.full_weights():
             if not is_main():
                 return {}
             if episodes is not None:
-                return episodes.evaluate(eval_rows, reward, eval_dataset, ro, cfg.train.seed)
-            return rl_evaluate(backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed)
+                return episodes.evaluate(eval_rows, reward, eval_dataset, ro, cfg.train.seed, progress=progress)
+            return rl_evaluate(
+                backend, tokenizer, eval_rows, eval_ids, reward, eval_dataset, ro, cfg.train.seed, progress=progress
+            )
 
     run.evaluate_before(run_eval, bool(eval_rows), every_metric=True)
 

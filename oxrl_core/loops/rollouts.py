@@ -256,21 +256,29 @@ def score_sharded(
 # ----------------------------------------------------------------------------- evaluation
 
 
-def rl_evaluate(backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64) -> dict:
+def rl_evaluate(
+    backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64, progress=None
+) -> dict:
     """The held-out prompts, answered greedily (``eval/reward``, and ``eval/accuracy`` when the data can
     check answers) and sampled as in training, ``rollout.n`` samples at ``rollout.temperature`` with a
-    fixed seed (``eval/reward_sampled``: the expected reward of the policy, the quantity RL maximises)."""
+    fixed seed (``eval/reward_sampled``: the expected reward of the policy, the quantity RL maximises).
+    ``progress(done, total)`` counts the completions (a `progress.Reporter.counter` update)."""
     if not rows:
         return {}
     metrics = {}
     modes = {"": SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=0.0)}
     if ro.temperature > 0:
         modes["_sampled"] = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=seed)
+    update = progress or (lambda done, total=None: None)
+    done, total = 0, len(prompt_ids) * sum(sampling.n for sampling in modes.values())
+    update(done, total)
     for suffix, sampling in modes.items():
         texts: list[str] = []
         for start in range(0, len(prompt_ids), batch):
             groups = backend.generate(prompt_ids[start : start + batch], sampling)
             texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
+            done += len(groups) * sampling.n
+            update(done)
         sample_rows = [r for r in rows for _ in range(sampling.n)]
         scores, _ = score_batch(reward, [r["prompt"] for r in sample_rows], texts, sample_rows)
         metrics[f"eval/reward{suffix}"] = sum(scores) / len(scores)

@@ -132,7 +132,7 @@ class Run:
     def frozen(self, path: str, field: str, attn: str, check=None):
         """A model that is read, never trained (reference, teacher): no gradients, eval mode; moved to
         the engine's device by `build_engine`. ``check(model)`` runs on it first."""
-        model = load_causal_lm(path, field=field, attn_implementation=attn)
+        model = load_causal_lm(path, field=field, attn_implementation=attn, reporter=self.reporter)
         if check is not None:
             check(model)
         model.requires_grad_(False).eval()
@@ -183,15 +183,20 @@ class Run:
     # ---- evaluation
 
     def evaluate_before(self, evaluate, has_eval: bool, every_metric: bool = False) -> None:
-        """Keep ``evaluate`` (a no-argument function -> ``eval/`` metrics) and, at step 0, run it once."""
-        self.evaluate, self.has_eval = evaluate, has_eval
+        """Keep ``evaluate`` (``evaluate(progress) -> eval/ metrics``, ``progress(done, total)`` counting what it
+        evaluates) as ``self.evaluate()``, which shows its progress; and, at step 0, run it once."""
+        self.evaluate, self.has_eval = lambda: self._evaluate(evaluate), has_eval
         if self.start_step != 0 or not has_eval:
             return
-        self.eval_before = evaluate()
+        self.eval_before = self.evaluate()
         if every_metric:
             self.info("held-out before training: " + ", ".join(f"{k} {v:.3f}" for k, v in self.eval_before.items()))
         elif "eval/accuracy" in self.eval_before:
             self.info(f"held-out accuracy before training: {self.eval_before['eval/accuracy']:.3f}")
+
+    def _evaluate(self, evaluate) -> dict:
+        with self.reporter.counter("held-out evaluation", "samples") as progress:
+            return evaluate(progress)
 
     # ---- the loop
 

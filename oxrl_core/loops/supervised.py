@@ -79,7 +79,10 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
     model = run.policy(
         load_causal_lm(
-            run.start_from(cfg.model.name), attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code
+            run.start_from(cfg.model.name),
+            attn_implementation=attn,
+            trust_remote_code=cfg.model.trust_remote_code,
+            reporter=run.reporter,
         )
     )
     teacher = None
@@ -90,7 +93,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     run.checkpointer(model, tokenizer)
     run.banner(model, "built-in tiny llama", f"{train_source.origin} ({len(train.examples)} examples)")
 
-    def run_eval() -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+    def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         with engine.full_weights():
             if not is_main():
                 return {}
@@ -103,6 +106,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
                 eval_dataset,
                 cfg.train.batch_size,
                 cfg.rollout.max_new_tokens,
+                progress=progress,
             )
 
     run.evaluate_before(run_eval, bool(eval_examples or eval_rows))

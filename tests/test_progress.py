@@ -1,0 +1,173 @@
+"""Progress you can trust: the warm start, the held-out evaluation and model loading say what they are doing
+(counts, not a silent minute), the step line shows reward and KL, and --quiet prints none of it.
+
+The end-to-end tests run the real CLI with a fresh OXRL_CACHE, so the built-in model's SFT warm start is
+really built (about 45 s each); their stderr is captured, not a terminal, so progress comes as plain lines.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pytest
+from conftest import oxrl
+from rich.console import Console
+
+from oxrl_core.progress import Reporter, counter, nice_interval, step_fields
+
+PROGRESS_LINE = re.compile(r"^(warm start|held-out evaluation): (\d+)/(\d+) (steps|samples)( in [\d.]+ s)?$")
+
+
+def _plain_reporter(quiet: bool = False) -> tuple[Reporter, io.StringIO]:
+    reporter = Reporter(quiet=quiet)
+    buffer = io.StringIO()
+    reporter.console = Console(file=buffer, force_terminal=False, soft_wrap=True)
+    return reporter, buffer
+
+
+def test_nice_interval_is_about_a_tenth_rounded_up():
+    assert [nice_interval(n) for n in (1, 7, 10, 170, 450, 900, 2000)] == [1, 1, 1, 20, 50, 100, 200]
+
+
+def test_plain_counter_lines_at_zero_every_tenth_and_the_end(capsys):
+    reporter = Reporter()
+    with reporter.counter("warm start", "steps", total=170) as update:
+        for step in range(170):
+            update(step + 1)
+    lines = capsys.readouterr().err.splitlines()
+    counts = [int(PROGRESS_LINE.match(line).group(2)) for line in lines]
+    assert counts == [0, 20, 40, 60, 80, 100, 120, 140, 160, 170]
+    assert re.fullmatch(r"warm start: 170/170 steps in [\d.]+ s", lines[-1])
+
+
+def test_counter_total_given_on_the_first_update_and_batches_crossing_a_tenth(capsys):
+    reporter = Reporter()
+    with reporter.counter("held-out evaluation", "samples") as update:
+        update(0, 900)
+        for done in (64, 100, 612, 900):
+            update(done)
+    counts = [int(PROGRESS_LINE.match(line).group(2)) for line in capsys.readouterr().err.splitlines()]
+    assert counts == [0, 100, 612, 900]  # 64 is still in the first tenth
+
+
+def test_quiet_and_no_reporter_print_nothing(capsys):
+    reporter = Reporter(quiet=True)
+    with reporter.counter("warm start", "steps", total=10) as update:
+        for i in range(10):
+            update(i + 1)
+    with reporter.activity("loading model.name x"):
+        pass
+    reporter.step(1, 1, {"loss": 1.0, "lr": 1e-3, "reward/mean": 0.5})
+    with counter(None, "warm start", "steps", total=10) as update:
+        update(10)
+    assert capsys.readouterr().err == ""
+
+
+def test_activity_is_one_line_when_not_a_terminal(capsys):
+    with Reporter().activity("loading model.name /m"):
+        pass
+    assert capsys.readouterr().err == "loading model.name /m ...\n"
+
+
+def test_step_line_shows_reward_and_kl_beside_loss_and_tokens_per_second(capsys):
+    metrics = {"loss": 0.25, "lr": 1e-5, "reward/mean": 0.625, "kl/ref": 0.0123, "perf/tokens_per_s": 1234.0}
+    Reporter().step(1, 10, metrics)
+    assert capsys.readouterr().err == "step 1/10 loss 0.2500 reward 0.625 kl 0.0123 lr 1e-05 1,234 tok/s\n"
+    assert step_fields({"loss": 1.0}) == {"loss": "1.0000", "tok/s": "0"}  # no reward, no KL: not shown
+
+
+def test_terminal_shows_phases_inside_the_training_bar_with_counts():
+    """On a terminal, a phase during training (an evaluation every N steps) joins the training bar's live
+    display (rich allows one at a time) and its counts and the training bar's reward and KL are drawn."""
+    reporter = Reporter()
+    buffer = io.StringIO()
+    reporter.console = Console(file=buffer, force_terminal=True, width=160, soft_wrap=True)
+    assert reporter.console.is_terminal
+    reporter.start(total=4)
+    reporter.step(1, 4, {"loss": 0.5, "lr": 1e-3, "reward/mean": 0.75, "kl/ref": 0.02, "perf/tokens_per_s": 10.0})
+    with reporter.counter("held-out evaluation", "samples") as update:
+        update(0, 30)
+        update(20)
+        reporter.progress.refresh()
+        shown = buffer.getvalue()
+        assert "held-out evaluation" in shown and "20/30 samples" in shown
+        assert "reward 0.750" in shown and "kl 0.0200" in shown
+        assert len(reporter.progress.task_ids) == 2
+        update(30)
+    assert len(reporter.progress.task_ids) == 1  # the phase is gone, the training bar stays
+    assert "held-out evaluation: 30/30 samples in" in buffer.getvalue()
+    reporter.stop()
+    assert reporter.progress is None
+
+
+def test_terminal_phase_before_training_starts_and_stops_its_own_display():
+    reporter = Reporter()
+    reporter.console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with reporter.activity("loading model.name /m"):
+        assert reporter.progress is not None and len(reporter.progress.task_ids) == 1
+    assert reporter.progress is None
+
+
+def test_warm_start_reports_its_steps(tmp_path, monkeypatch, capsys):
+    """`warm_start_dir` with a reporter: the announcement, then counted steps up to the end."""
+    from oxrl_core.tiny import warm_start_dir
+
+    monkeypatch.setenv("OXRL_CACHE", str(tmp_path / "cache"))
+    path = warm_start_dir(steps=12, reporter=Reporter())
+    assert (path / "config.json").is_file()
+    err = capsys.readouterr().err
+    assert "a 12-step SFT warm start" in err
+    counts = [int(m.group(2)) for m in map(PROGRESS_LINE.match, err.splitlines()) if m]
+    assert counts[0] == 0 and counts[-1] == 12 and counts == sorted(counts) and len(counts) >= 3
+    warm_start_dir(steps=12, reporter=Reporter())  # cached: nothing to do, nothing said
+    assert capsys.readouterr().err == ""
+
+
+def _progress_lines(stderr: str, label: str) -> list[tuple[int, int]]:
+    return [
+        (int(m.group(2)), int(m.group(3)))
+        for m in map(PROGRESS_LINE.match, stderr.splitlines())
+        if m and m.group(1) == label
+    ]
+
+
+@pytest.mark.slow
+def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_path):
+    env = {"OXRL_CACHE": str(tmp_path / "fresh-cache")}
+    proc = oxrl(
+        "run", "--alg", "sgrpo", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2",
+        "--set", "train.eval_steps=0", "--set", "alg.kl_coeff=0.05", "--set", "train.log_steps=1",
+        env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    warm = _progress_lines(err, "warm start")
+    assert warm[0] == (0, 450) and warm[-1] == (450, 450), err
+    assert len(warm) >= 5 and [d for d, _ in warm] == sorted(d for d, _ in warm)  # counts that move
+    assert re.search(r"^warm start: 450/450 steps in [\d.]+ s$", err, re.M)
+    assert re.search(r"^loading model\.name .*warm450.* \.\.\.$", err, re.M)  # the policy
+    assert re.search(r"^loading model\.ref .* \.\.\.$", err, re.M) or err.count("loading model.name") >= 2  # the ref
+    evals = _progress_lines(err, "held-out evaluation")
+    finished = [e for e in evals if e[0] == e[1]]
+    assert len(finished) == 2, err  # before training and after the last step
+    assert all(total > 0 for _, total in evals)
+    assert err.index("warm start: 0/450") < err.index("loading model.name") < err.index("held-out evaluation: 0/")
+    steps = [line for line in err.splitlines() if line.startswith("step ")]
+    assert steps and all(re.search(r" loss -?[\d.]+ reward [\d.]+ kl -?[\d.]+ lr ", s) for s in steps), steps
+
+
+@pytest.mark.slow
+def test_quiet_run_on_a_fresh_cache_prints_no_progress(tmp_path):
+    """-q during the warm start, loading, evaluation and training: only the outcome lines."""
+    env = {"OXRL_CACHE": str(tmp_path / "fresh-cache")}
+    proc = oxrl(
+        "run", "--alg", "sgrpo", "-q", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2",
+        env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "fresh-cache").glob("*-warm450-*")), "the warm start was built in this run"
+    err = proc.stderr
+    for quiet_about in ("warm start", "held-out evaluation:", "loading model", "step 1/"):
+        assert quiet_about not in err, err
+    assert "done: 2 steps" in err
