@@ -28,6 +28,24 @@ out = Console()
 err = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    """``oxrl --version``: the core's version, read without importing torch (or anything of a run)."""
+    if value:
+        from oxrl_core import __version__  # lazy: only `--version` needs it (the package import is cheap)
+
+        print(f"oxrl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="print oxRL's version and exit"
+    ),
+) -> None:
+    """oxRL: readable, pluggable post-training (SFT, preference optimisation, RL)."""
+
+
 @app.command()
 def run(
     alg: Optional[str] = typer.Option(
@@ -80,7 +98,13 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
         errors = [
             {"plugin": e.plugin, "package": e.package, "version": e.version, "error": e.error} for e in registry.errors
         ]
-        out.print_json(json.dumps({"plugins": rows, "errors": errors, "clashes": registry.clash_rows()}))
+        listing = {
+            "plugins": rows,
+            "errors": errors,
+            "clashes": registry.clash_rows(),
+            "aliases": registry.alias_rows(),
+        }
+        out.print_json(json.dumps(listing))
         return
     table = Table(title="oxRL plugins")
     for column in ("kind", "name", "package", "version"):
@@ -89,6 +113,8 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
         name = f"[yellow]{escape(row['name'])} (ambiguous)[/yellow]" if row["ambiguous"] else escape(row["name"])
         table.add_row(row["kind"], name, row["package"], row["version"])
     out.print(table)
+    for alias in registry.alias_rows():
+        out.print(f"alias: {alias['kind']} {alias['name']} → {alias['alias_of']}", highlight=False, soft_wrap=True)
     for clash in registry.clash_rows():
         err.print(
             f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",

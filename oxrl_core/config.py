@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from oxrl_core.chat_templates import check_chat_template
 from oxrl_core.errors import OxrlError
 from oxrl_core.schema import StrictModel, format_validation_error, validate_options
 
@@ -27,6 +28,25 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     attn_implementation: str = Field("sdpa", description="transformers attention implementation")
     trust_remote_code: bool = False
+    revision: str = Field(
+        "", description="hub revision of model.name (a branch, tag or commit); empty = the default branch"
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype the policy, reference and teacher load in: float32 (master weights; train.precision picks "
+        "autocast), bfloat16 / float16 (weights and optimiser in that dtype), auto = the checkpoint's own",
+    )
+    chat_template: str = Field(
+        "",
+        description="chat template for the tokenizer: a Jinja file, or a built-in name (chatml, llama3, gemma, "
+        "phi3, zephyr); empty = the tokenizer's own",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str) -> str:
+        """A built-in name or an existing file; a typo names the field and lists the names."""
+        return check_chat_template(value)
 
 
 class SourceSpec(StrictModel):
@@ -91,7 +111,14 @@ class DataConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    max_steps: int = Field(100, gt=0, description="optimiser steps")
+    max_steps: int = Field(100, gt=0, description="optimiser steps (or set train.epochs instead)")
+    epochs: Optional[float] = Field(
+        None,
+        gt=0,
+        description="passes over the training data instead of max_steps: max_steps = ⌈epochs × ⌈rows / batch_size⌉ "
+        "/ grad_accum_steps⌉ (RL: ⌈epochs × ⌈prompts / batch_size⌉⌉), computed when the data has loaded and shown "
+        "in the run banner; fractions allowed (0.5); unset = max_steps decides",
+    )
     lr: float = Field(1e-5, gt=0, description="peak learning rate (finite, > 0)")
     batch_size: int = Field(8, gt=0, description="rows per micro-batch")
     grad_accum_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
@@ -145,6 +172,15 @@ class TrainConfig(StrictModel):
         False,
         description="preference: reference log-probabilities of every pair once before training, then free the reference model",
     )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler) -> dict:
+        """With train.epochs the steps follow from the data: the saved config (config.yaml) leaves max_steps out,
+        so that a --resume reads it back without a conflict."""
+        out = handler(self)
+        if self.epochs is not None:
+            out.pop("max_steps", None)
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -445,8 +481,18 @@ def load_run_config(
         raw["algorithm"] = algorithm
     source = str(config_path) if config_path else "--set / defaults"
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if train.get("epochs") is not None and "max_steps" in train:  # one thing said two ways (the config's own keys)
+        raise OxrlError(
+            f"invalid config ({source}):\n  train.epochs={train['epochs']} and train.max_steps={train['max_steps']} "
+            "are both set; set one of them (with train.epochs the steps follow from the data size; "
+            "--set train.epochs=null unsets it)"
+        )
     if not model.get("name"):
-        raw = _merge(TINY_DEFAULTS if tiny_defaults is None else tiny_defaults, raw)
+        defaults = TINY_DEFAULTS if tiny_defaults is None else tiny_defaults
+        if train.get("epochs") is not None:  # the steps follow from the data: the tiny model's max_steps yields
+            defaults = {**defaults, "train": {k: v for k, v in defaults.get("train", {}).items() if k != "max_steps"}}
+        raw = _merge(defaults, raw)
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as exc:

@@ -1,7 +1,8 @@
 """The data layer: sources -> validated rows -> token ids -> batches.
 
-Sources (``data.train`` / ``data.eval``): a local ``.jsonl``/``.json``/``.parquet``
-file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``), a directory written by ``datasets.save_to_disk``, a dataset plugin name, or
+Sources (``data.train`` / ``data.eval``): a local ``.jsonl``/``.json``/``.parquet``/``.csv``
+file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``; JSONL and CSV UTF-8 with or without a BOM), a directory of such
+files (all of one type, read in name order), a directory written by ``datasets.save_to_disk``, a dataset plugin name, or
 a hub id (through ``datasets.load_dataset``); or a mapping ``{source, ratio, ...}``
 whose other keys are the dataset plugin's options; or a list of those, mixed by
 their ratios (`MixturePlan`). Every row is checked against the format the
@@ -37,7 +38,7 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Dataset
 
 IGNORE = -100
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 @dataclass
@@ -174,6 +175,40 @@ def _read_parquet(path: Path, field: str = "data.train") -> list[dict]:
     return [{**row, "_row": i} for i, row in enumerate(rows, start=1)]
 
 
+def _read_csv(path: Path, field: str = "data.train") -> list[dict]:
+    """Rows of a CSV file with a header line (UTF-8, a BOM dropped); every cell is a string, each row tagged
+    ``_row`` = the line it starts on. A row with more or fewer cells than the header names its line."""
+    import csv
+    import io
+
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise _unreadable(path, exc, field) from None
+    reader = csv.reader(io.StringIO(_decode(path, raw), newline=""))
+    try:
+        header = next(reader, None)
+        if not header or not any(name.strip() for name in header):
+            raise OxrlError(f"{path}: the CSV file has no header line (the first line names the columns)")
+        header = [name.strip() for name in header]
+        repeated = sorted({name for name in header if header.count(name) > 1 or not name})
+        if repeated:
+            raise OxrlError(f"{path}: line 1: the CSV header has empty or repeated column names: {repeated}")
+        rows, start = [], reader.line_num + 1
+        for cells in reader:
+            if cells and any(cell.strip() for cell in cells):
+                if len(cells) != len(header):
+                    raise OxrlError(
+                        f"{path}: row {start}: {len(cells)} cells, but the header names {len(header)} columns "
+                        f"({', '.join(header)}); quote cells that hold a comma"
+                    )
+                rows.append({**dict(zip(header, cells)), "_row": start})
+            start = reader.line_num + 1
+    except csv.Error as exc:
+        raise OxrlError(f"{path}: line {reader.line_num}: malformed CSV: {exc}") from None
+    return rows
+
+
 def _from_hf(ds, origin: str, split: str) -> list[dict]:
     from datasets import DatasetDict
 
@@ -194,9 +229,9 @@ def data_suffix(path: Path) -> str:
 
 def read_data_file(path: Path, field: str = "data.train") -> list[dict]:
     """Every row of a JSONL / JSON (also ``.gz``/``.bz2``/``.xz``) or Parquet file, numbered from 1."""
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet, ".csv": _read_csv}
     suffix = data_suffix(path)
-    if suffix not in readers or (suffix == ".parquet" and path.suffix.lower() in DECOMPRESS):
+    if suffix not in readers or (suffix in (".parquet", ".csv") and path.suffix.lower() in DECOMPRESS):
         raise OxrlError(
             f"{path}: unsupported data file type '{''.join(path.suffixes[-2:]) or path.name}' "
             f"(use {', '.join(FILE_SUFFIXES)}, JSON/JSONL also compressed as .gz, .bz2 or .xz)"
@@ -226,6 +261,37 @@ def path_kind(
         raise OxrlError(f"{field}: '{shown}' cannot be used as a path: {reason}{hint}; give {expected}") from None
 
 
+#: files `datasets.save_to_disk` writes (a directory holding one is read with `load_from_disk`)
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
+def _read_data_dir(path: Path, field: str) -> Source:
+    """Every data file of a directory (not recursive, hidden files skipped), in name order: all of one type
+    (e.g. train-00000.parquet, train-00001.parquet); each row keeps its own file in ``_origin``."""
+    files = sorted(p for p in path.iterdir() if not p.name.startswith("."))
+    if not files:
+        raise OxrlError(
+            f"{field}: the directory {path} is empty; put JSONL, Parquet or CSV files in it "
+            "(or give a `datasets.save_to_disk` directory)"
+        )
+    kinds = {p: data_suffix(p) if p.is_file() else "a directory" for p in files}
+    unknown = [p.name for p, k in kinds.items() if k not in FILE_SUFFIXES]
+    if unknown:
+        raise OxrlError(
+            f"{field}: the directory {path} holds {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''}, "
+            f"which is not a data file ({', '.join(FILE_SUFFIXES)}) nor a `datasets.save_to_disk` directory; "
+            "leave only the data files in it"
+        )
+    if len(set(kinds.values())) > 1:
+        by_type = ", ".join(f"{k} ({sum(1 for v in kinds.values() if v == k)})" for k in sorted(set(kinds.values())))
+        raise OxrlError(
+            f"{field}: the directory {path} mixes file types ({by_type}); a directory source is files of one "
+            "type, or list the files as sources of data.train"
+        )
+    rows = [{**row, "_origin": str(p)} for p in files for row in read_data_file(p, field)]
+    return Source(rows, f"{path}/ ({len(files)} files)")
+
+
 def load_source(spec: str, split: str, registry=None, options: dict | None = None, field: str = "data.train") -> Source:
     """Resolve one source string to rows; ``options`` go to a dataset plugin's ``Config``."""
     path = Path(spec).expanduser()
@@ -238,6 +304,8 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
         )
     if kind == "file":
         return Source(read_data_file(path, field), str(path))
+    if kind == "dir" and not any((path / name).is_file() for name in SAVED_DATASET_FILES):
+        return _read_data_dir(path, field)
     if kind == "dir":
         try:
             from datasets import load_from_disk
@@ -298,8 +366,8 @@ def source_specs(value, field: str) -> list[tuple[str, float, dict, str]]:
 
 def sources_argument(value: list | tuple) -> list:
     """The Python API's ``Trainer(data=[...])``: a list of sources (paths, plugin names, ``{source, ratio}``)
-    to mix, as ``data.train`` takes them. A list of rows is refused with what to do instead: rows
-    belong in a file, so that the run's config.yaml names its data and ``--resume`` finds it again."""
+    to mix, as ``data.train`` takes them. (A list of row dicts alone is rows, taken by `inputs`; a list mixing
+    the two is refused here.)"""
     if not value:
         raise OxrlError("data=[]: the list of sources is empty")
     sources = []
@@ -312,8 +380,8 @@ def sources_argument(value: list | tuple) -> list:
             shown = type(item).__name__ if not isinstance(item, dict) else f"a row with keys {sorted(item)[:5]}"
             raise OxrlError(
                 f"data[{i}]: expected a data source (a path, a dataset plugin name or {{source, ratio}}), got {shown}. "
-                "To train on rows held in Python, write them to a JSONL file (one JSON object per line) and pass its "
-                "path: data='train.jsonl'"
+                "A list is either data sources to mix or rows (dicts of fields, e.g. {'prompt': ..., 'response': ...}), "
+                "not both"
             )
     return sources
 
@@ -345,7 +413,7 @@ def load_data(value, split: str, registry=None, field: str = "data.train") -> So
         return source
     rows = []
     for i, (src, _, _) in enumerate(loaded):
-        rows += [{**r, "_source": i, "_origin": src.origin} for r in src.rows]
+        rows += [{**r, "_source": i, "_origin": r.get("_origin", src.origin)} for r in src.rows]
     datasets = [src.dataset for src, _, _ in loaded]
     origin = " + ".join(f"{p.origin} ({p.ratio:g})" for p in parts)
     return Source(rows, origin, MixedDataset.of(datasets), parts)
@@ -555,6 +623,8 @@ def normalise_row(row: dict, fmt: str, origin: str) -> dict:
             continue
         if not isinstance(row[field], str):
             raise OxrlError(f"{where}: field '{field}' must be a string, got {type(row[field]).__name__}")
+    if fmt == "unpaired" and isinstance(row["label"], str) and row["label"].strip().lower() in ("true", "false"):
+        row = {**row, "label": row["label"].strip().lower() == "true"}  # a CSV cell is text
     if fmt == "unpaired" and not isinstance(row["label"], bool):
         raise OxrlError(f"{where}: field 'label' must be true or false, got {row['label']!r}")
     for field in COMPLETIONS.get(fmt, ()):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from pathlib import Path
 
 from oxrl_core.data import path_kind
@@ -9,6 +11,48 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.progress import activity
 from oxrl_core.tiny import default_model_dir, warm_start_dir
+
+#: the run's ``model.*`` loading options (revision, dtype, chat_template), set around a run's loop by
+#: `model_options`; outside a run (``oxrl eval``, tests) every model loads as saved, in float32
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("oxrl_model_options", default=None)
+
+
+@contextlib.contextmanager
+def model_options(model_cfg):
+    """Within this block the loaders honour ``model_cfg`` (a `config.ModelConfig`): ``revision`` for
+    ``model.name`` when it is fetched from the hub (a local directory or checkpoint has none), ``dtype`` for
+    every causal LM and score model, ``chat_template`` for every tokenizer."""
+    token = _OPTIONS.set(model_cfg)
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+def _revision(path: str) -> str | None:
+    """``model.revision`` when ``path`` is ``model.name`` itself (the reference and tokenizer of a run load it too)."""
+    options = _OPTIONS.get()
+    if options is None or not options.revision or path != options.name:
+        return None
+    return options.revision
+
+
+def _dtype():
+    """The dtype models load in (``model.dtype``): float32 unless the run says otherwise; ``"auto"`` as is."""
+    import torch
+
+    options = _OPTIONS.get()
+    name = options.dtype if options is not None else "float32"
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def _apply_chat_template(tokenizer, field: str) -> None:
+    options = _OPTIONS.get()
+    if options is not None and options.chat_template:
+        from oxrl_core.chat_templates import chat_template_text  # lazy: only a run that sets model.chat_template
+
+        tokenizer.chat_template = chat_template_text(options.chat_template)
+
 
 #: what a model field takes, for the message when a value cannot even be looked up as a path
 MODEL_EXPECTED = "a model directory or a hub id"
@@ -148,9 +192,10 @@ def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool
             "copy the base model's tokenizer files into it (tokenizer.save_pretrained)"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=_revision(path))
     except Exception as exc:  # noqa: BLE001 - missing dir, offline hub, bad files: one message
         raise OxrlError(f"{field}: cannot load a tokenizer from '{path}': {type(exc).__name__}: {exc}") from None
+    _apply_chat_template(tokenizer, field)
     if tokenizer.eos_token_id is None:
         raise OxrlError(f"{field}: the tokenizer at '{path}' has no EOS token; completions end with EOS")
     if tokenizer.pad_token_id is None:
@@ -217,9 +262,9 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     reporter=None,
 ):
-    """A causal LM in fp32; a checkpoint whose weights do not fit the class is refused (`check_loading`).
+    """A causal LM in float32 (or ``model.dtype`` within `model_options`); a checkpoint whose weights do not
+    fit the class is refused (`check_loading`).
     ``reporter`` (a `progress.Reporter`) shows that it is loading (a spinner, or one line)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
@@ -229,7 +274,8 @@ def load_causal_lm(
         with activity(reporter, f"loading {field} {path}"):
             model, info = AutoModelForCausalLM.from_pretrained(
                 path,
-                dtype=torch.float32,
+                dtype=_dtype(),
+                revision=_revision(path),
                 attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code,
                 output_loading_info=True,
@@ -273,7 +319,8 @@ def load_score_model(
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 path,
                 num_labels=1,
-                dtype=torch.float32,
+                dtype=_dtype(),
+                revision=_revision(path),
                 attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code,
                 output_loading_info=True,

@@ -49,6 +49,18 @@ KINDS = {
 }
 
 
+#: names users bring from other frameworks: (kind, name) -> (the oxRL plugin it runs, a one-line note on how
+#: they differ). An alias applies only where no installed plugin registers the name itself.
+ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("algorithm", "grpo"): (
+        "sgrpo",
+        "'grpo' runs oxRL's sgrpo: GRPO's group z-score advantages and clipped ratio, with clip-higher "
+        "(ε_high 0.28 > ε_low 0.2), one token-level mean over the batch instead of GRPO's per-sequence mean, and no "
+        "reference KL by default (GRPO's β > 0: set alg.kl_coeff, e.g. 0.04)",
+    ),
+}
+
+
 @dataclass
 class Registration:
     kind: str
@@ -194,6 +206,21 @@ class Registry:
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         listing = f" Installed: {', '.join(known)}." if known else f" No {label} plugins are installed."
         raise PluginError(f"unknown {label} '{name}'.{hint}{listing} (see `oxrl plugins`)")
+
+    def resolve_alias(self, kind: str, name: str) -> tuple[str, str]:
+        """``name``, or the plugin it is an alias of (`ALIASES`) with the note saying how they differ ('' if none)."""
+        target = ALIASES.get((kind, name))
+        if target is None or self.has(kind, name) or not self.has(kind, target[0]):
+            return name, ""
+        return target
+
+    def alias_rows(self) -> list[dict]:
+        """The aliases that apply here (their plugin installed, the name not taken), for `oxrl plugins`."""
+        rows = []
+        for (kind, name), (target, note) in ALIASES.items():
+            if self.resolve_alias(kind, name)[0] != name:
+                rows.append({"kind": kind, "name": name, "alias_of": target, "note": note})
+        return rows
 
     def has(self, kind: str, name: str) -> bool:
         """Whether ``name`` is registered (ambiguous or not), or is a ``package:name`` that picks a registration."""

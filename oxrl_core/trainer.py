@@ -28,10 +28,11 @@ from oxrl_core.config import (
 from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
 from oxrl_core.errors import OxrlError
+from oxrl_core.inputs import INPUTS_DIR, Inputs, is_loaded_model, is_rows, rows_as_jsonl
 from oxrl_core.interfaces import Algorithm
 from oxrl_core.launcher import launch
 from oxrl_core.loops.result import RunResult
-from oxrl_core.models import check_model_path
+from oxrl_core.models import check_model_path, model_options
 
 
 def _section_overrides(sections: dict[str, Any]) -> list[str]:
@@ -153,11 +154,14 @@ class Trainer:
         resume: bool = False,
         quiet: bool = False,
         force_config: bool = False,
+        tokenizer: Any = None,
+        eval_data: Any = None,
         **sections: Any,
     ):
         self.resume = resume
         self.force_config = force_config
         self.quiet = quiet
+        model, data = self._in_memory(model, data, tokenizer, eval_data)
         named: dict[str, Any] = {}
         for section, value, key in (("model", model, "name"), ("data", data, "train")):
             if isinstance(value, dict):  # model={"name": ..., "ref": ...}: the whole section
@@ -173,9 +177,13 @@ class Trainer:
                 plugins.Registration("algorithm", alg.name, alg, plugin=alg.name, package=alg.__module__, version="")
             )
             alg = alg.name
+        if alg:
+            alg = self._alias(alg)
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
         self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
+        if not alg and self._alias(self.config.algorithm) != self.config.algorithm:  # `algorithm: grpo` in a YAML
+            alg = self.config.algorithm = self._alias(self.config.algorithm, note=False)
         self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
         if self.algorithm_cls.needs_rollouts:  # tiny-model defaults of the RL loop (and of its environment)
             self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_RL_DEFAULTS)
@@ -198,6 +206,62 @@ class Trainer:
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.run_dir = Path("runs") / f"{_dir_name(self.config.algorithm)}-{stamp}"
+
+    def _in_memory(self, model, data, tokenizer, eval_data) -> tuple[Any, Any]:
+        """Rows held in memory (a list of row dicts, a `datasets.Dataset`) as data / eval_data, and a loaded model
+        with its tokenizer: kept in `self.inputs` and named by a placeholder until the run directory exists
+        (`_write_inputs` writes them there and the config names those files)."""
+        self.inputs = Inputs()
+        if is_loaded_model(model):
+            if tokenizer is None:
+                raise OxrlError(
+                    f"model=<{type(model).__name__}>: a loaded model needs its tokenizer too: Trainer(model=model, "
+                    "tokenizer=tokenizer, ...)"
+                )
+            self.inputs.model, self.inputs.tokenizer = model, tokenizer
+            model = {"name": self.inputs.placeholder("model")}
+        elif tokenizer is not None:
+            raise OxrlError(
+                "tokenizer= goes with a loaded model (model=<a transformers model>); with a model name or directory "
+                "the tokenizer loads from it (model.chat_template sets its template)"
+            )
+        if is_rows(data) and isinstance(data, dict):  # a DatasetDict: refused by rows_as_jsonl, naming its splits
+            rows_as_jsonl(data, "data")
+        if not (is_rows(data) or isinstance(data, dict) or eval_data is not None):
+            return model, data
+        section = dict(data) if isinstance(data, dict) else ({} if data is None else {"train": data})
+        if eval_data is not None:
+            section["eval"] = eval_data
+        for key in ("train", "eval"):
+            value = section.get(key)
+            if is_rows(value):
+                label = "eval_data" if key == "eval" and eval_data is not None else f"data.{key}"
+                self.inputs.rows[key] = rows_as_jsonl(value, label)
+                section[key] = self.inputs.placeholder(key)
+            elif isinstance(value, (list, tuple)):
+                section[key] = sources_argument(value)
+            elif isinstance(value, Path):
+                section[key] = str(value)
+        return model, section
+
+    def _write_inputs(self) -> None:
+        """In-memory rows and model into ``<run>/inputs/``; the config (and config.yaml) names those files."""
+        if not (self.inputs.rows or self.inputs.model is not None):
+            return
+        for section, path in self.inputs.write(self.run_dir, self.resume).items():
+            if section == "model":
+                self.config.model.name = path
+            else:
+                setattr(self.config.data, section, path)
+        self._note(f"in-memory inputs written to {self.run_dir / INPUTS_DIR}")
+        self.inputs = Inputs()  # nothing held in memory travels on (data-parallel ranks read the files)
+
+    def _alias(self, name: str, note: bool = True) -> str:
+        """The algorithm an alias such as `grpo` runs (`plugins.ALIASES`), with a one-line note on the difference."""
+        resolved, why = self.registry.resolve_alias("algorithm", name)
+        if why and note:
+            self._note(f"[yellow]note:[/yellow] {why}")
+        return resolved
 
     @staticmethod
     def _run_dir(alg, config, output_dir, resume) -> tuple[Path | None, dict | None]:
@@ -273,7 +337,10 @@ class Trainer:
                 done = self._completed() if self.resume else None
                 if done is not None:
                     return done
-                ckpt = self._resume_point() if self.resume else self._fresh_start()  # (a fresh start: None)
+                if not self.resume:
+                    self._fresh_start()
+                self._write_inputs()  # in-memory rows / model into <run>/inputs/ (after a refusal could come)
+                ckpt = self._resume_point() if self.resume else None
                 write_text_atomic(run_dir / "config.yaml", dump_yaml(self.config))
                 stop_file = run_dir / lifecycle.STOP_FILE  # a data-parallel run's stop request (see launcher)
                 stop_file.unlink(missing_ok=True)
@@ -293,7 +360,11 @@ class Trainer:
             done = json.loads(summary.read_text())
         except (OSError, ValueError):
             return None  # unreadable: judged by the checkpoints below
-        if done.get("steps", 0) < self.config.train.max_steps:
+        if self.config.train.epochs is not None:  # the steps follow from the data: complete if epochs did not change
+            saved = read_yaml(run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else {}
+            if _dotted(saved, "train.epochs") != self.config.train.epochs:
+                return None
+        elif done.get("steps", 0) < self.config.train.max_steps:
             return None
         Console(stderr=True, soft_wrap=True).print(
             f"{run_dir} is already complete ({done['steps']} steps); nothing to resume", highlight=False
@@ -345,7 +416,7 @@ class Trainer:
             self._note(f"--resume: {run_dir} has no step done yet; starting from step 0")
             return None
         step = int(STEP_DIR.match(ckpt.name).group(1))
-        if self.config.train.max_steps < step:
+        if self.config.train.epochs is None and self.config.train.max_steps < step:
             raise OxrlError(
                 f"--resume: train.max_steps={self.config.train.max_steps} is below step {step} of {ckpt}; "
                 f"set train.max_steps to at least {step + 1} to train further"
@@ -387,7 +458,12 @@ class Trainer:
             Console(stderr=True, soft_wrap=True).print(message, highlight=False)
 
     def run_loop(self, ckpt: Path | None) -> RunResult:
-        """The algorithm family's loop, in this process (one rank of a data-parallel run, or the whole run)."""
+        """The algorithm family's loop, in this process (one rank of a data-parallel run, or the whole run);
+        models and tokenizers load with the run's ``model.revision`` / ``dtype`` / ``chat_template``."""
+        with model_options(self.config.model):
+            return self._run_loop(ckpt)
+
+    def _run_loop(self, ckpt: Path | None) -> RunResult:
         family = self.algorithm_cls.family
         if self.algorithm_cls.needs_rollouts:
             from oxrl_core.loops.rl import run_rl  # lazy: the loops import torch

@@ -144,11 +144,11 @@ def test_unknown_source_suggests_plugin(tmp_path):
 
 
 def test_unsupported_file_type(tmp_path):
-    path = tmp_path / "d.csv"
-    path.write_text("prompt,response\na,b\n")
+    path = tmp_path / "d.tsv"  # (.csv is read since issue 18)
+    path.write_text("prompt\tresponse\na\tb\n")
     with pytest.raises(OxrlError) as exc:
         load_source(str(path), "train")
-    assert_names(exc, str(path), ".csv")
+    assert_names(exc, str(path), ".tsv")
 
 
 # ----------------------------------------------------------------------------- normalise_row

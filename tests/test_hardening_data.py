@@ -113,15 +113,17 @@ def test_names_longer_than_the_file_system_allows_name_the_field(tmp_path, sft_j
         assert not run.exists()
 
 
-def test_python_api_refuses_rows_and_takes_a_list_of_sources(sft_jsonl):
-    """`Trainer(data=[rows])` says to write them to a JSONL file (it used to become a file name too long);
-    `Trainer(data=[paths])` is a mixture, as data.train takes it."""
+def test_python_api_takes_rows_or_a_list_of_sources_not_both(sft_jsonl):
+    """`Trainer(data=[rows])` is rows (it used to become a file name too long; issue 18 takes them, see
+    test_conveniences.py); a list mixing rows and sources is refused; `Trainer(data=[paths])` is a mixture,
+    as data.train takes it."""
     from oxrl_core import Trainer
 
+    assert Trainer(alg="sft", data=[{"prompt": "2+2?", "response": "4"}] * 3).config.data.train == "<in-memory: 3 rows>"
     with pytest.raises(
-        OxrlError, match=r"data\[0\]: expected a data source .*a row with keys \['prompt', 'response'\].*JSONL"
+        OxrlError, match=r"data\[1\]: expected a data source .*a row with keys \['prompt', 'response'\].*not both"
     ):
-        Trainer(alg="sft", data=[{"prompt": "2+2?", "response": "4"}] * 3)
+        Trainer(alg="sft", data=[sft_jsonl, {"prompt": "2+2?", "response": "4"}])
     trainer = Trainer(alg="sft", data=[sft_jsonl, {"source": str(sft_jsonl), "ratio": 2}])
     assert [getattr(s, "source", s) for s in trainer.config.data.train] == [str(sft_jsonl), str(sft_jsonl)]
 

@@ -28,7 +28,8 @@ PACKAGE = "oxrl_core"
 LAYERS: dict[int, tuple[str, ...]] = {
     # L0 leaves: nothing of oxRL but each other (errors); no torch at import
     0: ("oxrl_core", "oxrl_core.errors", "oxrl_core.schema", "oxrl_core.ops", "oxrl_core.atomic",
-        "oxrl_core.hookspecs", "oxrl_core.hf_env", "oxrl_core.user_code", "oxrl_core.tool_parsers"),
+        "oxrl_core.hookspecs", "oxrl_core.hf_env", "oxrl_core.user_code", "oxrl_core.tool_parsers",
+        "oxrl_core.chat_templates"),
     # L1 the contracts: plugin interfaces, batch types, the engine protocol
     1: ("oxrl_core.interfaces",),
     # L2 the run configuration (YAML schema)
@@ -39,6 +40,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "oxrl_core.distributed", "oxrl_core.checkpoint", "oxrl_core.lora", "oxrl_core.tracking",
         "oxrl_core.perf", "oxrl_core.sync", "oxrl_core.critic", "oxrl_core.token_head",
         "oxrl_core.packed_attention", "oxrl_core.rewards", "oxrl_core.evaluation", "oxrl_core.scoring",
+        "oxrl_core.inputs",
         "oxrl_core.plugins", "oxrl_core.builtin_plugins", "oxrl_core.lifecycle", "oxrl_core.progress"),
     # L4 the loops (every module of oxrl_core.loops) and the rollout actors they drive
     4: ("oxrl_core.loops", "oxrl_core.loops.*", "oxrl_core.rollout_actors"),

@@ -276,6 +276,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         if spec.head == "lm" and can_verify(eval_dataset):
             eval_rows = [r for r in held_out.rows if "prompt" in r]
     _check_options(cfg, algorithm, fmt)
+    run.steps_from_epochs(len(train.examples), "rows")  # train.epochs: the steps follow from the data
 
     # ---- models; the fast path (packing, shared prompts) is chosen here, once
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation

@@ -65,6 +65,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
     if dropped:
         run.info(f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}")
+    run.steps_from_epochs(len(rows), "prompts", accum=1)  # train.epochs: one pass = every prompt once
     held_out = eval_source(cfg.data, run.registry, train_source)
     eval_rows, eval_ids = (
         ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]

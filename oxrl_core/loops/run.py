@@ -178,6 +178,11 @@ class Run:
             f"[bold]oxrl {self.cfg.algorithm}[/bold] · model {self.cfg.model.name or label} "
             f"({count_parameters(model) / 1e6:.2f}M params, {self.engine.device}) · data {data} · "
             f"run dir {self.run_dir} · {self.saver.describe()}"
+            + (
+                f" · {self.cfg.train.max_steps} steps ({self.cfg.train.epochs:g} epochs)"
+                if self.cfg.train.epochs
+                else ""
+            )
         )
 
     # ---- evaluation
@@ -206,6 +211,20 @@ class Run:
         cfg = self.cfg
         group = cfg.data.group_by_length and group_by_length
         return make_plan(source, sources, lengths, cfg.train.batch_size, cfg.train.seed, group)
+
+    def steps_from_epochs(self, rows: int, what: str, accum: int | None = None) -> None:
+        """With train.epochs, train.max_steps from the data: ⌈epochs × ⌈rows / batch_size⌉ / accum⌉ steps (a micro-
+        batch is train.batch_size rows, a step ``accum`` of them: train.grad_accum_steps, 1 for RL's prompts).
+        Called once the data has loaded and before the engine, whose learning-rate schedule spans the steps."""
+        train = self.cfg.train
+        if train.epochs is None:
+            return
+        accum = train.grad_accum_steps if accum is None else accum
+        per_epoch = -(-rows // train.batch_size) / accum  # optimiser steps per pass over the data
+        train.max_steps = max(1, math.ceil(train.epochs * per_epoch - 1e-9))
+        self.info(
+            f"train.epochs={train.epochs:g}: {train.max_steps} steps ({rows} {what}, {train.batch_size * accum} a step)"
+        )
 
     def draw(self, plan, row_tokens, packing: bool) -> list[list[int]]:
         """The next optimiser step's micro-batches (train.grad_accum_steps of them, as the plan deals

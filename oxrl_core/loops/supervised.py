@@ -72,6 +72,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     eval_examples, eval_rows, eval_dataset = _eval_data(cfg, run.registry, train_source, spec.data_format, tokenizer)
     lengths = [len(e["input_ids"]) for e in train.examples]
     plan = run.plan(train_source, [e["_source"] for e in train.examples], lengths)
+    run.steps_from_epochs(len(train.examples), "examples")  # train.epochs: the steps follow from the data
     for note in train.notes(cfg.data.max_length):  # too-long prompts, conversations split per assistant turn
         run.info(f"[yellow]note:[/yellow] {note}")
 

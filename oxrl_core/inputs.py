@@ -1,0 +1,111 @@
+"""What the Python API takes beside names and paths: rows held in memory (a list of row dicts or a
+`datasets.Dataset`) and an already-loaded transformers model with its tokenizer.
+
+A run's config names its data and model so that ``config.yaml`` says what was trained and ``--resume`` finds
+it again; so in-memory inputs are written into the run directory when the run starts (``inputs/train.jsonl``,
+``inputs/eval.jsonl``, ``inputs/model/``) and the config names those files. Until then (while `Trainer`
+checks the config, before the run directory exists) the config holds a placeholder such as
+``<in-memory: 120 rows>``. Rows are turned into JSON lines at once, so a value JSON cannot hold is refused
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oxrl_core.atomic import write_text_atomic
+from oxrl_core.errors import OxrlError
+
+INPUTS_DIR = "inputs"
+PLACEHOLDER = "<in-memory"
+
+
+def is_rows(value: Any) -> bool:
+    """A `datasets.Dataset`, or a non-empty list / tuple of row dicts (none a ``{source, ratio}`` mapping)."""
+    if _is_hf_dataset(value):
+        return True
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and all(isinstance(item, dict) for item in value)
+        and not any("source" in item for item in value)
+    )
+
+
+def _is_hf_dataset(value: Any) -> bool:
+    return type(value).__module__.startswith("datasets.") and type(value).__name__ in ("Dataset", "DatasetDict")
+
+
+def is_loaded_model(value: Any) -> bool:
+    """A model object (anything with ``save_pretrained`` that is not a name or a section mapping)."""
+    return not isinstance(value, (str, Path, dict)) and value is not None and hasattr(value, "save_pretrained")
+
+
+def rows_as_jsonl(value: Any, field: str) -> tuple[str, int]:
+    """The rows as JSONL text and their count; a row that is not a mapping of JSON values names its index."""
+    if type(value).__name__ == "DatasetDict":
+        raise OxrlError(
+            f"{field}: a DatasetDict holds several splits ({', '.join(value)}); pass one each: "
+            "data=ds['train'], eval_data=ds['test']"
+        )
+    rows = value.to_list() if _is_hf_dataset(value) else list(value)
+    if not rows:
+        raise OxrlError(f"{field}: the rows are empty")
+    lines = []
+    for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise OxrlError(f"{field}: row {i}: expected a dict of fields, got {type(row).__name__}")
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise OxrlError(
+                f"{field}: row {i}: a value cannot be stored as JSON ({exc}); rows hold strings, numbers, booleans, "
+                "lists and dicts"
+            ) from None
+    return "".join(line + "\n" for line in lines), len(rows)
+
+
+@dataclass
+class Inputs:
+    """The in-memory inputs of one `Trainer`: ``rows[section] = (jsonl text, count)`` and the model pair."""
+
+    rows: dict[str, tuple[str, int]] = field(default_factory=dict)
+    model: Any = None
+    tokenizer: Any = None
+
+    def placeholder(self, section: str) -> str:
+        if section == "model":
+            return f"{PLACEHOLDER}: {type(self.model).__name__}>"
+        return f"{PLACEHOLDER}: {self.rows[section][1]} rows>"
+
+    def path(self, run_dir: Path, section: str) -> Path:
+        return run_dir / INPUTS_DIR / ("model" if section == "model" else f"{section}.jsonl")
+
+    def write(self, run_dir: Path, resume: bool) -> dict[str, str]:
+        """Write the inputs into ``run_dir/inputs/``; returns ``{"model" | "train" | "eval": path}``.
+
+        On --resume the files are already there: rows must be the ones the run trained on (else a refusal), the
+        model directory is kept as it is (the checkpoint holds the trained weights)."""
+        written = {}
+        for section, (text, count) in self.rows.items():
+            path = self.path(run_dir, section)
+            if resume and path.is_file():
+                if path.read_text(encoding="utf-8") != text:
+                    raise OxrlError(
+                        f"--resume: the {count} in-memory {section} rows differ from those {run_dir} trained on "
+                        f"({path}); pass the same rows, or nothing and data.{section}={path}"
+                    )
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_text_atomic(path, text)
+            written[section] = str(path)
+        if self.model is not None:
+            path = self.path(run_dir, "model")
+            if not (resume and (path / "config.json").is_file()):
+                self.model.save_pretrained(path)
+                self.tokenizer.save_pretrained(path)
+            written["model"] = str(path)
+        return written
