@@ -133,22 +133,17 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
 def doctor():
     """Check the environment: torch/CUDA, DeepSpeed, Ray, vLLM, trackers, and plugins that failed to load."""
     # lazy: `oxrl doctor` imports its checks only when it runs (keeps `oxrl --help` light)
-    from oxrl_core.doctor import checks
+    from oxrl_core.doctor import table_rows
     from oxrl_core.plugins import discover
 
     table = Table(title="oxRL doctor")
     for column in ("component", "status", "detail"):
         table.add_column(column)
-    for name, ok, detail in checks():
-        table.add_row(name, "[green]ok[/green]" if ok else "[yellow]missing[/yellow]", detail)
     registry = discover()
-    counts = {kind: len(names) for kind, names in registry.entries.items()}
+    for name, ok, detail in table_rows(registry):
+        bad = "[red]errors[/red]" if name == "plugins" else "[yellow]missing[/yellow]"
+        table.add_row(name, "[green]ok[/green]" if ok else bad, detail)
     clashes = registry.clash_rows()
-    table.add_row(
-        "plugins",
-        "[green]ok[/green]" if not (registry.errors or clashes) else "[red]errors[/red]",
-        ", ".join(f"{n} {k}s" for k, n in counts.items()),
-    )
     out.print(table)
     for clash in clashes:
         out.print(
@@ -286,6 +281,26 @@ def new_plugin(
     if warning:
         err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)
     out.print(next_steps(root, name, kind, ambiguous=bool(warning)), highlight=False, soft_wrap=True)
+
+
+@app.command("bug-report")
+def bug_report(
+    run_dir: Optional[Path] = typer.Argument(
+        None, help="a run directory (runs/<alg>-...); without it: versions and plugins only"
+    ),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="write the markdown here (default: stdout)"),
+    redact_paths: bool = typer.Option(False, "--redact-paths", help="also write paths under your home directory as ~"),
+    metrics: int = typer.Option(5, "--metrics", min=0, help="how many of the last metrics.jsonl lines to include"),
+):
+    """Write a ready-to-paste markdown issue body: versions, plugins, and a run's config, last error with its
+    traceback and last metrics; secrets (tokens, keys, passwords) redacted. Nothing is uploaded."""
+    # lazy: only `oxrl bug-report` needs it (it runs the doctor's checks, which import torch)
+    from oxrl_core.bug_report import bug_report as report
+    from oxrl_core.bug_report import write
+
+    write(report(run_dir, redact_paths=redact_paths, metrics=metrics), output)
+    if output is not None:
+        err.print(f"wrote {escape(str(output))}: read it through, then paste it into a new issue", highlight=False)
 
 
 def main() -> None:

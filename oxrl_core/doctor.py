@@ -69,3 +69,11 @@ def checks() -> list[tuple[str, bool, str]]:
                 version += f" (accelerator {accelerator.device_name()}, training collectives over {'nccl' if _cuda() else 'gloo'})"
         rows.append((label, True, version))
     return rows
+
+
+def table_rows(registry) -> list[tuple[str, bool, str]]:
+    """`checks` and a last row for the plugins (how many of each kind; not ok on a load error or a name
+    clash): the table `oxrl doctor` prints and `oxrl bug-report` pastes."""
+    counts = {kind: len(names) for kind, names in registry.entries.items()}
+    ok = not (registry.errors or registry.clash_rows())
+    return [*checks(), ("plugins", ok, ", ".join(f"{n} {k}s" for k, n in counts.items()))]

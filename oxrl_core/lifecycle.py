@@ -38,9 +38,11 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from oxrl_core import distributed
+from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import dump_yaml
 from oxrl_core.errors import OxrlError
 
@@ -403,3 +405,45 @@ def finished(result):
             signum, f"interrupted after the last step ({result.steps}); final/ was saved and the run is complete"
         )
     return result
+
+
+# ---------------------------------------------------------------- the error log
+
+#: a failed run's traceback, kept in its run directory (the terminal shows only the one-line message)
+ERROR_LOG = "error.log"
+#: the error log's first line, which `oxrl bug-report` reads
+ERROR_LOG_HEADER = "oxrl run failed"
+
+
+@contextlib.contextmanager
+def error_log(run_dir: Path):
+    """Keep the traceback of a run that fails in ``<run>/error.log``, written atomically (a newer failure
+    replaces it). The terminal still shows only the one-line message of an `OxrlError`; `oxrl bug-report`
+    puts the traceback into an issue. A stop that was asked for (Ctrl-C, SIGTERM) is not a failure."""
+    try:
+        yield
+    except (Interrupted, StopNow, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        if distributed.is_main():
+            with contextlib.suppress(OSError):
+                write_text_atomic(Path(run_dir) / ERROR_LOG, describe_failure(exc))
+        raise
+
+
+def describe_failure(exc: BaseException) -> str:
+    """When and where the run failed, the error's one line, and the whole traceback — with the exceptions that
+    ``raise ... from None`` hides on the terminal (the error a loader or a plugin raised first)."""
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    parts = [
+        f"{ERROR_LOG_HEADER} at {when} (pid {os.getpid()} on {socket.gethostname()})\n",
+        f"command: {_command_line()}\n",
+        f"error: {type(exc).__name__}: {exc}\n\n",
+        *traceback.format_exception(exc),
+    ]
+    seen, hidden = {id(exc)}, exc.__context__ if exc.__suppress_context__ else None
+    while hidden is not None and id(hidden) not in seen:
+        seen.add(id(hidden))
+        parts += ["\nraised while handling (hidden on the terminal):\n\n", *traceback.format_exception(hidden)]
+        hidden = hidden.__context__ if hidden.__suppress_context__ else None
+    return "".join(parts)

@@ -333,7 +333,7 @@ class Trainer:
             if not self.resume:
                 self._refuse_existing_run()  # before the lock, whose holder record a refused run should not rewrite
             _make_run_dir(run_dir)
-            with lifecycle.RunLock(run_dir):
+            with lifecycle.RunLock(run_dir), lifecycle.error_log(run_dir):  # a failure's traceback: error.log
                 done = self._completed() if self.resume else None
                 if done is not None:
                     return done

@@ -48,7 +48,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     5: ("oxrl_core.trainer", "oxrl_core.launcher"),
     # L6 the command line and the commands beside `oxrl run`
     6: ("oxrl_core.cli", "oxrl_core.doctor", "oxrl_core.scaffold", "oxrl_core.eval_command",
-        "oxrl_core.check_model"),
+        "oxrl_core.check_model", "oxrl_core.bug_report"),
 }  # fmt: skip
 
 LAZY_MARK = "lazy:"
