@@ -177,6 +177,26 @@ def score(
     score_file(reward, data, output, set_, console=err)
 
 
+@app.command()
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="one or more run directories (several: their curves overlaid)"),
+    output: Optional[Path] = typer.Option(
+        None,
+        "--output",
+        "-o",
+        help="the HTML file (default: RUN_DIR/report.html for one run, ./report.html for several)",
+    ),
+):
+    """Write one self-contained HTML report (opens from disk, offline): config and versions, warnings, the
+    curves of the run's algorithm, held-out metrics, and for RL runs a rollout viewer."""
+    # lazy: only `oxrl report` reads runs (keeps `oxrl --help` light)
+    from oxrl_core.report import write_report
+
+    target = output or (run_dirs[0] / "report.html" if len(run_dirs) == 1 else Path("report.html"))
+    path = write_report(run_dirs, target)
+    out.print(f"report written to {escape(str(path))}", highlight=False, soft_wrap=True)
+
+
 @app.command("eval")
 def eval_(
     model: str = typer.Option(..., "--model", "-m", help="a model directory (e.g. runs/sft-.../final) or hub id"),

@@ -378,6 +378,12 @@ class LoggingConfig(StrictModel):
     wandb: bool = False
     wandb_project: str = "oxrl"
     run_name: str = ""
+    rollout_samples_every: int = Field(
+        10,
+        ge=0,
+        description="RL: every N steps (and the first and last) a sample of rollouts with per-token values goes "
+        "to <run>/rollouts.jsonl for `oxrl report`'s viewer (2 prompts × 4 samples; 0 = off)",
+    )
 
 
 class RunConfig(StrictModel):

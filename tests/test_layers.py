@@ -41,14 +41,15 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "oxrl_core.perf", "oxrl_core.sync", "oxrl_core.critic", "oxrl_core.token_head",
         "oxrl_core.packed_attention", "oxrl_core.rewards", "oxrl_core.evaluation", "oxrl_core.scoring",
         "oxrl_core.inputs",
-        "oxrl_core.plugins", "oxrl_core.builtin_plugins", "oxrl_core.lifecycle", "oxrl_core.progress"),
+        "oxrl_core.plugins", "oxrl_core.builtin_plugins", "oxrl_core.lifecycle", "oxrl_core.progress",
+        "oxrl_core.health", "oxrl_core.rollout_log"),
     # L4 the loops (every module of oxrl_core.loops) and the rollout actors they drive
     4: ("oxrl_core.loops", "oxrl_core.loops.*", "oxrl_core.rollout_actors"),
     # L5 the run: the trainer (start-up checks, the loop for the algorithm) and the multi-rank launcher
     5: ("oxrl_core.trainer", "oxrl_core.launcher"),
     # L6 the command line and the commands beside `oxrl run`
     6: ("oxrl_core.cli", "oxrl_core.doctor", "oxrl_core.scaffold", "oxrl_core.eval_command",
-        "oxrl_core.check_model", "oxrl_core.bug_report"),
+        "oxrl_core.check_model", "oxrl_core.report", "oxrl_core.bug_report"),
 }  # fmt: skip
 
 LAZY_MARK = "lazy:"

@@ -49,6 +49,7 @@ from oxrl_core.ops import k3_kl, masked_mean_value
 from oxrl_core.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
 from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward
 from oxrl_core.rollout_hf import check_generation_length
+from oxrl_core.rollout_log import RolloutLog
 from oxrl_core.sync import SyncCheck, check_logprob_diff, default_max_logprob_diff, tis_weight
 
 # ----------------------------------------------------------------------------- the loop
@@ -172,6 +173,10 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
     update = Update(run, model, ref, critic, shared)
     reward_watch = RewardWatch(ro.max_reward_error_share, ro.reward_error_steps)
     shards = cfg.engine.rollout_shards or world_size()
+    # rollouts.jsonl: a bounded sample of the rollouts every logging.rollout_samples_every steps (the report's viewer)
+    rollout_log = RolloutLog(
+        run.run_dir, cfg.logging.rollout_samples_every, cfg.train.max_steps, tokenizer, run.start_step if ckpt else None
+    )
 
     def step(step: int) -> dict:
         nonlocal version
@@ -214,7 +219,10 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do, not the next one
 
         # 4-6. old/ref logprobs, advantages (ALGO), rollout.epochs × rollout.minibatches updates (ALGO inside)
-        record = update(step, batch)
+        logged = rollout_log.due(step)
+        record = update(step, batch, keep_entropy=logged)
+        if logged:
+            rollout_log.write(step, prompts, completions, scores, {**batch, "entropy_old": update.entropy_old}, ro.n)
 
         # 7. the weight sync (the policy version + 1)
         version += 1
@@ -247,7 +255,12 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         )
         return record
 
-    records = run.train(model, step, close=backend.close if backend is not None else None)
+    def close() -> None:
+        rollout_log.close()
+        if backend is not None:
+            backend.close()
+
+    records = run.train(model, step, close=close)
     return run.finish(model, tokenizer, records, None, final_loss=False, extra=extra_files if critic else None)
 
 
@@ -262,8 +275,9 @@ class Update:
         self.ro, self.seed, self.token_budget = ro, run.cfg.train.seed, run.cfg.train.max_tokens_per_micro_batch
         # the forward pass, chosen once: the samples of a prompt share it (packed), or padded rows
         self.forward = lambda module, critic, mb: policy_forward(module, critic, mb, ro.temperature, shared)
+        self.entropy_old: torch.Tensor | None = None  # (B, T) of the last batch, when kept (rollouts.jsonl)
 
-    def __call__(self, step: int, batch: dict) -> dict:
+    def __call__(self, step: int, batch: dict, keep_entropy: bool = False) -> dict:
         algorithm, ro = self.algorithm, self.ro
         # a loss that compares the samples of one prompt gets whole groups, in order
         unit = batch["group_size"] if algorithm.loss_on_groups else 1
@@ -274,7 +288,7 @@ class Update:
         single_pass = ro.epochs == 1 and ro.minibatches == 1 and parts.single()
 
         # 4. old / reference logprobs (and values); the rollout checks
-        fresh = self.old_logprobs(batch, parts, unit, single_pass)
+        fresh = self.old_logprobs(batch, parts, unit, single_pass, keep_entropy)
         metrics = self.rollout_checks(step, batch)
         # 5. advantages
         added, adv_metrics = algorithm.advantages(batch)  # ALGO: the algorithm's advantage estimator
@@ -300,10 +314,14 @@ class Update:
         inverse = torch.argsort(torch.tensor(order))  # token-budget micro-batches need not be in row order
         return {k: torch.cat([o[k] for o in outs])[inverse.to(outs[0][k].device)] for k in keys}
 
-    def old_logprobs(self, batch: dict, parts: MicroBatches, unit: int, single_pass: bool) -> dict | None:
-        """``logp_ref``, ``logp_old`` and (with a critic) ``values`` (B, T) added to ``batch``. In a single
-        pass, returns the training forward (with gradients) that produced ``logp_old``."""
+    def old_logprobs(
+        self, batch: dict, parts: MicroBatches, unit: int, single_pass: bool, keep_entropy: bool = False
+    ) -> dict | None:
+        """``logp_ref``, ``logp_old`` and (with a critic) ``values`` (B, T) added to ``batch`` (and with
+        ``keep_entropy`` the policy's entropy (B, T) kept in ``self.entropy_old``). In a single pass,
+        returns the training forward (with gradients) that produced ``logp_old``."""
         critic, B, fresh = self.critic, parts.B, None
+        self.entropy_old = None
         with self.engine.autocast():
             if self.ref is not None:
                 with torch.no_grad():
@@ -312,13 +330,16 @@ class Update:
                 mine, padding = shard(list(range(B)), unit)  # this rank's rows (all of them in one process)
                 fresh = self.forward(self.model, critic, parts.rows_of(mine))
                 batch["logp_old"] = gather_rows(fresh["logp"].detach(), [] if padding else mine, B)
+                if keep_entropy:
+                    self.entropy_old = gather_rows(fresh["entropy"].detach(), [] if padding else mine, B)
                 if critic is not None:
                     batch["values"] = gather_rows(fresh["values_new"].detach(), [] if padding else mine, B)
             else:
-                keys = ["logp"] + (["values_new"] if critic is not None else [])
+                keys = ["logp"] + (["values_new"] if critic is not None else []) + (["entropy"] if keep_entropy else [])
                 with torch.no_grad():
                     outs = self.forward_rows(self.model, critic, parts, unit, keys)
                 batch["logp_old"] = outs["logp"]
+                self.entropy_old = outs.get("entropy")
                 if critic is not None:
                     batch["values"] = outs["values_new"]
         return fresh

@@ -36,6 +36,7 @@ from oxrl_core.data import make_plan, regroup_by_tokens
 from oxrl_core.distributed import is_main, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
+from oxrl_core.health import check_run, print_summary, summary_rows, versions
 from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.loops.result import RunResult
 from oxrl_core.lora import apply_lora, start_path, trainable_summary
@@ -299,21 +300,17 @@ class Run:
             "train_seconds": time.perf_counter() - self.train_start,
             "eval_before": eval_before,
             "eval_after": eval_after,
+            "environment": {**versions(), "device": str(self.engine.device)},
         }
         if is_main():
             write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
-        if held_out is None and eval_after:
-            self.reporter.result(
-                "held-out: "
-                + ", ".join(
-                    f"{k} {eval_before.get(k, math.nan):.3f} before → {v:.3f} after" for k, v in eval_after.items()
-                )
-            )
-        for key, label in held_out or ():
-            if key in eval_after:
-                self.reporter.result(
-                    f"{label}: {eval_before.get(key, math.nan):.3f} before → {eval_after[key]:.3f} after"
-                )
+        # how the run went (`health`): a table shown even with --quiet, the outcome like the "done:" line
+        findings = check_run(records, summary)
+        if not self.reporter.silent:
+            rows = summary_rows(records, summary, findings, held_out, run_dir, final_dir)
+            print_summary(self.reporter.console, f"oxrl {cfg.algorithm}: how the run went", rows)
         loss = f", final loss {records[-1]['loss'] if records else math.nan:.4f}" if final_loss else ""
-        self.reporter.result(f"done: {cfg.train.max_steps} steps{loss}, model saved to {final_dir}")
+        errors = sum(f.level == "error" for f in findings)
+        flagged = f" · {errors} error(s), {len(findings) - errors} warning(s) above" if findings else ""
+        self.reporter.result(f"done: {cfg.train.max_steps} steps{loss}, model saved to {final_dir}{flagged}")
         return RunResult(run_dir, final_dir, cfg.train.max_steps, records, eval_before, eval_after)

@@ -1,0 +1,312 @@
+"""How a run went, read from its metrics: the warnings the end-of-run table and `oxrl report` show.
+
+`check_run(records, summary, max_steps)` looks at a run's per-step records (metrics.jsonl's lines, or
+the loop's own list) and its summary (held-out metrics before / after) and returns `Finding`s, worst
+first. Each check is one small function below; none needs torch. A check that lacks its metric (an SFT
+run has no reward) finds nothing.
+
+    error    the run is broken: non-finite values, a run that stopped early, a reward that never varies
+    warning  worth a look: entropy collapse, a growing trainer–rollout logprob gap, reward errors or
+             timeouts, most completions cut at the length limit, no held-out improvement
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from dataclasses import dataclass
+from importlib import metadata
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["HEADLINE", "Finding", "check_run", "is_finite", "print_summary", "series", "summary_rows", "versions"]
+
+#: held-out metrics that say whether training helped: (metric, higher is better)
+HEADLINE = (
+    ("eval/accuracy", True),
+    ("eval/rewards/accuracies", True),
+    ("eval/reward", True),
+    ("eval/reward_sampled", True),
+    ("eval/loss", False),
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error" | "warning"
+    code: str  # a stable name, e.g. "reward_constant"
+    message: str
+
+
+def versions() -> dict[str, str]:
+    """What a run ran on (summary.json's ``environment``; `oxrl report` shows it): read without importing torch."""
+    out = {"python": platform.python_version()}
+    for dist in ("oxrl", "torch", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def is_finite(value) -> bool:
+    """metrics.jsonl writes a non-finite float as the string 'nan' / 'inf' / '-inf'."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isfinite(value)
+    return True
+
+
+def series(records: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of ``key`` over the records that have it; a non-finite value is NaN."""
+    out = []
+    for r in records:
+        if key not in r or isinstance(r[key], bool):
+            continue
+        value = r[key]
+        if isinstance(value, str):
+            value = math.nan if not is_finite(value) else _float(value)
+        if isinstance(value, (int, float)):
+            out.append((int(r.get("step", len(out) + 1)), float(value)))
+    return out
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _stopped(records, summary, max_steps, error) -> list[Finding]:
+    if summary is not None or max_steps is None:
+        return []
+    last = max((int(r.get("step", 0)) for r in records), default=0)
+    if error and ("not finite" in error or "non-finite" in error):
+        return [Finding("error", "non_finite_stop", f"stopped by a non-finite value after step {last}: {error}")]
+    why = f"it failed: {error}" if error else "it ended with an error, e.g. a non-finite loss, or was interrupted"
+    return [Finding("error", "stopped", f"the run stopped at step {last} of {max_steps} with no summary.json ({why})")]
+
+
+def _non_finite(records, summary, max_steps, error) -> list[Finding]:
+    bad: dict[str, int] = {}  # metric -> first step where it is not finite
+    for r in records:
+        for key, value in r.items():
+            if not is_finite(value) and key not in bad:
+                bad[key] = int(r.get("step", 0))
+    for when in ("eval_before", "eval_after"):
+        for key, value in ((summary or {}).get(when) or {}).items():
+            if not is_finite(value) and key not in bad:
+                bad[key] = -1
+    if not bad:
+        return []
+    where = ", ".join(f"{k} (step {s})" if s >= 0 else f"{k} (held-out)" for k, s in list(bad.items())[:6])
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    return [Finding("error", "non_finite", f"non-finite values (NaN/inf): {where}{more}")]
+
+
+def _reward_constant(records, summary, max_steps, error) -> list[Finding]:
+    means, stds = series(records, "reward/mean"), dict(series(records, "reward/std"))
+    if not means or any(not math.isfinite(v) for _, v in means):
+        return []
+    # the trailing stretch of steps over which every sample scored the same value
+    value, since = means[-1][1], None
+    for step, mean in reversed(means):
+        if abs(mean - value) > 1e-9 or abs(stds.get(step, 0.0)) > 1e-9:
+            break
+        since = step
+    if since is None:
+        return []
+    stretch = sum(1 for s, _ in means if s >= since)
+    if stretch == len(means):
+        return [
+            Finding(
+                "error",
+                "reward_constant",
+                f"reward constant at {value:.3f} over all {len(means)} steps: every sample scored the same, so "
+                "every advantage is 0 and nothing is learned (check the reward, the prompt format, "
+                "rollout.max_new_tokens)",
+            )
+        ]
+    if stretch >= max(5, len(means) // 2):
+        return [
+            Finding(
+                "warning",
+                "reward_constant",
+                f"reward constant at {value:.3f} since step {since} ({stretch} steps): every sample scores the same",
+            )
+        ]
+    return []
+
+
+def _entropy_collapse(records, summary, max_steps, error) -> list[Finding]:
+    values = [v for _, v in series(records, "entropy") if math.isfinite(v)]
+    if len(values) < 4:
+        return []
+    k = max(1, len(values) // 10)
+    first, last = _mean(values[:k]), _mean(values[-k:])
+    if first > 0.05 and last < 0.1 * first:
+        return [
+            Finding(
+                "warning",
+                "entropy_collapse",
+                f"entropy collapsed from {first:.3f} to {last:.3f} nats/token: the policy has stopped exploring "
+                "(lower train.lr, raise rollout.temperature, or add a KL / entropy term)",
+            )
+        ]
+    return []
+
+
+def _logprob_gap_growing(records, summary, max_steps, error) -> list[Finding]:
+    values = [v for _, v in series(records, "rollout/logprob_diff") if math.isfinite(v)]
+    if len(values) < 6:
+        return []
+    third = len(values) // 3
+    first, last = _mean(values[:third]), _mean(values[-third:])
+    if last > 1e-3 and last > 2 * first:
+        return [
+            Finding(
+                "warning",
+                "logprob_gap_growing",
+                f"trainer–rollout logprob gap growing: rollout/logprob_diff {first:.2g} → {last:.2g} (first third → "
+                "last third of the run); the samples drift from the policy being trained (rollout.tis_cap corrects "
+                "for it, a precision mismatch causes it)",
+            )
+        ]
+    return []
+
+
+def _reward_failures(records, summary, max_steps, error) -> list[Finding]:
+    out = []
+    for prefix, what in (("reward", "reward"), ("env", "environment")):
+        errors = sum(v for _, v in series(records, f"{prefix}/errors") if math.isfinite(v))
+        timeouts = sum(v for _, v in series(records, f"{prefix}/timeouts") if math.isfinite(v))
+        if errors or timeouts:
+            unit = "rows" if prefix == "reward" else "episodes"
+            out.append(
+                Finding(
+                    "warning",
+                    f"{prefix}_failures",
+                    f"{what} errors in {errors:.0f} {unit} and timeouts in {timeouts:.0f} {unit} over the run "
+                    "(scored 0)",
+                )
+            )
+    return out
+
+
+def _clipped(records, summary, max_steps, error) -> list[Finding]:
+    values = [v for _, v in series(records, "response/clipped") if math.isfinite(v)]
+    if not values:
+        return []
+    last = _mean(values[-max(1, len(values) // 10) :])
+    if last > 0.5:
+        return [
+            Finding(
+                "warning",
+                "clipped",
+                f"{last:.0%} of completions cut at rollout.max_new_tokens at the end of the run: they are scored "
+                "unfinished (raise rollout.max_new_tokens)",
+            )
+        ]
+    return []
+
+
+def _no_held_out_gain(records, summary, max_steps, error) -> list[Finding]:
+    before, after = (summary or {}).get("eval_before") or {}, (summary or {}).get("eval_after") or {}
+    compared = [
+        (key, before[key], after[key], higher)
+        for key, higher in HEADLINE
+        if key in before and key in after and is_finite(before[key]) and is_finite(after[key])
+    ]
+    if not compared:
+        return []
+    if any((a > b) if higher else (a < b) for _, b, a, higher in compared):
+        return []
+    what = ", ".join(f"{k} {b:.3f} → {a:.3f}" for k, b, a, _ in compared)
+    return [Finding("warning", "no_held_out_gain", f"no held-out improvement: {what}")]
+
+
+CHECKS = (
+    _stopped,
+    _non_finite,
+    _reward_constant,
+    _entropy_collapse,
+    _logprob_gap_growing,
+    _reward_failures,
+    _clipped,
+    _no_held_out_gain,
+)
+
+
+def check_run(
+    records: list[dict], summary: dict | None, max_steps: int | None = None, error: str = ""
+) -> list[Finding]:
+    """Every check's findings, errors first. ``summary`` is None for a run that wrote no summary.json
+    (then ``max_steps`` says how far it should have gone, and ``error`` is the error it failed with, if known)."""
+    findings = [f for check in CHECKS for f in check(records, summary, max_steps, error)]
+    return sorted(findings, key=lambda f: f.level != "error")
+
+
+# ---------------------------------------------------------------------------------------------- the end of a run
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else (f"{m}m {s:02d}s" if m else f"{s}s")
+
+
+def _value(value) -> str:
+    return f"{value:.3f}" if isinstance(value, (int, float)) and is_finite(value) else str(value)
+
+
+def summary_rows(
+    records: list[dict], summary: dict, findings: list[Finding], held_out, run_dir, final_dir
+) -> list[tuple[str, str, str]]:
+    """The end-of-run table as (label, text, style) rows: steps, time, final loss / reward, held-out
+    before → after (each ``held_out`` (metric, label); None = every held-out metric), the findings, the
+    report command and the model. ``style`` is a rich style ("" = plain)."""
+    last = records[-1] if records else {}
+    rows = [("steps", f"{last.get('step', 0)} of {summary['steps']}", "")]
+    rows.append(("time", _duration(summary["train_seconds"]), ""))
+    if "loss" in last:
+        loss = f"{last['loss']:.4g}" if is_finite(last["loss"]) else str(last["loss"])
+        rows.append(("final loss", loss, "" if is_finite(last["loss"]) else "bold red"))
+    if "reward/mean" in last:
+        first = next(r["reward/mean"] for r in records if "reward/mean" in r)
+        rows.append(("reward", f"{_value(first)} at the first step → {_value(last['reward/mean'])} at the last", ""))
+    before, after = summary["eval_before"], summary["eval_after"]
+    pairs = [(k, "held-out " + k.removeprefix("eval/")) for k in after] if held_out is None else held_out
+    for key, label in pairs:
+        if key in after:
+            rows.append((label, f"{_value(before.get(key, math.nan))} before → {_value(after[key])} after", ""))
+    for finding in findings:
+        style = "bold red" if finding.level == "error" else "yellow"
+        rows.append((finding.level, finding.message, style))
+    if not findings:
+        rows.append(("warnings", "none: nothing in the metrics looks wrong", "green"))
+    rows.append(("report", f"oxrl report {run_dir}", ""))
+    rows.append(("model", str(final_dir), ""))
+    return rows
+
+
+def print_summary(console, title: str, rows: list[tuple[str, str, str]]) -> None:
+    """The rows as a two-column rich table (colour on a terminal, plain text elsewhere)."""
+    table = Table(title=title, title_justify="left", show_header=False, box=None, padding=(0, 1))
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")
+    for label, text, style in rows:
+        table.add_row(label, text, style=style or None)
+    if not console.is_terminal:  # a log file or a pipe: wide enough that a path or a warning stays on one line
+        console = Console(file=console.file, width=max(console.width, 160), no_color=True)
+    console.print(table, highlight=False)
