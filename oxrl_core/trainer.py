@@ -2,6 +2,10 @@
 
 from oxrl_core import Trainer
 Trainer(alg="sft", model="path/or/hub-id", data="train.jsonl", train={"max_steps": 50}).train()
+
+``data`` / ``eval_data`` may also be rows held in memory (a list of row dicts, a `datasets.Dataset`), and
+``model`` an already-loaded transformers model given with its ``tokenizer``; they are written into the run
+directory when the run starts (`inputs`), so config.yaml names them and --resume finds them.
 """
 
 from __future__ import annotations
@@ -145,8 +149,8 @@ class Trainer:
     def __init__(
         self,
         alg: str | type[Algorithm] | None = None,
-        model: str | dict | None = None,
-        data: str | dict | None = None,
+        model: Any = None,
+        data: Any = None,
         *,
         config: str | Path | None = None,
         overrides: list[str] | None = None,

@@ -154,7 +154,7 @@ def test_epochs_count_prompts_in_rl(tmp_path, tiny_model_dir):
         )
     )
     assert len(read_metrics(run)) == 3
-    assert "3 steps (1 epochs)" in proc.stdout + proc.stderr
+    assert "3 steps (1 epoch)" in proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- CSV and directories of files

@@ -180,7 +180,8 @@ class Run:
             f"({count_parameters(model) / 1e6:.2f}M params, {self.engine.device}) · data {data} · "
             f"run dir {self.run_dir} · {self.saver.describe()}"
             + (
-                f" · {self.cfg.train.max_steps} steps ({self.cfg.train.epochs:g} epochs)"
+                f" · {self.cfg.train.max_steps} steps ({self.cfg.train.epochs:g} epoch"
+                f"{'' if self.cfg.train.epochs == 1 else 's'})"
                 if self.cfg.train.epochs
                 else ""
             )
