@@ -337,7 +337,7 @@ class Trainer:
             if not self.resume:
                 self._refuse_existing_run()  # before the lock, whose holder record a refused run should not rewrite
             _make_run_dir(run_dir)
-            with lifecycle.RunLock(run_dir), lifecycle.error_log(run_dir):  # a failure's traceback: error.log
+            with lifecycle.RunLock(run_dir):
                 done = self._completed() if self.resume else None
                 if done is not None:
                     return done
@@ -348,10 +348,11 @@ class Trainer:
                 write_text_atomic(run_dir / "config.yaml", dump_yaml(self.config))
                 stop_file = run_dir / lifecycle.STOP_FILE  # a data-parallel run's stop request (see launcher)
                 stop_file.unlink(missing_ok=True)
-                try:
-                    if self.config.engine.world_size > 1:  # one Ray actor per rank, each running `run_loop`
-                        return lifecycle.finished(launch(self, ckpt))
-                    return lifecycle.finished(self.run_loop(ckpt))
+                try:  # a failure of the run (not a refusal above) keeps its traceback in error.log
+                    with lifecycle.error_log(run_dir):
+                        if self.config.engine.world_size > 1:  # one Ray actor per rank, each running `run_loop`
+                            return lifecycle.finished(launch(self, ckpt))
+                        return lifecycle.finished(self.run_loop(ckpt))
                 finally:
                     stop_file.unlink(missing_ok=True)
 
