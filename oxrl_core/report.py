@@ -580,6 +580,10 @@ VIEWER_SCRIPT = r"""
     entry.samples.forEach(function (s) { values(s, q).forEach(function (v) { if (v !== null) { all.push(Math.abs(v)); } }); });
     var scale = all.length ? Math.max.apply(null, all) : 1;
     if (q === "logp") { scale = Math.max(scale, 1e-6); }
+    var kind = QUANTITIES[q].kind;
+    viewer.querySelector(".scale").textContent = QUANTITIES[q].label + ": " + (kind === "mask"
+      ? "green = trained on (the model's tokens), grey = not (an environment's tokens)"
+      : (kind === "div" ? "green = positive, red = negative" : "blue") + ", the darker the larger |value| (largest here " + fmt(scale) + ")");
     entry.samples.forEach(function (s) {
       var box = el("div", "sample");
       var head = el("div", "head", "prompt " + (s.group + 1) + ", sample " + (s.sample + 1) + " · reward " + fmt(s.reward) +
@@ -616,20 +620,19 @@ VIEWER_SCRIPT = r"""
 """
 
 
-def _viewer(run: RunData, index: int) -> str:
+def _viewer(run: RunData, index: int, several: bool) -> str:
     data = _viewer_data(run)
     if not data:
         return ""
     source = f"rollouts-{index}"
     steps = "".join(f'<option value="{d["step"]}">step {d["step"]}</option>' for d in data)
     return (
-        f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + _esc(run.name) if index else ""}</h3>'
-        '<p class="note">Prompts and completions rollouts.jsonl logged (logging.rollout_samples_every); each token '
-        "coloured by the chosen quantity (green = positive, red = negative for signed ones; hover a token for its "
-        "values).</p>"
+        f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + _esc(run.name) if several else ""}</h3>'
+        '<p class="note">Prompts and completions rollouts.jsonl logged (logging.rollout_samples_every): each token '
+        "coloured by the quantity chosen below; hover a token for all its values.</p>"
         f'<label>step <select class="step">{steps}</select></label> '
         '<label>colour by <select class="quantity"></select></label>'
-        '<div class="samples"></div>'
+        '<div class="scale note"></div><div class="samples"></div>'
         f'<script type="application/json" id="{source}">{_json_for_script(data)}</script></section>'
     )
 
@@ -672,7 +675,7 @@ def render_report(runs: list[RunData]) -> str:
             f"{_esc(yaml.safe_dump(run.config, sort_keys=False))}</pre></details></section>"
         )
     plots, _ = _plots(runs)
-    viewers = "".join(_viewer(run, i) for i, run in enumerate(runs))
+    viewers = "".join(_viewer(run, i, len(runs) > 1) for i, run in enumerate(runs))
     viewer_part = f"<h2>Rollout viewer</h2>{viewers}<script>{VIEWER_SCRIPT}</script>" if viewers else ""
     overlay = f" ({len(runs)} runs overlaid: a colour per run)" if len(runs) > 1 else ""
     return (
