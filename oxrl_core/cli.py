@@ -163,7 +163,10 @@ def doctor():
 def score(
     reward: str = typer.Option(..., "--reward", "-r", help="reward name (see `oxrl plugins`) or file.py:Class"),
     data: Path = typer.Option(
-        ..., "--data", "-d", help="JSONL/JSON/Parquet rows that hold a `completion` (plus the fields the reward needs)"
+        ...,
+        "--data",
+        "-d",
+        help="JSONL/JSON/Parquet/CSV rows that hold a `completion` (plus the fields the reward needs)",
     ),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", help="write one JSON object per row here (default: stdout)"

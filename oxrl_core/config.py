@@ -56,7 +56,9 @@ class SourceSpec(StrictModel):
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     source: str = Field(
-        ..., min_length=1, description="a file, a saved `datasets` dir, a dataset plugin name or a hub id"
+        ...,
+        min_length=1,
+        description="a file, a directory of data files, a saved `datasets` dir, a dataset plugin name or a hub id",
     )
     ratio: float = Field(1.0, gt=0, description="sampling weight among the sources of data.train")
 
@@ -67,7 +69,8 @@ Sources = Union[str, SourceSpec, list[Union[str, SourceSpec]]]
 class DataConfig(StrictModel):
     train: Sources = Field(
         "arith",
-        description="a JSONL/Parquet/JSON file, a saved `datasets` dir, a dataset plugin name or a hub id; "
+        description="a JSONL/Parquet/JSON/CSV file, a directory of such files (one type), a saved `datasets` dir, "
+        "a dataset plugin name or a hub id; "
         "or {source, ratio, <plugin options>}; or a list of those, mixed by ratio",
     )
     eval: Sources = Field(

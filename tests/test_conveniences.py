@@ -104,6 +104,8 @@ def test_epochs_give_the_steps_from_the_data_size(tmp_path, tiny_model_dir):
     saved = _config(run)["train"]
     assert saved["epochs"] == 2 and "max_steps" not in saved
     assert json.loads((run / "summary.json").read_text())["steps"] == 5
+    again = _ok(oxrl("run", "--resume", "-o", str(run), cwd=tmp_path))  # the saved config reads back: done
+    assert "already complete (5 steps)" in again.stdout + again.stderr
 
 
 def test_fractional_epochs_round_up(tmp_path, tiny_model_dir):
