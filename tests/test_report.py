@@ -414,3 +414,52 @@ def test_end_of_run_table_flags_a_constant_zero_reward(tmp_path, tiny_model_dir)
     assert "step 1/2" not in err  # --quiet: no progress lines, only the outcome
     summary = json.loads((run / "summary.json").read_text())
     assert summary["environment"]["torch"] and summary["environment"]["device"] == "cpu"
+
+
+@pytest.mark.slow
+def test_rollouts_jsonl_on_resume_is_cut_back_to_the_checkpoint_and_equals_an_uninterrupted_run(
+    tmp_path, tiny_model_dir
+):
+    from oxrl_core import Trainer
+
+    sets = [f"model.name={tiny_model_dir}", "train.batch_size=4", "rollout.n=2", "train.eval_steps=0"]
+    sets += ["logging.rollout_samples_every=1", "train.save_steps=2"]
+    run = tmp_path / "run"
+    Trainer(alg="sgrpo", overrides=[*sets, "train.max_steps=3"], output_dir=run, quiet=True).train()
+    uninterrupted = (run / "rollouts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in uninterrupted] == [1, 2, 3]
+    # as if killed after step 3's line was written but before its checkpoint: resume from step 2
+    shutil.rmtree(run / "final")
+    (run / "summary.json").unlink()
+    for ckpt in (run / "checkpoints").iterdir():
+        if ckpt.name != "step-2":
+            shutil.rmtree(ckpt)
+    Trainer(alg="sgrpo", overrides=[*sets, "train.max_steps=3"], output_dir=run, resume=True, quiet=True).train()
+    resumed = (run / "rollouts.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in resumed] == [1, 2, 3]  # step 3 once, not twice
+    assert [json.loads(line) for line in resumed] == [json.loads(line) for line in uninterrupted]
+
+
+def test_end_of_run_table_is_coloured_on_a_terminal_and_plain_in_a_log():
+    import io
+
+    from rich.console import Console
+
+    from oxrl_core.health import Finding, print_summary, summary_rows
+
+    summary = {"steps": 2, "train_seconds": 75.0, "eval_before": {"eval/accuracy": 0.2}, "eval_after": {}}
+    records = [{"step": 1, "loss": 1.0, "reward/mean": 0.0}, {"step": 2, "loss": 0.5, "reward/mean": 0.0}]
+    findings = [Finding("error", "reward_constant", "reward constant at 0.000"), Finding("warning", "x", "look")]
+    rows = summary_rows(records, summary, findings, None, Path("runs/r"), Path("runs/r/final"))
+    assert ("time", "1m 15s", "") in rows and ("error", "reward constant at 0.000", "bold red") in rows
+    assert ("warning", "look", "yellow") in rows and rows[-2:] == [
+        ("report", "oxrl report runs/r", ""),
+        ("model", "runs/r/final", ""),
+    ]
+    terminal = io.StringIO()
+    print_summary(Console(file=terminal, force_terminal=True, width=100), "how it went", rows)
+    assert "\x1b[1;31m" in terminal.getvalue()  # bold red
+    log = io.StringIO()
+    print_summary(Console(file=log, width=80), "how it went", rows)
+    assert "\x1b[" not in log.getvalue() and "reward constant at 0.000" in log.getvalue()
+    assert not [f for f in summary_rows(records, summary, [], None, "r", "f") if f[0] in ("error", "warning")]
