@@ -288,6 +288,30 @@ def test_chat_template_by_name_and_dtype_apply_to_the_run(tmp_path, tiny_model_d
     assert _config(run)["model"]["dtype"] == "bfloat16"
 
 
+def test_dtype_auto_keeps_the_checkpoint_dtype_and_nothing_leaks_outside_a_run(tmp_path, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oxrl_core.config import ModelConfig
+    from oxrl_core.models import load_causal_lm, load_tokenizer, model_options
+
+    saved = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(saved)
+    with model_options(ModelConfig(name=str(saved), dtype="auto", chat_template="llama3")):
+        assert next(load_causal_lm(str(saved)).parameters()).dtype == torch.bfloat16
+        assert (
+            load_tokenizer(str(tiny_model_dir))
+            .apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+            .endswith(
+                "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+            )
+        )
+    with model_options(ModelConfig(name=str(saved))):  # the default: float32 master weights
+        assert next(load_causal_lm(str(saved)).parameters()).dtype == torch.float32
+    assert next(load_causal_lm(str(saved)).parameters()).dtype == torch.float32  # outside a run: float32
+    assert "start_header_id" not in (load_tokenizer(str(tiny_model_dir)).chat_template or "")
+
+
 def test_chat_template_from_a_jinja_file(tmp_path, tiny_model_dir):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
