@@ -93,8 +93,16 @@ def _stopped(records, summary, max_steps, error) -> list[Finding]:
     last = max((int(r.get("step", 0)) for r in records), default=0)
     if error and ("not finite" in error or "non-finite" in error):
         return [Finding("error", "non_finite_stop", f"stopped by a non-finite value after step {last}: {error}")]
-    why = f"it failed: {error}" if error else "it ended with an error, e.g. a non-finite loss, or was interrupted"
-    return [Finding("error", "stopped", f"the run stopped at step {last} of {max_steps} with no summary.json ({why})")]
+    if error:
+        return [Finding("error", "stopped", f"the run failed after step {last} of {max_steps}: {error}")]
+    return [
+        Finding(
+            "warning",
+            "stopped",
+            f"the run has not finished: step {last} of {max_steps} and no summary.json (still running, or it was "
+            "interrupted or killed)",
+        )
+    ]
 
 
 def _non_finite(records, summary, max_steps, error) -> list[Finding]:

@@ -326,6 +326,25 @@ def _keys_of(plot: Plot, runs: list[RunData]) -> list[str]:
     return sorted(present, key=lambda k: (order.get(k, len(order)), k))
 
 
+#: the most points a curve draws: a longer run keeps each bucket's lowest and highest value (spikes stay visible)
+MAX_POINTS = 1200
+
+
+def thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tuple[float, float]]:
+    """At most about ``limit`` points of a curve: per bucket of steps its min and max, in step order, and
+    every non-finite point."""
+    if len(points) <= limit:
+        return points
+    size = -(-2 * len(points) // limit)
+    out = []
+    for start in range(0, len(points), size):
+        bucket = points[start : start + size]
+        finite = [p for p in bucket if math.isfinite(p[1])]
+        keep = {min(finite, key=lambda p: p[1]), max(finite, key=lambda p: p[1])} if finite else set()
+        out += sorted(keep | {p for p in bucket if not math.isfinite(p[1])})
+    return out
+
+
 def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bool = False) -> list[Line]:
     lines = []
     dashes = ("", "5,3", "2,2", "8,3,2,3")
@@ -347,7 +366,9 @@ def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bo
                 std = dict(series(run.records, band))
                 spread = [(x, y - std.get(int(x), math.nan), y + std.get(int(x), math.nan)) for x, y in points]
             sparse = len(points) < 0.5 * max(len(run.records), 1) or len(points) <= 3
-            lines.append(Line(label, color, points, dash, markers=sparse, band=spread))
+            if spread is not None and len(spread) > MAX_POINTS:
+                spread = spread[:: -(-len(spread) // MAX_POINTS)]
+            lines.append(Line(label, color, thin(points), dash, markers=sparse, band=spread))
     return lines
 
 
