@@ -23,6 +23,15 @@ INPUTS_DIR = "inputs"
 PLACEHOLDER = "<in-memory"
 
 
+#: fields of the row formats: a dict holding one is a row even if it has a ``source`` column too
+ROW_FIELDS = {"prompt", "response", "messages", "chosen", "rejected", "completion", "label", "text"}
+
+
+def _is_source_spec(item: Any) -> bool:
+    """A ``{source, ratio, <plugin options>}`` mapping of data.train (not a row that has a `source` column)."""
+    return isinstance(item, dict) and "source" in item and not (set(item) & ROW_FIELDS)
+
+
 def is_rows(value: Any) -> bool:
     """A `datasets.Dataset`, or a non-empty list / tuple of row dicts (none a ``{source, ratio}`` mapping)."""
     if _is_hf_dataset(value):
@@ -31,7 +40,7 @@ def is_rows(value: Any) -> bool:
         isinstance(value, (list, tuple))
         and bool(value)
         and all(isinstance(item, dict) for item in value)
-        and not any("source" in item for item in value)
+        and not any(_is_source_spec(item) for item in value)
     )
 
 

@@ -422,6 +422,16 @@ def test_api_takes_rows_a_dataset_and_a_loaded_model(tmp_path, tiny_model_dir):
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
 
 
+def test_api_rows_with_a_source_column_are_rows_and_source_mappings_are_sources(tmp_path):
+    from oxrl_core import Trainer
+
+    rows = [{"prompt": "2+2?", "response": "4", "source": "forum"}] * 3
+    assert Trainer(alg="sft", data=rows).config.data.train == "<in-memory: 3 rows>"
+    path = write_jsonl(tmp_path / "a.jsonl", SFT_ROWS)
+    mix = Trainer(alg="sft", data=[{"source": str(path), "ratio": 2}, {"source": str(path)}]).config.data.train
+    assert [(s.source, s.ratio) for s in mix] == [(str(path), 2.0), (str(path), 1.0)]
+
+
 def test_api_resume_with_other_rows_is_refused(tmp_path, tiny_model_dir):
     from oxrl_core import Trainer
 
