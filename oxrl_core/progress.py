@@ -69,6 +69,10 @@ class _Counts(ProgressColumn):
 
 
 class Reporter:
+    #: plain lines of a counted phase: between the first and the last, one about every tenth of the way, but
+    #: not within this many seconds of the previous one (a quick evaluation is two lines, not twelve)
+    plain_min_gap_s = 2.0
+
     def __init__(self, quiet: bool = False, log_steps: int = 1):
         self.silent = not is_main()
         self.quiet = quiet or self.silent
@@ -120,12 +124,13 @@ class Reporter:
     @contextlib.contextmanager
     def counter(self, label: str, unit: str, total: int | None = None) -> Iterator[Update]:
         """A phase that can be counted: yields ``update(done, total=None)``. A bar with counts on a terminal;
-        otherwise ``label: done/total unit`` lines at 0, about every tenth, and at the end (with its time)."""
+        otherwise ``label: done/total unit`` lines at 0, about every tenth (`plain_min_gap_s` apart at least),
+        and at the end (with its time)."""
         if self.quiet:
             yield _nothing
             return
         start = time.perf_counter()
-        state = {"done": 0, "total": total, "printed": -1}
+        state = {"done": 0, "total": total, "printed": -1, "printed_at": start}
 
         def took() -> str:
             return f"{time.perf_counter() - start:.1f} s"
@@ -157,9 +162,12 @@ class Reporter:
                 if state["printed"] < total:
                     self._plain(f"{label}: {total}/{total} {unit} in {took()}")
                 state["printed"] = total
-            elif state["printed"] < 0 or done // nice_interval(total) > state["printed"] // nice_interval(total):
+            elif state["printed"] < 0 or (
+                done // nice_interval(total) > state["printed"] // nice_interval(total)
+                and time.perf_counter() - state["printed_at"] >= self.plain_min_gap_s
+            ):
                 self._plain(f"{label}: {done}/{total} {unit}")
-                state["printed"] = done
+                state["printed"], state["printed_at"] = done, time.perf_counter()
 
         if total is not None:
             update(0)

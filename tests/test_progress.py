@@ -32,6 +32,7 @@ def test_nice_interval_is_about_a_tenth_rounded_up():
 
 def test_plain_counter_lines_at_zero_every_tenth_and_the_end(capsys):
     reporter = Reporter()
+    reporter.plain_min_gap_s = 0  # every tenth (the gap between lines is tested below)
     with reporter.counter("warm start", "steps", total=170) as update:
         for step in range(170):
             update(step + 1)
@@ -43,12 +44,27 @@ def test_plain_counter_lines_at_zero_every_tenth_and_the_end(capsys):
 
 def test_counter_total_given_on_the_first_update_and_batches_crossing_a_tenth(capsys):
     reporter = Reporter()
+    reporter.plain_min_gap_s = 0
     with reporter.counter("held-out evaluation", "samples") as update:
         update(0, 900)
         for done in (64, 100, 612, 900):
             update(done)
     counts = [int(PROGRESS_LINE.match(line).group(2)) for line in capsys.readouterr().err.splitlines()]
     assert counts == [0, 100, 612, 900]  # 64 is still in the first tenth
+
+
+def test_a_quick_phase_is_two_lines(capsys):
+    """Lines between the first and the last come at least `plain_min_gap_s` apart: a phase quicker than that
+    says where it starts and where it ends."""
+    reporter = Reporter()
+    reporter.plain_min_gap_s = 3600
+    with reporter.counter("held-out evaluation", "samples", total=200) as update:
+        for done in range(32, 201, 32):
+            update(min(done, 200))
+        update(200)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "held-out evaluation: 0/200 samples"
+    assert re.fullmatch(r"held-out evaluation: 200/200 samples in [\d.]+ s", lines[1]) and len(lines) == 2
 
 
 def test_quiet_and_no_reporter_print_nothing(capsys):
@@ -114,7 +130,9 @@ def test_warm_start_reports_its_steps(tmp_path, monkeypatch, capsys):
     from oxrl_core.tiny import warm_start_dir
 
     monkeypatch.setenv("OXRL_CACHE", str(tmp_path / "cache"))
-    path = warm_start_dir(steps=12, reporter=Reporter())
+    reporter = Reporter()
+    reporter.plain_min_gap_s = 0
+    path = warm_start_dir(steps=12, reporter=reporter)
     assert (path / "config.json").is_file()
     err = capsys.readouterr().err
     assert "a 12-step SFT warm start" in err
@@ -142,9 +160,9 @@ def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_pat
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr
-    warm = _progress_lines(err, "warm start")
+    warm = _progress_lines(err, "warm start")  # (lines in between: one per tenth, 2 s apart at least)
     assert warm[0] == (0, 450) and warm[-1] == (450, 450), err
-    assert len(warm) >= 5 and [d for d, _ in warm] == sorted(d for d, _ in warm)  # counts that move
+    assert [d for d, _ in warm] == sorted(d for d, _ in warm) and len(set(warm)) == len(warm)
     assert re.search(r"^warm start: 450/450 steps in [\d.]+ s$", err, re.M)
     assert re.search(r"^loading model\.name .*warm450.* \.\.\.$", err, re.M)  # the policy
     assert re.search(r"^loading model\.ref .* \.\.\.$", err, re.M) or err.count("loading model.name") >= 2  # the ref
