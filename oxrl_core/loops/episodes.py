@@ -437,6 +437,8 @@ class Episodes:
             return {}
         out = {}
         modes = {"": SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=0.0)}
+        if progress is not None:
+            progress(0, len(rows))
         for suffix, sampling in modes.items():
             scores, episodes, metrics = [], [], Counter()
             for start in range(0, len(rows), batch):
