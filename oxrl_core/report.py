@@ -28,7 +28,7 @@ import yaml
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.errors import OxrlError
-from oxrl_core.health import Finding, check_run, is_finite, series
+from oxrl_core.health import HEADLINE, Finding, check_run, is_finite, series
 from oxrl_core.health import versions as current_versions
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
@@ -296,7 +296,7 @@ class Plot:
 PLOTS = (
     Plot("loss", "Loss", ("loss", "loss/"), "the training loss and its parts"),
     Plot("reward", "Reward (mean ± std over the rollout batch)", ("reward/mean",), band="reward/std"),
-    Plot("heldout", "Held-out metrics (step 0 = before training)", ("eval/",), "every evaluation"),
+    Plot("heldout", "Held-out metrics", ("eval/",), "every evaluation (train.eval_steps) and the last step"),
     Plot("rewards_pref", "Implicit rewards (preference)", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
     Plot("pair_acc", "Pair accuracy (chosen scored above rejected)", ("rewards/accuracies",)),
     Plot("logps", "Log-probabilities of chosen / rejected", ("logps/",)),
@@ -372,7 +372,8 @@ def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bo
     return lines
 
 
-def _figure(title: str, svg: str, lines: list[Line], note: str = "", fid: str = "") -> str:
+def _figure(title: str, svg: str, lines: list[Line], note: str = "", fid: str = "", eid: str = "") -> str:
+    """One plot: ``fid`` names its kind (``data-plot``), ``eid`` (default ``fid``) its element id."""
     legend = "".join(
         f'<span class="key"><span class="swatch" style="background:{ln.color}"></span>{_esc(ln.label)}'
         f"{' (dashed)' if ln.dash else ''}</span>"
@@ -380,7 +381,7 @@ def _figure(title: str, svg: str, lines: list[Line], note: str = "", fid: str = 
     )
     note = f'<div class="note">{_esc(note)}</div>' if note else ""
     return (
-        f'<figure class="plot" id="plot-{_esc(fid)}" data-plot="{_esc(fid)}"><figcaption>{_esc(title)}</figcaption>'
+        f'<figure class="plot" id="plot-{_esc(eid or fid)}" data-plot="{_esc(fid)}"><figcaption>{_esc(title)}</figcaption>'
         f'{svg}<div class="legend">{legend}</div>{note}</figure>'
     )
 
@@ -395,7 +396,15 @@ def _plots(runs: list[RunData]) -> tuple[str, list[str]]:
         shown.update(keys)
         if plot.band:
             shown.add(plot.band)
-        lines = _lines(keys, runs, plot.band, with_before=plot.id == "heldout")
+        if plot.id == "heldout":  # one plot per held-out metric: their scales differ (a loss, an accuracy)
+            headline = [k for k, _ in HEADLINE]
+            for key in sorted(keys, key=lambda k: (headline.index(k) if k in headline else len(headline), k)):
+                lines = _lines([key], runs, with_before=True)
+                title = f"Held-out {key.removeprefix('eval/')} (step 0 = before training)"
+                parts.append(_figure(title, line_chart(lines), lines, plot.note, plot.id, f"heldout-{key}"))
+                ids.append(plot.id)
+            continue
+        lines = _lines(keys, runs, plot.band)
         if not lines:
             continue
         positive = all(y > 0 for ln in lines for _, y in ln.points if math.isfinite(y))
@@ -664,9 +673,9 @@ color:#222;padding:0 1em}
 h1{font-size:1.5em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse;margin:.5em 0}th,td{text-align:left;padding:.2em .8em;border-bottom:1px solid #eee;
 vertical-align:top}table.kv th{width:14em;color:#555;font-weight:600}
-.grid{display:flex;flex-wrap:wrap;gap:12px}.plot{margin:0;border:1px solid #e5e5e5;border-radius:6px;padding:6px;
+.grid{display:flex;flex-wrap:wrap;gap:12px}.plot{margin:0;width:422px;border:1px solid #e5e5e5;border-radius:6px;padding:6px;
 background:#fafafa}.plot figcaption{font-weight:600;font-size:.9em;margin-bottom:4px}
-.legend{font-size:.75em;max-width:440px}.key{margin-right:.8em;white-space:nowrap}
+.legend{font-size:.75em}.key{margin-right:.8em;white-space:nowrap}
 .swatch{display:inline-block;width:10px;height:10px;margin-right:3px;border-radius:2px}
 .note{font-size:.75em;color:#666;max-width:440px}
 ul.findings{padding-left:1.2em}li.error{color:#b00}li.warning{color:#a60}p.ok{color:#080}
