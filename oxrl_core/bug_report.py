@@ -139,7 +139,17 @@ def _versions(registry) -> str:
 
     rows = [(name, "ok" if ok else "missing", detail) for name, ok, detail in table_rows(registry)]
     rows.insert(1, ("platform", "ok", f"{platform.platform()} ({platform.machine()})"))
+    rows.insert(0, ("oxrl", "ok", _oxrl_version()))
     return _table(("component", "status", "detail"), rows)
+
+
+def _oxrl_version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version("oxrl")
+    except md.PackageNotFoundError:
+        return "unknown (not installed as a distribution)"
 
 
 def _plugins(registry) -> str:

@@ -115,7 +115,8 @@ def test_bug_report_without_a_run_dir_has_versions_and_plugins_only():
     proc = oxrl("bug-report")
     assert proc.returncode == 0, proc.stderr
     assert "## Versions (`oxrl doctor`)" in proc.stdout and "## Plugins (`oxrl plugins`)" in proc.stdout
-    assert "| python | ok |" in proc.stdout and "| dataset | arith | oxrl |" in proc.stdout
+    assert "| oxrl | ok | " in proc.stdout and "| python | ok |" in proc.stdout
+    assert "| dataset | arith | oxrl |" in proc.stdout
     for absent in ("## Resolved config", "## Last error", "metrics.jsonl"):
         assert absent not in proc.stdout
 
@@ -140,6 +141,22 @@ def test_bug_report_of_a_finished_run_has_its_last_metrics_and_redacts_home_on_r
     redacted = oxrl("bug-report", str(run_dir), "--redact-paths", env=env)
     assert redacted.returncode == 0, redacted.stderr
     assert str(home) not in redacted.stdout and "~/runs/sft" in redacted.stdout
+
+
+@pytest.mark.slow
+def test_a_nan_stop_keeps_its_error_and_the_report_shows_the_metrics_before_it(tmp_path, tiny_model_dir, sft_jsonl):
+    run_dir = tmp_path / "nan"
+    proc = oxrl(
+        "run", "--alg", "sft", "-q", "-o", str(run_dir), "--set", f"model.name={tiny_model_dir}",
+        "--set", f"data.train={sft_jsonl}", "--set", "train.max_steps=20", "--set", "train.lr=1e30",
+        "--set", "train.max_grad_norm=0",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "not finite" in proc.stderr and "Traceback" not in proc.stderr
+    log = (run_dir / "error.log").read_text()
+    assert "(not finite); the run stops here" in log and "in check_loss" in log and "Traceback" in log
+    report = oxrl("bug-report", str(run_dir), "--metrics", "1")
+    assert report.returncode == 0, report.stderr
+    assert "## Last 1 metrics lines (`metrics.jsonl`)" in report.stdout and "in check_loss" in report.stdout
 
 
 def test_bug_report_refuses_a_run_dir_that_is_not_one(tmp_path):
