@@ -19,6 +19,7 @@ from importlib import metadata
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 __all__ = ["HEADLINE", "Finding", "check_run", "is_finite", "print_summary", "series", "summary_rows", "versions"]
 
@@ -285,7 +286,7 @@ def summary_rows(
     before → after (each ``held_out`` (metric, label); None = every held-out metric), the findings, the
     report command and the model. ``style`` is a rich style ("" = plain)."""
     last = records[-1] if records else {}
-    rows = [("steps", f"{last.get('step', 0)} of {summary['steps']}", "")]
+    rows = [("steps", f"{last.get('step', summary['steps'])} of {summary['steps']}", "")]
     rows.append(("time", _duration(summary["train_seconds"]), ""))
     if "loss" in last:
         loss = f"{last['loss']:.4g}" if is_finite(last["loss"]) else str(last["loss"])
@@ -314,7 +315,7 @@ def print_summary(console, title: str, rows: list[tuple[str, str, str]]) -> None
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")
     for label, text, style in rows:
-        table.add_row(label, text, style=style or None)
+        table.add_row(Text(label), Text(text), style=style or None)  # Text: a path's "[...]" is not markup
     if not console.is_terminal:  # a log file or a pipe: wide enough that a path or a warning stays on one line
         console = Console(file=console.file, width=max(console.width, 160), no_color=True)
     console.print(table, highlight=False)

@@ -54,9 +54,9 @@ class RolloutLog:
         ``logp_ref``; (B, T) over next-token positions), ``n`` samples per prompt."""
         if self.sink is None:
             return
-        keys = {"logp": "logp_old", "logp_rollout": "logp_rollout", "entropy": "entropy_old", "mask": "mask"}
-        keys.update({"adv": "adv"} if "adv" in batch else {})
-        keys.update({"logp_ref": "logp_ref"} if "logp_ref" in batch else {})
+        names = {"logp": "logp_old", "logp_rollout": "logp_rollout", "entropy": "entropy_old", "mask": "mask"}
+        names.update(adv="adv", logp_ref="logp_ref")  # an advantage and a reference where the algorithm has them
+        keys = {name: key for name, key in names.items() if batch.get(key) is not None}
         rows = [g * n + s for g in range(min(PROMPTS, len(completions) // n)) for s in range(min(SAMPLES, n))]
         samples = []
         for i in rows:
