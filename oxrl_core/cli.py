@@ -232,10 +232,12 @@ def eval_(
     as_json: bool = typer.Option(
         False, "--json", help="print the report (without the samples) as JSON instead of a table"
     ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output (model loading, samples so far)"),
 ):
     """Evaluate a model on held-out prompts: mean reward, pass@1 and pass@k."""
     # lazy: `oxrl eval` loads torch and transformers; kept out of `oxrl --help`
     from oxrl_core.eval_command import evaluate_model
+    from oxrl_core.progress import Reporter
 
     report = evaluate_model(
         model=model,
@@ -250,6 +252,7 @@ def eval_(
         backend=backend,
         env=env,
         max_turns=max_turns,
+        reporter=Reporter(quiet),
     )
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

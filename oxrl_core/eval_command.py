@@ -29,6 +29,7 @@ from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.episodes import Episodes
 from oxrl_core.models import load_causal_lm, load_tokenizer
 from oxrl_core.plugins import registry as get_registry
+from oxrl_core.progress import counter
 from oxrl_core.rewards import RewardFailures, build_reward, score_batch
 from oxrl_core.rollout_hf import check_generation_length
 from oxrl_core.schema import format_validation_error
@@ -66,8 +67,10 @@ def evaluate_model(
     backend: str = "hf",
     env: str = "",
     max_turns: int = 4,
+    reporter=None,
 ) -> dict:
-    """Generate ``n`` completions per held-out prompt, score them, and return the report."""
+    """Generate ``n`` completions per held-out prompt, score them, and return the report. ``reporter`` (a
+    `progress.Reporter`) shows the model loading and the samples generated so far."""
     import torch
 
     registry = get_registry()
@@ -98,7 +101,7 @@ def evaluate_model(
 
     tokenizer = load_tokenizer(model, field="--model")
     prompt_ids = [encode_row_prompt(tokenizer, r, source.origin) for r in rows]  # before the weights load
-    policy = load_causal_lm(model, field="--model")
+    policy = load_causal_lm(model, field="--model", reporter=reporter)
     policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     check_generation_length(policy, max(map(len, prompt_ids)), max_new_tokens, "--max-new-tokens")
     if env:  # an episode's budget: up to two completions' worth per turn, within the model's context
@@ -112,24 +115,26 @@ def evaluate_model(
     sample_rows = [r for r in rows for _ in range(n)]
     env_metrics: dict[str, float] = {}
     try:
-        if environment is not None:  # multi-turn episodes, scored as the RL loop scores them
-            runner = Episodes(type(environment), environment.config, config, tokenizer, generator)
-            played = [
-                e
-                for start in range(0, len(rows), batch_size)
-                for e in runner.play(rows[start : start + batch_size], sampling, 0)
-            ]
+        with counter(reporter, "evaluation", "samples", total=len(sample_rows)) as update:
+            if environment is not None:  # multi-turn episodes, scored as the RL loop scores them
+                runner = Episodes(type(environment), environment.config, config, tokenizer, generator)
+                played = []
+                for start in range(0, len(rows), batch_size):
+                    played += runner.play(rows[start : start + batch_size], sampling, 0)
+                    update(len(played))
+            else:
+                for start in range(0, len(rows), batch_size):
+                    for group in generator.generate(prompt_ids[start : start + batch_size], sampling):
+                        texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+                        lengths += [len(c.token_ids) for c in group]
+                    update(len(texts))
+        if environment is not None:
             texts = [e.final_answer() for e in played]
             lengths = [e.used for e in played]
             scores, reward_metrics = runner.rewards(played, scorer, RewardFailures(getattr(scorer, "name", "reward")))
             reward_metrics.setdefault("reward/errors", 0.0)
             reward_metrics.setdefault("reward/timeouts", 0.0)
             env_metrics = runner.metrics(played)
-        else:
-            for start in range(0, len(rows), batch_size):
-                for group in generator.generate(prompt_ids[start : start + batch_size], sampling):
-                    texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
-                    lengths += [len(c.token_ids) for c in group]
     finally:
         generator.close()
     if environment is None:

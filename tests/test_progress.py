@@ -189,3 +189,19 @@ def test_quiet_run_on_a_fresh_cache_prints_no_progress(tmp_path):
     for quiet_about in ("warm start", "held-out evaluation:", "loading model", "step 1/"):
         assert quiet_about not in err, err
     assert "done: 2 steps" in err
+
+
+@pytest.mark.slow
+def test_oxrl_eval_shows_loading_and_samples_and_quiet_shows_none(tmp_path, tiny_model_dir):
+    args = (
+        "eval", "-m", str(tiny_model_dir), "--limit", "40", "-n", "2", "--temperature", "1", "--max-new-tokens", "4",
+    )  # fmt: skip
+    proc = oxrl(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert f"loading --model {tiny_model_dir} ...\n" in proc.stderr
+    assert "evaluation: 0/80 samples\n" in proc.stderr
+    assert re.search(r"^evaluation: 80/80 samples in [\d.]+ s$", proc.stderr, re.M)
+    quiet = oxrl(*args, "-q")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "loading" not in quiet.stderr and "evaluation:" not in quiet.stderr
+    assert "pass@1" in quiet.stdout  # the result still comes
