@@ -408,6 +408,12 @@ def test_two_zero3_ranks_follow_the_single_process_sgrpo_trajectory(work, tiny_m
     run = _sgrpo(work, "dp-sgrpo", tiny_model_dir, *DP2)
     _assert_same_trajectory(single, run, keys=("reward/mean", "reward/std", "response/length"), atol=0)
     _assert_same_trajectory(single, run, keys=("loss", "grad_norm", "rollout/logprob_diff"))
+    # rollouts.jsonl: rank 0 alone writes it (one line a logged step), the same samples as one process
+    logged = [[json.loads(line) for line in (r / "rollouts.jsonl").read_text().splitlines()] for r in (single, run)]
+    assert [x["step"] for x in logged[1]] == [x["step"] for x in logged[0]] == [1, 3]
+    for a, b in zip(*logged):
+        assert a["rewards"] == b["rewards"] and [s["ids"] for s in a["samples"]] == [s["ids"] for s in b["samples"]]
+        assert all(s["logp"] == pytest.approx(t["logp"], abs=1e-3) for s, t in zip(a["samples"], b["samples"]))
     # lr 1e-2 with Adam: a weight whose gradient is rounding noise moves by up to ~lr per step whatever its sign,
     # so summation order alone (rows per rank, the LM head's token chunks) moves a few by ~1e-4
     _assert_close_weights(_weights(single / "final"), _weights(run / "final"), atol=5e-4)
