@@ -477,3 +477,24 @@ def test_end_of_run_table_is_coloured_on_a_terminal_and_plain_in_a_log():
     print_summary(Console(file=log, width=80), "how it went", rows)
     assert "\x1b[" not in log.getvalue() and "reward constant at 0.000" in log.getvalue()
     assert not [f for f in summary_rows(records, summary, [], None, "r", "f") if f[0] in ("error", "warning")]
+
+
+def test_every_curve_kind_is_drawn_when_its_metric_is_logged(tmp_path):
+    """A run dir with every metric a plot reads (MFU only comes from a GPU, KL only with a reference): each plot."""
+    from oxrl_core.report import PLOTS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("algorithm: ppo\ntrain:\n  max_steps: 3\n")
+    keys = [k for plot in PLOTS for k in plot.keys if not k.endswith("/")]
+    keys += ["loss/value", "eval/accuracy", "logps/chosen", "kl/ref", "reward/std", "values/mean"]
+    lines = [{"step": s, **{k: 0.1 * s + i for i, k in enumerate(keys)}} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    summary = {"steps": 3, "train_seconds": 1.0, "eval_before": {"eval/accuracy": 0.1}, "eval_after": {}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    proc = oxrl("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    parsed, text = page(run / "report.html")
+    assert {plot.id for plot in PLOTS} <= set(parsed.plots), {plot.id for plot in PLOTS} - set(parsed.plots)
+    assert "other-values/mean" in parsed.plots  # a metric no plot names is still drawn, under "every other"
+    assert "reward_distribution" not in parsed.plots and parsed.viewers == 0  # no rollouts.jsonl: no viewer
