@@ -408,7 +408,7 @@ class RunConfig(StrictModel):
 TINY_DEFAULTS = {"train": {"lr": 1e-3, "max_steps": 600, "batch_size": 32, "warmup_steps": 20}}
 #: ... and for algorithms that learn from rollouts (batch_size = prompts per step).
 TINY_RL_DEFAULTS = {
-    "train": {"lr": 3e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0},
+    "train": {"lr": 3e-4, "max_steps": 300, "batch_size": 16, "warmup_steps": 0},
     "rollout": {"n": 8, "max_new_tokens": 8},
 }
 

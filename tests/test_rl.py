@@ -97,17 +97,18 @@ RL_METRICS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("alg", ["sgrpo", "cispo", "ppo"])
 def test_offline_default_raises_held_out_reward(alg, tmp_path):
-    """`oxrl run --alg X` with nothing configured: the built-in model (SFT warm start) on the built-in task."""
+    """`oxrl run --alg X` with nothing configured: the built-in model (SFT warm start) on the built-in task; the
+    demo lifts held-out greedy accuracy by at least 0.15 (measured: 0.22 -> 0.51 sgrpo and cispo, 0.55 ppo)."""
     run = tmp_path / alg
     _ok(oxrl("run", "--alg", alg, "-q", "-o", str(run), cwd=tmp_path))
     before, after = _summary(run)["eval_before"], _summary(run)["eval_after"]
+    assert after["eval/accuracy"] >= before["eval/accuracy"] + 0.15, (before, after)  # greedy answers
     # the expected reward of the policy on held-out prompts (what RL maximises), fixed sampling seed
-    assert after["eval/reward_sampled"] >= before["eval/reward_sampled"] + 0.05, (before, after)
-    assert after["eval/accuracy"] > before["eval/accuracy"], (before, after)  # greedy answers too
+    assert after["eval/reward_sampled"] >= before["eval/reward_sampled"] + 0.1, (before, after)
     metrics = read_metrics(run)
-    assert [m["step"] for m in metrics] == list(range(1, 101))
+    assert [m["step"] for m in metrics] == list(range(1, 301))
     assert RL_METRICS <= set(metrics[0]), RL_METRICS - set(metrics[0])
-    assert [m["policy/version"] for m in metrics] == list(range(100))  # strictly on-policy
+    assert [m["policy/version"] for m in metrics] == list(range(300))  # strictly on-policy
     assert max(m["rollout/logprob_diff"] for m in metrics) < 1e-3  # hf backend and trainer agree
     if alg == "ppo":
         assert {"kl/ref", "loss/value"} <= set(metrics[0])
