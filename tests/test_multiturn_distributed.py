@@ -8,28 +8,11 @@ from __future__ import annotations
 
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
+from test_multiturn_e2e import ALWAYS_CALLS  # a tool parser that makes every episode multi-turn
 
 from oxrl_core.tiny import warm_start_dir
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-
-#: a tool parser that reads most turns of the arithmetic warm start as one `calc` call, so that every
-#: episode has tool turns (that model never writes a real tool call)
-ALWAYS_CALLS = """
-from oxrl_core.tool_parsers import ParsedTurn, ToolCall, ToolParser
-
-
-class AlwaysCalls(ToolParser):
-    name = "always_calls"
-
-    def parse(self, text):
-        if len(text) % 3 == 0:
-            return ParsedTurn(text, [], [])  # a final answer, now and then
-        return ParsedTurn("", [ToolCall("calc", {"expr": str(len(text)) + "*7"})], [])
-
-    def format(self, calls):
-        return ""
-"""
 
 KEYS = ("reward/mean", "reward/std", "env/turns", "env/tool_calls", "env/episode_tokens", "env/truncated")
 
