@@ -163,17 +163,16 @@ def test_multi_turn_training_with_lora_trains_the_adapter_and_saves_a_loadable_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("alg", ["cispo", "ppo", "rlhf", "rlaif", "rft", "online_dpo"])
+@pytest.mark.parametrize("alg", ["cispo", "ppo", "rlhf", "rft", "online_dpo"])
 def test_every_rollout_algorithm_trains_on_multi_turn_episodes(tmp_path, alg):
-    """Besides SGRPO (above): each algorithm that uses rollouts takes ``env.name``; on the first step (one
-    episode of 16 is right) it gets a gradient from episodes with tool turns, and its logprobs match the
-    backend's over the model's tokens."""
-    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=2", "--set", "train.eval_steps=0"]
+    """Besides SGRPO (above): each algorithm that uses rollouts takes ``env.name``; on its step (one episode
+    of 16 is right) it gets a gradient from episodes with tool turns, and its logprobs match the backend's
+    over the model's tokens. (RLAIF is RLHF's loop with a judge as the reward: with ``reward.name`` set the
+    two runs are the same, so RLAIF is not run again.)"""
+    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=1", "--set", "train.eval_steps=0"]
     run_dir = tmp_path / alg
     _ok(oxrl("run", "--alg", alg, *sets, "-o", str(run_dir), "-q"))
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2]
-    first = metrics[0]
+    (first,) = read_metrics(run_dir)
     assert first["env/tool_calls"] > 1 and first["env/turns"] > 2 and 0 < first["reward/mean"] < 1
-    assert first["grad_norm"] > 0 and all(m["rollout/logprob_diff"] < 1e-4 for m in metrics)
+    assert first["grad_norm"] > 0 and first["rollout/logprob_diff"] < 1e-4
     assert (run_dir / "final" / "config.json").is_file()

@@ -175,16 +175,20 @@ def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_pat
     assert steps and all(re.search(r" loss -?[\d.]+ reward [\d.]+ kl -?[\d.]+ lr ", s) for s in steps), steps
 
 
+def test_a_quiet_warm_start_prints_nothing(tmp_path, monkeypatch, capsys):
+    """The warm start on a fresh cache with a quiet reporter (what `oxrl run -q` gives it): built, silent."""
+    from oxrl_core.tiny import warm_start_dir
+
+    monkeypatch.setenv("OXRL_CACHE", str(tmp_path / "cache"))
+    path = warm_start_dir(steps=12, reporter=Reporter(quiet=True))
+    assert (path / "config.json").is_file() and capsys.readouterr().err == ""
+
+
 @pytest.mark.slow
-def test_quiet_run_on_a_fresh_cache_prints_no_progress(tmp_path):
-    """-q during the warm start, loading, evaluation and training: only the outcome lines."""
-    env = {"OXRL_CACHE": str(tmp_path / "fresh-cache")}
-    proc = oxrl(
-        "run", "--alg", "sgrpo", "-q", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2",
-        env=env,
-    )  # fmt: skip
+def test_quiet_run_prints_no_progress(tmp_path):
+    """-q during loading, evaluation and training: only the outcome lines (the warm start: above)."""
+    proc = oxrl("run", "--alg", "sgrpo", "-q", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2")
     assert proc.returncode == 0, proc.stderr
-    assert list((tmp_path / "fresh-cache").glob("*-warm450-*")), "the warm start was built in this run"
     err = proc.stderr
     for quiet_about in ("warm start", "held-out evaluation:", "loading model", "step 1/"):
         assert quiet_about not in err, err
