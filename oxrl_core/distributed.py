@@ -18,14 +18,27 @@ single-process run executes exactly the code it always did:
 
 Every collective runs on the process group made by `init_process_group`, whose timeout is
 ``engine.timeout_s``: a rank whose peer died gets an error instead of waiting forever.
+
+Checked collectives. Collectives pair by their order alone: if one rank issues a collective that
+another does not, the next ones pair up wrongly and return garbage or wait forever (a count that
+comes back as garbage once made rank 0 loop in the chunked LM head). So every collective oxRL issues
+itself goes through `_exchange`, which all-gathers a tag — a fixed marker, the call site
+(``module:line (function)``) and this rank's call number — with the values; ranks that differ stop
+the run at once with `CollectiveMismatch`, naming the step, the call sites and the ranks. A collective
+issued inside `local_section()` (``engine.full_weights()``: code that may run on one rank only)
+raises at once, in one process too, so the test suite catches the mistake without two ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
+import sys
 from datetime import timedelta
+
+from oxrl_core.errors import OxrlError
 
 #: environment that Ray actors need in order to behave like the driver (caches, offline flags, thread counts)
 FORWARDED_ENV = ("OXRL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "NCCL_", "GLOO_", "TORCH_", "OMP_")
@@ -95,22 +108,130 @@ def _device():
     return torch.device("cpu")
 
 
-def barrier() -> None:
+class CollectiveMismatch(OxrlError):
+    """Ranks issued different collectives (a bug in oxRL or a plugin): stopped before they compute with
+    values meant for another call or wait for one another forever."""
+
+
+#: the first element of every tag; another collective's data that pairs with a tag lacks it
+TAG_MARK = 4_093_211.0
+#: characters of the call site a tag carries
+SITE_CHARS = 64
+_HEADER = 4 + SITE_CHARS  # mark, call number, step, number of values, the call site
+
+_local_depth = 0  # depth of `local_section()`s on this process
+_step = 0  # the optimiser step in progress (0: before the first), for messages
+_calls = 0  # checked collectives issued by this process
+
+
+@contextlib.contextmanager
+def local_section():
+    """Code that may run on some ranks only (``engine.full_weights()``: rank 0 evaluating alone, each rank
+    generating a different number of tokens): a collective issued inside raises `CollectiveMismatch`."""
+    global _local_depth
+    _local_depth += 1
+    try:
+        yield
+    finally:
+        _local_depth -= 1
+
+
+def in_local_section() -> bool:
+    return _local_depth > 0
+
+
+def at_step(step: int) -> None:
+    """The training loop's step in progress (named by a mismatch's message)."""
+    global _step
+    _step = step
+
+
+def _call_site() -> str:
+    """``module:line (function)`` of the first caller outside this module (the same on every rank)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{frame.f_globals.get('__name__', '?')}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _when(step: int) -> str:
+    return f"at step {step}" if step else "before the first step"
+
+
+def _decode(row: list[float]) -> tuple[int, int, str] | None:
+    """(call number, step, call site) of a gathered tag, or None when it is not one (another collective's data)."""
+    if row[0] != TAG_MARK:
+        return None
+    site = "".join(chr(int(c)) for c in row[4:_HEADER] if 0 < c < 0x110000)
+    return int(row[1]), int(row[2]), site
+
+
+def _exchange(values: list[float]) -> list[list[float]] | None:
+    """One checked collective: every rank's ``values`` (float64), ``[values of rank 0, values of rank 1, ...]``,
+    once every rank is known to be at the same call (call site and call number); None in one process."""
+    site = _call_site()
+    if _local_depth:
+        raise CollectiveMismatch(
+            f"a collective at {site} was issued inside engine.full_weights(), where ranks may run different "
+            "code (rank 0 evaluating alone, each rank generating its own lengths): it would pair with another "
+            "rank's different collective. This is a bug in oxRL or a plugin; move the collective outside."
+        )
     dist = _dist()
-    if dist is not None and dist.get_world_size() > 1:
-        dist.barrier()
+    if dist is None or dist.get_world_size() == 1:
+        return None
+    import torch
+
+    global _calls
+    _calls += 1
+    rank_, when = dist.get_rank(), _when(_step)
+    codes = [float(ord(ch)) for ch in site[:SITE_CHARS]]
+    tag = [TAG_MARK, float(_calls), float(_step), float(len(values)), *codes, *[0.0] * (SITE_CHARS - len(codes))]
+    mine = torch.tensor(tag + [float(v) for v in values], dtype=torch.float64, device=_device())
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    try:
+        dist.all_gather(every, mine)
+    except RuntimeError as exc:  # a dead peer, engine.timeout_s, or a pairing with a collective of another size
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveMismatch(
+            f"the collective at {site} (#{_calls}, {when}) failed on rank {rank_}: {reason}. A rank died, "
+            "waited past engine.timeout_s, or issued a different collective; checkpoints are kept."
+        ) from None
+    rows = torch.stack(every).cpu().tolist()  # (world, header + values)
+    tags = [_decode(row) for row in rows]
+    if any(t != (_calls, _step, site) for t in tags):
+        where = "; ".join(
+            f"rank {r} at {t[2]} (collective #{t[0]}, {_when(t[1])})"
+            if t
+            else f"rank {r} in another collective (not one of oxRL's checked ones, e.g. DeepSpeed's parameter gather)"
+            for r, t in enumerate(tags)
+        )
+        raise CollectiveMismatch(
+            f"ranks out of step {when}: {where}. Every rank must issue the same collectives in the same order; "
+            "one issued a collective the others did not (a bug in oxRL or a plugin). The run stopped instead of "
+            "hanging or computing with mixed-up values; checkpoints are kept."
+        )
+    return [row[_HEADER:] for row in rows]
+
+
+def barrier() -> None:
+    """Every rank waits for the others (a checked exchange of no values)."""
+    _exchange([])
 
 
 def all_reduce_sum(values: list[float]) -> list[float]:
-    """Element-wise sum over ranks (float64, so token counts stay exact)."""
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
+    """Element-wise sum over ranks (float64, so token counts stay exact; summed in rank order on every rank)."""
+    every = _exchange(values)
+    if every is None:
         return list(values)
-    import torch
+    return [sum(column) for column in zip(*every)]
 
-    buffer = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(buffer)
-    return buffer.tolist()
+
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's ``value``."""
+    every = _exchange([value])
+    return value if every is None else max(row[0] for row in every)
 
 
 def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
@@ -122,20 +243,18 @@ def reduce_metrics(sums: dict[str, float]) -> dict[str, float]:
 
 def all_gather_object(obj) -> list:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank (pickled; for small Python objects)."""
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
+    if _exchange([]) is None:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * world_size()
+    _dist().all_gather_object(out, obj)
     return out
 
 
 def broadcast_object(obj, src: int = 0):
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
+    if _exchange([]) is None:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    _dist().broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -160,15 +279,14 @@ def gather_rows(part, positions: list[int], total: int):
     """(total, ...) on every rank from each rank's ``part`` (len(positions), ...), whose row i is row
     ``positions[i]`` of the whole; a padding rank passes no positions. Exact: every row is the sum
     of its one owner's values and zeros."""
-    dist = _dist()
-    if dist is None or dist.get_world_size() == 1:
+    if _exchange([]) is None:
         return part
     import torch
 
     full = part.new_zeros((total, *part.shape[1:]))
     if positions:
         full[torch.tensor(positions, device=part.device)] = part
-    dist.all_reduce(full)
+    _dist().all_reduce(full)
     return full
 
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from oxrl_core import distributed
+
 #: relative tolerance of the setup probe (log-probabilities of both paths, fp32, no autocast)
 PROBE_TOLERANCE = 1e-4
 
@@ -322,15 +324,20 @@ def _chunk_stats(h, targets, h_teacher, head, teacher_head, path, temperature, e
 # ----------------------------------------------------------------------------- the entry point
 
 
-def _chunk_count(tokens: int, chunk_size: int, head) -> int:
-    """Chunks for ``tokens``; under ZeRO-3 (a partitioned head, several ranks) the most any rank needs, since each
-    call of the head gathers its weight from every rank (the extra chunks are empty)."""
-    count = -(-tokens // chunk_size)
+def _gathers_each_call(head) -> bool:
+    """Whether each call of ``head`` gathers its weight from every rank: a ZeRO-3 partitioned weight, several
+    ranks, and DeepSpeed's hooks in place — not inside ``engine.full_weights()``, where the weight is whole, the
+    hooks are off and ranks may run different code (rank 0 evaluating alone)."""
     weight = getattr(head, "weight", None)
-    if hasattr(weight, "ds_id") and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        most = torch.tensor([count], device=weight.device)
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        count = int(most)
+    return hasattr(weight, "ds_id") and distributed.world_size() > 1 and not distributed.in_local_section()
+
+
+def _chunk_count(tokens: int, chunk_size: int, head) -> int:
+    """Chunks for ``tokens``; where each call of the head is a collective (`_gathers_each_call`) the most any
+    rank needs, so that every rank calls the head equally often (the extra chunks are empty)."""
+    count = -(-tokens // chunk_size)
+    if _gathers_each_call(head):
+        count = int(distributed.max_over_ranks(count))
     return count
 
 

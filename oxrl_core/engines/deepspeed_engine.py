@@ -195,8 +195,9 @@ class DeepSpeedEngine(PrecisionAndDevice):
     def full_weights(self):
         """ZeRO-3: every parameter whole on every rank, with DeepSpeed's fetch/release hooks taken off,
         for code outside the training step (generation, evaluation, saving, a weight sync), which then
-        runs without collectives and may run on one rank only. Entering is collective (every rank
-        gathers). ZeRO-0/1/2 keep whole parameters on every rank: nothing to do.
+        runs without collectives and may run on one rank only (`distributed.local_section`: an oxRL
+        collective inside raises). Entering is collective (every rank gathers). ZeRO-0/1/2 keep whole
+        parameters on every rank: nothing to gather.
 
         (The hooks would release parameters after each module and gather them again, and close a
         trace at each top-level call: collectives that ranks generating different lengths, or one
@@ -205,7 +206,8 @@ class DeepSpeedEngine(PrecisionAndDevice):
         if self.zero_stage != 3 or self._full_depth:
             self._full_depth += 1
             try:
-                yield
+                with distributed.local_section():
+                    yield
             finally:
                 self._full_depth -= 1
             return
@@ -222,7 +224,8 @@ class DeepSpeedEngine(PrecisionAndDevice):
             offload.fwd_pre_hook.remove()
             self._full_depth += 1
             try:
-                yield
+                with distributed.local_section():  # whole weights, no hooks: the chunked head gathers nothing
+                    yield
             finally:
                 self._full_depth -= 1
                 coordinator = offload.get_param_coordinator()

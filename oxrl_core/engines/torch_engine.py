@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from oxrl_core import distributed
 from oxrl_core.errors import OxrlError
 
 
@@ -122,8 +123,9 @@ class TorchEngine(PrecisionAndDevice):
 
     def full_weights(self):
         """Whole parameters for code outside the training step (generation, evaluation, saving); they
-        always are in one process (see `DeepSpeedEngine.full_weights` for ZeRO-3)."""
-        return contextlib.nullcontext()
+        always are in one process (see `DeepSpeedEngine.full_weights` for ZeRO-3). As there, code inside
+        may issue no collective (`distributed.local_section`): the rule is checked in one process too."""
+        return distributed.local_section()
 
     def describe(self) -> dict:
         """What a checkpoint records about the engine that wrote it (resume checks it)."""

@@ -33,7 +33,7 @@ import torch
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
 from oxrl_core.data import make_plan, regroup_by_tokens
-from oxrl_core.distributed import is_main, world_size
+from oxrl_core.distributed import at_step, is_main, world_size
 from oxrl_core.engines import build_engine
 from oxrl_core.errors import OxrlError
 from oxrl_core.health import check_run, print_summary, summary_rows, versions
@@ -267,6 +267,7 @@ class Run:
         self.saver.start(self.start_step)
         try:
             for step in range(self.start_step + 1, max_steps + 1):
+                at_step(step)  # named by a collective mismatch (`distributed.CollectiveMismatch`)
                 record = step_fn(step)
                 if step == max_steps or (cfg.train.eval_steps and step % cfg.train.eval_steps == 0):
                     record.update(self.evaluate())
