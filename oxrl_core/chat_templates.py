@@ -4,11 +4,18 @@ whose template a run should replace, gets one by name; any other value is a path
 A leaf module (strings only): `config` validates the name here, `models` sets the template on the tokenizer.
 Each template renders ``messages`` (``role``/``content``) and, with ``add_generation_prompt``, opens the
 assistant's turn; tool calls are left to the model's own template.
+
+A template that does not compile, or fails on a plain user/assistant conversation, is refused before a run
+trains (`compile_problem` when the config is read, `render_problem` when a tokenizer loads) and is an error
+in `oxrl check-model`: jinja2 would otherwise raise from deep inside the first row's tokenisation. The
+message gives the template's line (a `TemplateSyntaxError`'s ``lineno``, or the template frame jinja2
+puts into the traceback of an error raised while rendering) and jinja2's own text.
 """
 
 from __future__ import annotations
 
 import difflib
+import types
 from pathlib import Path
 
 from oxrl_core.errors import OxrlError
@@ -70,6 +77,9 @@ def check_chat_template(value: str, field: str = "model.chat_template") -> str:
     except (OSError, ValueError):
         is_file = False
     if is_file:
+        problem = compile_problem(chat_template_text(value, field))
+        if problem:
+            raise ValueError(f"the chat template {Path(value).expanduser()} does not compile: {problem}")
         return value
     close = difflib.get_close_matches(value, names(), n=1, cutoff=0.6)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -90,3 +100,87 @@ def chat_template_text(value: str, field: str = "model.chat_template") -> str:
     if not text.strip():
         raise OxrlError(f"{field}: the chat template {path} is empty")
     return text
+
+
+#: what every template must render: each plain-string prompt is this user turn with the generation prompt,
+#: and an SFT row the whole conversation (`data.encode_prompt`, `data.tokenise_messages`)
+PROBE = [
+    {"role": "user", "content": "What is 2+3?"},
+    {"role": "assistant", "content": "5"},
+]
+
+
+def _template_line(exc: BaseException) -> int | None:
+    """The template line an error points at: a syntax error's ``lineno``; for an error raised while
+    rendering, the innermost traceback frame jinja2 rewrote to the template's own line (its code is named
+    ``<template>`` for a template compiled from a string, as transformers compiles them)."""
+    lineno = getattr(exc, "lineno", None)
+    if isinstance(lineno, int):
+        return lineno
+    lines = [line for frame, line in _frames(exc.__traceback__) if frame.f_code.co_filename == "<template>"]
+    return lines[-1] if lines else None
+
+
+def _frames(tb: types.TracebackType | None):
+    """(frame, line) of each traceback entry, outermost first."""
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+
+
+def describe_error(exc: BaseException) -> str:
+    """``line 3: unexpected '}' (TemplateSyntaxError)``: where in the template, jinja2's message, its type."""
+    from jinja2 import TemplateError  # lazy: jinja2 comes with transformers, needed only once a template is checked
+
+    message = " ".join(str(exc).split()) or "(no message)"
+    kind = type(exc).__name__
+    if type(exc) is TemplateError and any(
+        frame.f_code.co_name == "raise_exception" for frame, _ in _frames(exc.__traceback__)
+    ):
+        kind = "the template's raise_exception"
+    line = _template_line(exc)
+    return f"{f'line {line}: ' if line else ''}{message} ({kind})"
+
+
+def compile_problem(text: str) -> str | None:
+    """None if ``text`` compiles in the Jinja environment transformers renders chat templates with
+    (its sandbox, ``raise_exception``, the ``{% generation %}`` tag); else where and why it does not."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as exc:
+        return describe_error(exc)
+    return None
+
+
+def render_problem(tokenizer) -> str | None:
+    """None if the tokenizer's chat template renders `PROBE`'s user turn with the generation prompt and the
+    whole conversation (with the tokenizer's own special tokens, as a run renders rows); else which one
+    failed and where. A tokenizer without a template has nothing to check."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    for messages, generation_prompt, what in (
+        (PROBE[:1], True, "a user turn with the generation prompt"),
+        (PROBE, False, "a user/assistant conversation"),
+    ):
+        try:
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - jinja2's errors, a filter's TypeError, a template's raise_exception
+            from jinja2 import TemplateSyntaxError
+
+            verb = "does not compile" if isinstance(exc, TemplateSyntaxError) else f"fails on {what}"
+            return f"{verb}: {describe_error(exc)}"
+    return None
+
+
+def template_source(tokenizer_path: str) -> str:
+    """Where a tokenizer's own template lives, for a message: ``<dir>/chat_template.jinja`` (transformers 5
+    saves it there), ``<dir>/tokenizer_config.json``'s ``chat_template``, or the hub id's."""
+    local = Path(tokenizer_path).expanduser()
+    if (local / "chat_template.jinja").is_file():
+        return str(local / "chat_template.jinja")
+    if (local / "tokenizer_config.json").is_file():
+        return f"'chat_template' in {local / 'tokenizer_config.json'}"
+    return f"the chat template of {tokenizer_path}"

@@ -3,7 +3,8 @@
 Loads the model (fp32 on CPU, the way a run loads it) and its tokenizer, and reports: the
 architecture, sizes, vocabulary (embedding rows vs tokenizer), the chat template (does it render a
 two-turn conversation and a generation prompt, and does the rendered prompt lead into the
-assistant's turn the way the conversation does), the special tokens, the attention layout (head_dim,
+assistant's turn the way the conversation does; one that does not compile or raises on them is an error,
+as a run refuses it), the special tokens, the attention layout (head_dim,
 heads, KV heads, sliding window, soft-capping), MoE experts, and which oxRL paths apply: packing and
 shared-prefix attention (`packed_attention.attention_fast_paths`), the hf backend's prefill-once KV
 cache, LoRA's default targets (`lora.default_targets`), the critic, the chunked logits head
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from oxrl_core.chat_templates import PROBE, describe_error, render_problem, template_source
+from oxrl_core.chat_templates import names as template_names
 from oxrl_core.config import LoraConfig, TrainConfig
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
@@ -28,11 +31,6 @@ from oxrl_core.token_head import choose_path
 
 #: head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-_CONVERSATION = [
-    {"role": "user", "content": "What is 2+3?"},
-    {"role": "assistant", "content": "5"},
-]
 
 
 def _one_line(exc: Exception) -> str:
@@ -60,8 +58,9 @@ def _load_config(path: str, trust_remote_code: bool):
         raise OxrlError(f"check-model: cannot read the model config {where}: {_one_line(exc)}") from None
 
 
-def _chat_template(tokenizer, problems: list) -> dict:
-    """Present, renders the conversation and a generation prompt, and the prompt is a prefix of the conversation."""
+def _chat_template(tokenizer, path: str, problems: list) -> dict:
+    """Present, renders the conversation and a generation prompt, and the prompt is a prefix of the conversation.
+    A template that does not compile or raises on them is an error: a run refuses it at start-up."""
     info = {
         "present": bool(getattr(tokenizer, "chat_template", None)),
         "renders_conversation": False,
@@ -80,25 +79,27 @@ def _chat_template(tokenizer, problems: list) -> dict:
             "prompts (oxRL then encodes the prompt string as it is)",
         )
         return info
-    try:
-        conversation = tokenizer.apply_chat_template(_CONVERSATION, tokenize=False)
-        info["renders_conversation"] = "2+3" in conversation and "5" in conversation.split("2+3", 1)[1]
-    except Exception as exc:  # noqa: BLE001 - a template that raises (e.g. wants a system turn)
+    # the check a run makes when it loads the tokenizer (`models.load_tokenizer`): a run refuses this template
+    problem = render_problem(tokenizer)
+    if problem:
         _problem(
             problems,
-            "warning",
-            f"the chat template fails on a user/assistant conversation: {type(exc).__name__}: {exc}",
-            "fix `chat_template` in tokenizer_config.json, or train on plain-text prompts",
+            "error",
+            f"the chat template ({template_source(path)}) {problem}",
+            "fix the template there, or set model.chat_template to a Jinja file or a built-in "
+            f"({', '.join(template_names())})",
         )
         return info
+    conversation = tokenizer.apply_chat_template(PROBE, tokenize=False)
+    info["renders_conversation"] = "2+3" in conversation and "5" in conversation.split("2+3", 1)[1]
+    prompt = tokenizer.apply_chat_template(PROBE[:1], tokenize=False, add_generation_prompt=True)
     try:
-        plain = tokenizer.apply_chat_template(_CONVERSATION[:1], tokenize=False, add_generation_prompt=False)
-        prompt = tokenizer.apply_chat_template(_CONVERSATION[:1], tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # noqa: BLE001
+        plain = tokenizer.apply_chat_template(PROBE[:1], tokenize=False, add_generation_prompt=False)
+    except Exception as exc:  # noqa: BLE001 - renders with the generation prompt but raises without it
         _problem(
             problems,
             "warning",
-            f"the chat template fails on a generation prompt: {type(exc).__name__}: {exc}",
+            f"the chat template fails on a user turn without the generation prompt: {describe_error(exc)}",
             "fix `chat_template` in tokenizer_config.json",
         )
         return info
@@ -286,7 +287,7 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
     if tokenizer is not None:
         report["vocab"]["tokenizer"] = len(tokenizer)
         report["tokens"] = _tokens(tokenizer, problems)
-        report["chat_template"] = _chat_template(tokenizer, problems)
+        report["chat_template"] = _chat_template(tokenizer, path, problems)
 
     # ------------------------------------------------------------------ model
     import torch
@@ -483,8 +484,9 @@ def render(report: dict, console) -> None:
 
     if report["problems"]:
         problems = Table(title="problems", show_header=True)
-        for column in ("severity", "problem", "fix"):
-            problems.add_column(column)
+        problems.add_column("severity")
+        for column in ("problem", "fix"):
+            problems.add_column(column, overflow="fold")  # a path in full on a narrow terminal, never cut with …
         colour = {"error": "red", "warning": "yellow", "note": "cyan"}
         for p in report["problems"]:
             problems.add_row(f"[{colour[p['severity']]}]{p['severity']}[/]", escape(p["problem"]), escape(p["fix"]))

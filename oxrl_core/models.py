@@ -46,12 +46,27 @@ def _dtype():
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def _apply_chat_template(tokenizer, field: str) -> None:
-    options = _OPTIONS.get()
-    if options is not None and options.chat_template:
-        from oxrl_core.chat_templates import chat_template_text  # lazy: only a run that sets model.chat_template
+def _apply_chat_template(tokenizer, path: str, field: str) -> None:
+    """Set ``model.chat_template`` on the tokenizer, then check the template it ends up with renders a user
+    turn and a user/assistant conversation: a template that does not compile or raises on them is an
+    error naming the template, its line and jinja2's message, before any row is tokenised (a model's own
+    template too: ``model.chat_template`` is the way round it)."""
+    from oxrl_core.chat_templates import chat_template_text, names, render_problem, template_source
 
-        tokenizer.chat_template = chat_template_text(options.chat_template)
+    options = _OPTIONS.get()
+    chosen = options.chat_template if options is not None else ""
+    if chosen:
+        tokenizer.chat_template = chat_template_text(chosen)
+    problem = render_problem(tokenizer)
+    if problem is None:
+        return
+    if chosen:
+        source = f"'{chosen}' (built-in)" if chosen in names() else str(Path(chosen).expanduser())
+        raise OxrlError(f"model.chat_template: the chat template {source} {problem}; fix the template")
+    raise OxrlError(
+        f"{field}: the tokenizer's chat template ({template_source(path)}) {problem}; fix it there, or set "
+        f"model.chat_template to a Jinja file or a built-in ({', '.join(names())})"
+    )
 
 
 #: what a model field takes, for the message when a value cannot even be looked up as a path
@@ -195,7 +210,7 @@ def load_tokenizer(name: str, field: str = "model.name", trust_remote_code: bool
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, revision=_revision(path))
     except Exception as exc:  # noqa: BLE001 - missing dir, offline hub, bad files: one message
         raise OxrlError(f"{field}: cannot load a tokenizer from '{path}': {type(exc).__name__}: {exc}") from None
-    _apply_chat_template(tokenizer, field)
+    _apply_chat_template(tokenizer, path, field)
     if tokenizer.eos_token_id is None:
         raise OxrlError(f"{field}: the tokenizer at '{path}' has no EOS token; completions end with EOS")
     if tokenizer.pad_token_id is None:
