@@ -5,16 +5,11 @@ plugins, and with a run directory the run's resolved ``config.yaml``, its last e
 (``error.log``, which `lifecycle.error_log` writes when a run fails), the last ``metrics.jsonl`` lines and
 ``summary.json``.
 
-Secrets are redacted before anything is shown, in three passes over the whole text:
-
-1. values whose *name* says they are secret — the last part of a YAML / JSON key or a ``NAME=value`` pair
-   (``hf_token``, ``WANDB_API_KEY``, ``reward.api_key``, ``db_password``; not ``max_new_tokens`` or
-   ``pad_token_id``);
-2. every literal occurrence of such a value found in the config or in the environment (a token the run put
-   into an error message or a path);
-3. anything shaped like a known token, wherever it is: Hugging Face ``hf_…``, OpenAI / Anthropic ``sk-…``,
-   GitHub ``ghp_…`` / ``github_pat_…``, Slack ``xox…-``, AWS ``AKIA…``, W&B's 40-hex-digit keys, and
-   ``Bearer …`` headers.
+Secrets are redacted before anything is shown, over the whole text (every section: the config, the
+command line and the traceback in ``error.log``, the metrics, the plugins' errors) and with the literal
+values of the environment's secret variables: values of secret-named keys (a YAML block scalar on the lines
+below its key included), passwords in URLs, authenticating HTTP headers, URL query tokens and known token
+shapes — `oxrl_core.redact` says how; the run's one-line errors use the same function.
 
 With ``redact_paths`` the home directory is written as ``~`` as well.
 """
@@ -30,88 +25,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from oxrl_core.errors import OxrlError
+from oxrl_core.redact import REDACTED, is_secret_name, redact, secret_values
 
-__all__ = ["REDACTED", "bug_report", "redact"]
-
-REDACTED = "<redacted>"
-
-#: the last part of a name (split at ``.``, ``_``, ``-``, lower-cased) that marks its value secret
-SECRET_WORDS = ("token", "key", "secret", "password", "passwd", "credential", "credentials", "auth")
-#: ... or a suffix of it (``apikey``, ``hftoken``, ``accesstoken``)
-SECRET_SUFFIXES = ("token", "key", "secret", "password")
-
-#: token shapes redacted wherever they appear
-TOKEN_PATTERNS = [
-    re.compile(r"\bhf_[A-Za-z0-9]{16,}"),  # Hugging Face
-    re.compile(r"\bsk-[A-Za-z0-9_\-]{16,}"),  # OpenAI (sk-..., sk-proj-...), Anthropic (sk-ant-...)
-    re.compile(r"\b(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}"),  # GitHub
-    re.compile(r"\bgithub_pat_[A-Za-z0-9_]{20,}"),
-    re.compile(r"\bxox[abprs]-[A-Za-z0-9\-]{10,}"),  # Slack
-    re.compile(r"\bAKIA[0-9A-Z]{16}\b"),  # AWS access key id
-    re.compile(r"\b[0-9a-f]{40}\b"),  # W&B API key (40 hex digits)
-    re.compile(r"(?i)(?<=\bbearer )[A-Za-z0-9._~+/\-]{8,}=*"),  # Authorization: Bearer ...
-]
-
-_NAME = r"[A-Za-z_][A-Za-z0-9_.\-]*"
-#: ``name: value`` (YAML), ``"name": "value"`` (JSON), ``name=value`` (env, --set, command lines)
-_PAIRS = [
-    re.compile(rf"^(?P<head>\s*-?\s*(?P<name>{_NAME})\s*:[ \t]+)(?P<value>[^\s#][^\n]*?)\s*$", re.M),
-    re.compile(rf"(?P<head>\"(?P<name>{_NAME})\"\s*:\s*)(?P<value>\"(?:[^\"\\]|\\.)*\")"),
-    re.compile(rf"(?P<head>'(?P<name>{_NAME})'\s*:\s*)(?P<value>'(?:[^'\\]|\\.)*')"),  # a Python dict's repr
-    re.compile(rf"(?P<head>(?<![\w.\-])(?P<name>{_NAME})=)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;&|]+)"),
-]
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether a key or variable name says its value is secret (judged by its last part)."""
-    last = re.split(r"[._\-]", name.lower())[-1] if name else ""
-    if last in SECRET_WORDS:
-        return True
-    if last.endswith(SECRET_SUFFIXES) and not last.endswith(("tokens", "keys")):
-        return True
-    return False
-
-
-def _unquote(value: str) -> str:
-    value = value.strip()
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-        return value[1:-1]
-    return value
-
-
-def secret_values(text: str, environ: dict[str, str] | None = None) -> set[str]:
-    """The values of secret-named keys in ``text`` and of secret-named variables of ``environ``."""
-    found: set[str] = set()
-    for pattern in _PAIRS:
-        for match in pattern.finditer(text):
-            if is_secret_name(match.group("name")):
-                found.add(_unquote(match.group("value")))
-    for name, value in (environ or {}).items():
-        if is_secret_name(name):
-            found.add(value.strip())
-    return {v for v in found if len(v) >= 6 and v not in (REDACTED, "null", "None", "true", "false")}
-
-
-def redact(text: str, secrets: Iterable[str] = (), home: str | None = None) -> str:
-    """``text`` with every secret of the three passes (see the module's docstring) replaced by ``<redacted>``,
-    and, with ``home``, that directory written as ``~``."""
-
-    def by_name(match: re.Match) -> str:
-        if not is_secret_name(match.group("name")) or _unquote(match.group("value")) in ("", REDACTED):
-            return match.group(0)
-        value = match.group("value").strip()
-        quote = value[0] if value[:1] in "\"'" and len(value) > 1 else ""
-        return f"{match.group('head')}{quote}{REDACTED}{quote}"
-
-    for pattern in _PAIRS:
-        text = pattern.sub(by_name, text)
-    for value in sorted(set(secrets), key=len, reverse=True):
-        text = text.replace(value, REDACTED)
-    for pattern in TOKEN_PATTERNS:
-        text = pattern.sub(REDACTED, text)
-    if home and home not in ("/", ""):
-        text = re.sub(rf"{re.escape(home.rstrip('/'))}(?=/|\b|$)", "~", text)
-    return text
+__all__ = [
+    "REDACTED", "bug_report", "error_superseded", "is_secret_name", "redact", "secret_values",
+]  # fmt: skip
 
 
 # ---------------------------------------------------------------- the sections
@@ -163,6 +81,14 @@ def _plugins(registry) -> str:
     return text + ("\n\n" + "\n".join(problems) if problems else "")
 
 
+def _read(path: Path) -> str:
+    """A run file's text ('' when it is not there or cannot be read)."""
+    try:
+        return path.read_text(errors="replace") if path.is_file() else ""
+    except OSError:
+        return ""
+
+
 def _tail_lines(path: Path, count: int) -> list[str]:
     """The last ``count`` complete lines of a JSONL file (a torn last line is skipped)."""
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
@@ -185,6 +111,20 @@ def _shorten(text: str, head: int = 8, tail: int = 250) -> str:
     return "\n".join([*lines[:head], f"... ({len(lines) - head - tail} lines left out) ...", *lines[-tail:]])
 
 
+def error_superseded(run_dir: Path) -> bool:
+    """Whether the run finished after the failure its ``error.log`` holds: ``summary.json`` (written when a
+    run ends) is newer, e.g. a start that failed and a ``--resume`` that then went through. Such an error is
+    history, not the run's failure; `oxrl report` decides the same way with this function."""
+    # lazy: the lifecycle module is the error log's writer; imported only for a run directory
+    from oxrl_core.lifecycle import ERROR_LOG
+
+    log, summary = Path(run_dir) / ERROR_LOG, Path(run_dir) / "summary.json"
+    try:
+        return log.is_file() and summary.is_file() and summary.stat().st_mtime > log.stat().st_mtime
+    except OSError:  # removed between the two looks
+        return False
+
+
 def _error_section(run_dir: Path) -> str:
     # lazy: the lifecycle module is the error log's writer; imported only for a run directory
     from oxrl_core.lifecycle import ERROR_LOG
@@ -197,8 +137,7 @@ def _error_section(run_dir: Path) -> str:
         )
     text = log.read_text(errors="replace")
     note = ""
-    summary = run_dir / "summary.json"
-    if summary.is_file() and summary.stat().st_mtime > log.stat().st_mtime:
+    if error_superseded(run_dir):
         note = "Note: the run finished after this error (`summary.json` is newer), e.g. after `--resume`.\n\n"
     return f"{note}From `{ERROR_LOG}`:\n\n{fence(_shorten(text), 'text')}"
 
@@ -254,7 +193,9 @@ def bug_report(
         "Read it through before posting.</sub>"
     )
     text = f"# oxRL bug report\n\n{body}\n\n{footer}\n"
-    secrets = secret_values(text, environ)
+    # the run's files whole, not only the parts shown: a block scalar's key may be in the lines left out
+    whole = [text, *(_read(Path(run_dir) / name) for name in ("config.yaml", "error.log"))] if run_dir else [text]
+    secrets = secret_values("\n".join(whole), environ)
     home = str(Path.home()) if redact_paths else None
     text = redact(text, secrets, home)
     if redact_paths and home and os.path.realpath(home) != home:

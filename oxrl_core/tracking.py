@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from oxrl_core.atomic import write_error, write_text_atomic
 from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.distributed import is_main
 from oxrl_core.errors import OxrlError
+from oxrl_core.redact import redact, redact_config
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -126,15 +128,26 @@ class MLflowSink:
         except ImportError as exc:
             raise OxrlError(f"logging.mlflow needs mlflow (pip install 'oxrl[tracking]'): {exc}") from None
         self.mlflow = mlflow
+        user_uri = bool(tracking_uri)
         if not tracking_uri:
             # a local file store next to the run: no server, nothing to set up. MLflow 3 wants an explicit opt-in.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             tracking_uri = (run_dir / "mlruns").resolve().as_uri()
-        mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_experiment("oxrl")
-        self.run = mlflow.start_run(run_name=run_name or run_dir.name)
         params = {k: str(v)[:500] for k, v in _flatten(config).items()}
-        mlflow.log_params(params)
+        reason = ""
+        try:
+            mlflow.set_tracking_uri(tracking_uri)
+            mlflow.set_experiment("oxrl")
+            self.run = mlflow.start_run(run_name=run_name or run_dir.name)
+            mlflow.log_params(params)
+        except Exception as exc:  # an unsupported scheme, a refused connection, a missing database driver
+            reason = _first_line(exc)
+        if reason:
+            # raised here, outside the handler: MLflow's exception (whose text holds the URI, password and all)
+            # is not chained to ours, so error.log's traceback does not carry it either
+            with contextlib.suppress(Exception):
+                mlflow.end_run(status="FAILED")
+            raise OxrlError(_mlflow_error(tracking_uri, user_uri, reason))
 
     def log(self, step: int, metrics: dict) -> None:
         numeric = {
@@ -146,6 +159,32 @@ class MLflowSink:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    """An exception's first line, its credentials redacted and its length bounded (for a one-line message):
+    a long one is cut after its first sentence (MLflow's go on with a list of schemes and a link)."""
+    lines = str(exc).strip().splitlines()
+    text = redact(f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": "))
+    if len(text) <= limit:
+        return text
+    end = text.find(". ")
+    return text[:end] if 0 < end < limit else text[: limit - 1] + "…"
+
+
+def _mlflow_error(tracking_uri: str, user_uri: bool, reason: str) -> str:
+    """The one message a tracking store MLflow cannot use ends the run with: the setting, the URI without its
+    password, MLflow's reason, and what to do."""
+    if not user_uri:
+        return (
+            f"logging.mlflow: MLflow cannot use the local store {tracking_uri} ({reason}); set "
+            "logging.mlflow_tracking_uri to a tracking server, or logging.mlflow=false"
+        )
+    return (
+        f"logging.mlflow_tracking_uri: MLflow cannot use {redact(tracking_uri)!r} ({reason}); give a tracking "
+        "server (http://host:5000), a local folder (file:///path/mlruns) or nothing (a store in "
+        "RUN_DIR/mlruns), or set logging.mlflow=false"
+    )
 
 
 class WandbSink:
@@ -165,19 +204,29 @@ class WandbSink:
 
 
 class Tracker:
-    """Fans one metrics dict out to every configured sink (on rank 0 only in a data-parallel run)."""
+    """Fans one metrics dict out to every configured sink (on rank 0 only in a data-parallel run).
+
+    The config the trackers get has its secrets redacted (`redact_config`): a tracking server shows its
+    parameters to everyone who can read the experiment."""
 
     def __init__(self, run_dir: Path, logging_cfg, config: dict, resume_step: int | None = None):
         self.sinks = []
         if not is_main():  # the other ranks' metrics are reduced into rank 0's
             return
-        self.sinks = [JsonlSink(run_dir / "metrics.jsonl", resume_step)]
-        if logging_cfg.tensorboard:
-            self.sinks.append(TensorBoardSink(run_dir, config))
-        if logging_cfg.mlflow:
-            self.sinks.append(MLflowSink(run_dir, config, logging_cfg.mlflow_tracking_uri, logging_cfg.run_name))
-        if logging_cfg.wandb:
-            self.sinks.append(WandbSink(run_dir, config, logging_cfg.wandb_project, logging_cfg.run_name))
+        shared = redact_config(config)  # what leaves the run directory carries no password or key
+        try:
+            if logging_cfg.tensorboard:
+                self.sinks.append(TensorBoardSink(run_dir, shared))
+            if logging_cfg.mlflow:
+                uri = logging_cfg.mlflow_tracking_uri
+                self.sinks.append(MLflowSink(run_dir, shared, uri, logging_cfg.run_name))
+            if logging_cfg.wandb:
+                self.sinks.append(WandbSink(run_dir, shared, logging_cfg.wandb_project, logging_cfg.run_name))
+        except BaseException:
+            self.close()
+            raise
+        # metrics.jsonl last: a tracker that cannot start leaves it as it was (on --resume it is not cut back)
+        self.sinks.insert(0, JsonlSink(run_dir / "metrics.jsonl", resume_step))
 
     def log(self, step: int, metrics: dict) -> None:
         for sink in self.sinks:

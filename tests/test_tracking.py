@@ -4,6 +4,8 @@ import json
 import sys
 import types
 
+import pytest
+
 from oxrl_core.config import LoggingConfig
 from oxrl_core.tracking import JsonlSink, Tracker
 
@@ -50,3 +52,26 @@ def test_wandb_sink_passes_project_name_config_and_steps(tmp_path, monkeypatch):
     tracker.close()
     assert calls["init"] == {"project": "proj", "name": "r1", "dir": str(tmp_path), "config": {"train": {"lr": 0.1}}}
     assert calls["log"] == [(1, {"loss": 0.5})] and calls["finished"]
+
+
+def test_a_tracking_uri_mlflow_rejects_is_one_message_and_loses_no_metrics(tmp_path):
+    """MLflow refuses the URI (a database scheme it cannot use): one `OxrlError` naming the setting, the
+    password redacted, MLflow's exception (which quotes the URI) not chained into error.log, and on a resume
+    metrics.jsonl is not cut back to the checkpoint: the run can be resumed again once the URI is fixed."""
+    from oxrl_core import lifecycle
+    from oxrl_core.errors import OxrlError
+
+    uri = "postgresql://user:Pw0rd-secret@db.example.com:5432/mlflow"
+    metrics = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6))
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    logging_cfg = LoggingConfig(mlflow=True, mlflow_tracking_uri=uri)
+    with pytest.raises(OxrlError) as caught:
+        with lifecycle.error_log(tmp_path):
+            Tracker(tmp_path, logging_cfg, {"logging": {"mlflow_tracking_uri": uri}}, resume_step=3)
+    message = str(caught.value)
+    assert message.startswith("logging.mlflow_tracking_uri: MLflow cannot use 'postgresql://user:<redacted>@db.")
+    assert "Pw0rd-secret" not in message and "\n" not in message
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+    log = (tmp_path / lifecycle.ERROR_LOG).read_text()
+    assert "OxrlError: logging.mlflow_tracking_uri" in log and "Pw0rd-secret" not in log
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
