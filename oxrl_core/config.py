@@ -342,7 +342,7 @@ class RewardConfig(StrictModel):
 
 
 class EnvConfig(StrictModel):
-    """``name`` picks the environment plugin (multi-turn RL); any key beyond the four below is that
+    """``name`` picks the environment plugin (multi-turn RL); any key beyond the six below is that
     environment's own option (validated by its Config)."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -358,6 +358,19 @@ class EnvConfig(StrictModel):
         "auto",
         description="how tool calls are read from the model's turns: auto (by the chat template), hermes, "
         "llama3_json, mistral, or `module:Class` / `file.py:Class`",
+    )
+    max_error_share: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="a step whose share of episodes the environment failed in (raised, timed out or returned "
+        "something malformed: env/error_share) is above this counts toward stopping the run; 1 = never stop",
+    )
+    error_steps: int = Field(
+        3,
+        ge=0,
+        description="stop the run (checkpoints kept) after this many steps in a row over max_error_share; "
+        "0 = never stop",
     )
 
 
@@ -533,5 +546,6 @@ def reward_options(config: RunConfig) -> dict:
 
 
 def env_options(config: RunConfig) -> dict:
-    """The environment plugin's own options: the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser."""
+    """The environment plugin's own options: the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser,
+    max_error_share and error_steps."""
     return dict(config.env.model_extra or {})

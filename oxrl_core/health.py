@@ -201,12 +201,16 @@ def _reward_failures(records, summary, max_steps, error) -> list[Finding]:
         timeouts = sum(v for _, v in series(records, f"{prefix}/timeouts") if math.isfinite(v))
         if errors or timeouts:
             unit = "rows" if prefix == "reward" else "episodes"
+            # the environment's first failure, as its step logged it (env/first_error: text)
+            first = next(
+                (r[f"{prefix}/first_error"] for r in records if isinstance(r.get(f"{prefix}/first_error"), str)), ""
+            )
             out.append(
                 Finding(
                     "warning",
                     f"{prefix}_failures",
                     f"{what} errors in {errors:.0f} {unit} and timeouts in {timeouts:.0f} {unit} over the run "
-                    "(scored 0)",
+                    f"(scored 0){'; first on ' + first if first else ''}",
                 )
             )
     return out

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from oxrl_core.config import RunConfig
 from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams, ToolEnvironment
-from oxrl_core.loops.episodes import Episodes, extension_ids, render
+from oxrl_core.loops.episodes import EnvFailures, Episodes, extension_ids, render
 from oxrl_core.loops.rollouts import policy_forward, rollout_batch
 from oxrl_core.rewards import RewardFailures
 from oxrl_core.rollout_hf import HFRolloutBackend
@@ -303,14 +303,20 @@ class Malformed(Environment):
 
 
 @pytest.mark.parametrize(
-    "env_cls, counter", [(Raises, "env/errors"), (Hangs, "env/timeouts"), (Malformed, "env/errors")]
+    "env_cls, counter, error",
+    [
+        (Raises, "env/errors", "step() raised RuntimeError: boom (test_episodes.py:"),
+        (Hangs, "env/timeouts", "step() ran past the environment's timeout_s=0.2 s"),
+        (Malformed, "env/errors", "step() must return a list of {role, content} messages"),
+    ],
 )
-def test_a_failing_environment_ends_its_episode_with_reward_zero(env_cls, counter):
+def test_a_failing_environment_ends_its_episode_with_reward_zero(env_cls, counter, error):
     tok = build_tokenizer()
     runner, _, episodes = play(tok, build_model(len(tok)), ["a", "b"], env_cls=env_cls, max_turns=3)
     scores, _ = runner.rewards(episodes, Right(), RewardFailures("right"))
     assert scores == [0.0, 0.0] and runner.metrics(episodes)[counter] == 2
     assert all(any(e.sampled) for e in episodes)  # each still a trainable sample
+    assert all(e.error.startswith(error) for e in episodes), [e.error for e in episodes]  # what failed, where
 
 
 def test_a_malformed_tool_call_is_answered_with_an_error_and_the_episode_goes_on():
@@ -364,10 +370,13 @@ def test_a_shard_plays_the_same_episodes_wherever_it_is_played():
     as_ids = lambda eps: [(e.prompt_ids, e.token_ids, e.sampled) for e in eps]  # noqa: E731
     assert as_ids(alone) == as_ids(together) == as_ids(remote)
     assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12), 0))
-    prompts, completions, scores, metrics = local.collect(together, Right(), RewardFailures("right"))
+    failures = EnvFailures("tool_echo")
+    prompts, completions, scores, metrics = local.collect(together, Right(), RewardFailures("right"), failures)
     assert prompts == [e.prompt_ids for e in together] and [c.token_ids for c in completions] == [
         e.token_ids for e in together
     ]
     assert scores == [sum(e.step_rewards) for e in together]  # step style: the environment's rewards
     assert metrics["reward/mean"] == pytest.approx(sum(scores) / 8)
     assert metrics["env/turns"] == pytest.approx(sum(e.turns for e in together) / 8)
+    assert (failures.episodes, failures.failed, metrics["env/error_share"]) == (8, 0, 0.0)
+    assert "env/first_error" not in metrics

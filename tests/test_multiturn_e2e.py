@@ -133,7 +133,10 @@ class Broken(Environment):
 
 
 @pytest.mark.slow
-def test_a_crashing_environment_is_counted_and_never_stops_the_run(tmp_path):
+def test_a_crashing_environment_is_counted_and_with_env_error_steps_0_never_stops_the_run(tmp_path):
+    """With the stop switched off (``env.error_steps=0``) a crashing environment is counted and its first
+    failure logged once per step, and the run finishes. (With the defaults it stops:
+    tests/test_hardening_envs.py.)"""
     env_file = tmp_path / "broken_env.py"
     env_file.write_text(BROKEN_ENV)
     sets = _multiturn_sets(tmp_path, warm_start_dir()) + [
@@ -141,11 +144,17 @@ def test_a_crashing_environment_is_counted_and_never_stops_the_run(tmp_path):
         f"env.name={env_file}:Broken",
         "--set",
         "train.max_steps=2",
+        "--set",
+        "env.error_steps=0",
     ]
     run_dir = tmp_path / "broken"
-    _ok(oxrl("run", "--alg", "sgrpo", *sets, "-o", str(run_dir)))
+    out = _ok(oxrl("run", "--alg", "sgrpo", *sets, "-o", str(run_dir)))
     metrics = read_metrics(run_dir)
     assert all(m["env/errors"] > 0 for m in metrics) and (run_dir / "final").is_dir()
+    crash = "step() raised RuntimeError: the simulator crashed (broken_env.py:"
+    assert all(crash in m["env/first_error"] and m["env/error_share"] > 0 for m in metrics)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("step ") and crash in line]
+    assert len(lines) == 2, out.stderr  # one line per step
 
 
 @pytest.mark.slow

@@ -24,27 +24,33 @@ the template's rendering of the whole conversation so far, the turns before it a
 and the episode goes on from those ids (``env/retemplate_fallbacks`` counts it). What the model is
 trained on is still exactly what it was given and what it sampled.
 
-Faults never stop the run: an environment call (``reset``, ``step``, ``reward``) that raises or returns
-something malformed ends its episode with reward 0 (``env/errors``), one that runs past the
+Faults end an episode, not the run: an environment call (``reset``, ``step``, ``reward``) that raises or
+returns something malformed ends its episode with reward 0 (``env/errors``), one that runs past the
 environment's ``timeout_s`` likewise (``env/timeouts``); malformed tool calls are answered with an
-error message by `ToolEnvironment` (``env/bad_tool_calls``).
+error message by `ToolEnvironment` (``env/bad_tool_calls``). What failed is kept per episode
+(``Episode.error``) and summarised per step as reward failures are (`EnvFailures`: one warning line naming
+the first failure, ``env/error_share``, ``env/first_error``); an environment that keeps failing stops the
+run as a reward that keeps failing does (`EnvWatch`: ``env.max_error_share`` for ``env.error_steps`` steps
+in a row), since episodes that all score 0 train nothing.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import traceback
 from collections import Counter, defaultdict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from oxrl_core.data import can_verify
 from oxrl_core.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
 from oxrl_core.loops.rollouts import SHARD_SEED_STRIDE
-from oxrl_core.rewards import RewardFailures, score_batch
+from oxrl_core.rewards import RewardFailures, RewardWatch, prompt_snippet, row_number, score_batch
 from oxrl_core.tool_parsers import parser_for
 
 #: turn k of a step samples with seed + k·TURN_SEED_STRIDE
@@ -57,6 +63,20 @@ COUNTS = ("reward/errors", "reward/timeouts")
 
 class EnvTimeout(Exception):
     pass
+
+
+class Malformed(TypeError):
+    """An environment call returned something the loop cannot use (its message names the call and the value)."""
+
+
+def describe_failure(call: str, exc: BaseException) -> str:
+    """What an environment's failed call says in the log, the metrics and a stop message: the call, the
+    exception and where it was raised, e.g. ``step() raised RuntimeError: boom (broken_env.py:9)``."""
+    if isinstance(exc, Malformed):
+        return str(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{call}() raised {type(exc).__name__}: {exc}{where}"
 
 
 def call_limited(fn, *args, limit_s: float):
@@ -138,6 +158,7 @@ class Episode:
     turn: dict | None = None  # the model's latest turn, as sampled
     ended_eos: bool = False  # ... and whether it ended with EOS
     start_failure: str = ""  # error | timeout: the environment failed to start (one model turn, reward 0)
+    error: str = ""  # what failed, when ended is error | timeout (`describe_failure`)
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids += ids
@@ -164,20 +185,122 @@ class Episode:
         )
 
 
+def timed_out(call: str, limit_s: float) -> str:
+    return f"{call}() ran past the environment's timeout_s={limit_s:g} s"
+
+
 def _check_step(result) -> tuple[list[dict], float, bool]:
     """An environment's ``step`` output, checked: (messages with string role/content, a finite reward, done)."""
     if not (isinstance(result, tuple) and len(result) == 3):
-        raise TypeError(f"step() must return (messages, reward, done), got {type(result).__name__}")
+        raise Malformed(f"step() must return (messages, reward, done), got {type(result).__name__}")
     messages, reward, done = result
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
-        raise TypeError("step() must return a list of {role, content} messages with string values")
+        raise Malformed("step() must return a list of {role, content} messages with string values")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise TypeError(f"step() returned reward {reward!r}, not a finite number")
+        raise Malformed(f"step() returned reward {reward!r}, not a finite number")
     if not isinstance(done, bool):
-        raise TypeError(f"step() returned done={done!r}, not True/False")
+        raise Malformed(f"step() returned done={done!r}, not True/False")
     return messages, float(reward), done
+
+
+# ----------------------------------------------------------------------------- failures of the environment
+
+
+@dataclass
+class EnvFailures:
+    """The environment's failures over some episodes (a step), summarised for one line, as `RewardFailures`
+    summarises a reward's: counts of episodes that raised or returned something malformed (``errors``) and that
+    timed out (``timeouts``), and the first failure whole (its row, a snippet of its prompt, what failed). The
+    first error is kept in preference to a timeout: an exception's text says more about what to fix."""
+
+    env: str
+    episodes: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    first_error: str = ""
+    first_row: int | None = None
+    first_prompt: str = ""
+
+    @property
+    def failed(self) -> int:
+        return self.errors + self.timeouts
+
+    @property
+    def share(self) -> float:
+        """The failed share of the episodes (``env/error_share``); 0 for none."""
+        return self.failed / self.episodes if self.episodes else 0.0
+
+    first_timed_out: bool = False
+
+    def count(self, episodes: list[Episode]) -> "EnvFailures":
+        """Add ``episodes`` (in batch order: the first failure is the first failed episode's)."""
+        rows = [e.row for e in episodes]
+        for i, e in enumerate(episodes):
+            self.errors += e.ended == "error"
+            self.timeouts += e.ended == "timeout"
+            if e.failed and self._replaces_first(e.ended == "timeout"):
+                self.first_row, self.first_prompt = row_number(rows, i), prompt_snippet(e.row.get("prompt", ""))
+                self.first_error, self.first_timed_out = e.error or e.ended, e.ended == "timeout"
+        self.episodes += len(episodes)
+        return self
+
+    def _replaces_first(self, timed_out: bool) -> bool:
+        return self.first_row is None or (self.first_timed_out and not timed_out)
+
+    def merge(self, other: "EnvFailures") -> "EnvFailures":
+        """Add ``other``'s episodes (another rank's share of a step)."""
+        self.episodes += other.episodes
+        self.errors += other.errors
+        self.timeouts += other.timeouts
+        if other.first_row is not None and self._replaces_first(other.first_timed_out):
+            self.first_row, self.first_prompt = other.first_row, other.first_prompt
+            self.first_error, self.first_timed_out = other.first_error, other.first_timed_out
+        return self
+
+    def first(self) -> str:
+        """The first failure: ``row 3 (prompt '...'): step() raised RuntimeError: boom (env.py:9)``."""
+        return f"row {self.first_row} (prompt {self.first_prompt}): {self.first_error}"
+
+    def describe(self) -> str:
+        """One line for all of them (empty when nothing failed)."""
+        if not self.failed:
+            return ""
+        kinds = (
+            f"{self.errors} raised or returned something malformed, {self.timeouts} timed out"
+            if self.errors and self.timeouts
+            else ("timed out" if self.timeouts else "raised or returned something malformed")
+        )
+        return (
+            f"environment '{self.env}' failed on row {self.first_row}: {self.first_error} (prompt {self.first_prompt}); "
+            f"{self.failed} of {self.episodes} episodes failed ({self.share:.0%}, {kinds}) and score 0"
+        )
+
+
+class EnvWatch(RewardWatch):
+    """Stops a run whose environment keeps failing: a failed share of the episodes above ``env.max_error_share``
+    for ``env.error_steps`` steps in a row. The streak and the line per step are `RewardWatch`'s; episodes that
+    fail score 0, so a run on them learns nothing and stops before training on them, naming the environment,
+    its first failure and the newest complete checkpoint. ``steps = 0`` or ``max_share = 1`` never stops."""
+
+    def stop(self, step: int, failures: EnvFailures, run_dir):
+        # lazy: checkpoint imports torch; the episode runner's module stays importable without a model
+        from oxrl_core.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(run_dir) if run_dir is not None else None
+        streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"
+        keep = (
+            f"last complete checkpoint: {last}; after the fix resume with: oxrl run --resume -o {run_dir}"
+            if last
+            else "no checkpoint was saved yet"
+        )
+        return OxrlError(
+            f"step {step}: environment '{failures.env}' failed in {failures.failed} of {failures.episodes} episodes "
+            f"({failures.share:.0%}) — over env.max_error_share={self.max_share:g} in {streak}; first failure on "
+            f"{failures.first()}. The run stops before training on episodes that all score 0 ({keep}). Fix the "
+            "environment, or set env.max_error_share=1 to train on anyway"
+        )
 
 
 # ----------------------------------------------------------------------------- the runner
@@ -247,10 +370,11 @@ class Episodes:
         with engine.full_weights():  # ZeRO-3: every rank generates on whole weights
             return self.play_shards(blocks[rank() * per_rank : (rank() + 1) * per_rank], sampling, version)
 
-    def collect(self, played: list[Episode], reward, failures: RewardFailures):
+    def collect(self, played: list[Episode], reward, failures: RewardFailures, env_failures: EnvFailures):
         """Every process's episodes of the step on every process: ``(prompt ids, completions, scores,
         metrics)`` in batch order. Each process scores its own episodes (their environments live there);
-        the reward failures of all of them are added to ``failures``."""
+        the reward failures of all of them are added to ``failures``, the environment's to ``env_failures``
+        (the metrics get ``env/error_share`` and, when any failed, the first failure's text ``env/first_error``)."""
         local = RewardFailures(failures.reward)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
         mine = (
@@ -259,13 +383,15 @@ class Episodes:
             {k: v for k, v in counts.items() if k in COUNTS},
             self.metrics(played) if played else {},
             local,
+            EnvFailures(env_failures.env).count(played),
         )
         parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
         samples = [s for part in parts for s in part[0]]
         scores = [s for part in parts for s in part[1]]
-        metrics: dict[str, float] = defaultdict(float)
-        for _, part_scores, part_counts, part_metrics, part_failures in parts:
+        metrics: dict[str, float | str] = defaultdict(float)
+        for _, part_scores, part_counts, part_metrics, part_failures, part_env_failures in parts:
             failures.merge(part_failures)
+            env_failures.merge(part_env_failures)
             for k, v in part_counts.items():
                 metrics[k] += v
             for k, v in part_metrics.items():  # per-episode means weighted by episodes; counts summed
@@ -273,22 +399,29 @@ class Episodes:
         mean = sum(scores) / len(scores)
         metrics["reward/mean"] = mean
         metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
+        metrics["env/error_share"] = env_failures.share
+        if env_failures.failed:
+            metrics["env/first_error"] = env_failures.first()  # text: metrics.jsonl keeps it, trackers skip it
         return [p for p, _ in samples], [c for _, c in samples], scores, dict(metrics)
 
     def start(self, row: dict) -> Episode:
         env = self.env_cls(self.env_config)
         env.tool_parser, env.stats = self.parser, Counter()
         episode = Episode(row, env, [], [])
+        call = "reset"
         try:
             text = call_limited(env.reset, row, limit_s=env.timeout_s)
             if text is not None and not isinstance(text, str):
-                raise TypeError(f"reset() must return text or None, got {type(text).__name__}")
+                raise Malformed(f"reset() must return text or None, got {type(text).__name__}")
             prompt = row["prompt"] if text is None else text
             episode.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            call = "tools"
             episode.tools = call_limited(env.tools, limit_s=env.timeout_s)
         except EnvTimeout:
+            episode.error = timed_out(call, env.timeout_s)
             return self._broken(episode, "timeout")
-        except Exception:  # noqa: BLE001 - an environment that cannot start ends its episode, never the run
+        except Exception as exc:  # noqa: BLE001 - an environment that cannot start ends its episode, never the run
+            episode.error = describe_failure(call, exc)
             return self._broken(episode, "error")
         episode.prompt_ids = encode(self.tokenizer, render(self.tokenizer, episode.messages, episode.tools, True))
         return episode
@@ -345,8 +478,10 @@ class Episodes:
         try:
             added, reward, done = _check_step(call_limited(e.env.step, list(e.messages), limit_s=e.env.timeout_s))
         except EnvTimeout:
+            e.error = timed_out("step", e.env.timeout_s)
             return e.end("timeout")
-        except Exception:  # noqa: BLE001 - a failing environment ends its episode, never the run
+        except Exception as exc:  # noqa: BLE001 - a failing environment ends its episode (EnvWatch: maybe the run)
+            e.error = describe_failure("step", exc)
             return e.end("error")
         e.step_rewards.append(reward)
         if done:
@@ -383,14 +518,14 @@ class Episodes:
             try:
                 extra = call_limited(e.env.reward, e.row, list(e.messages), limit_s=e.env.timeout_s)
                 if extra is not None and (isinstance(extra, bool) or not isinstance(extra, (int, float))):
-                    raise TypeError(f"reward() returned {extra!r}, not a number or None")
+                    raise Malformed(f"reward() returned {extra!r}, not a number or None")
                 if extra is not None and not math.isfinite(extra):
-                    raise TypeError(f"reward() returned {extra!r}, not a finite number")
+                    raise Malformed(f"reward() returned {extra!r}, not a finite number")
             except EnvTimeout:
-                e.ended, scores[i] = "timeout", 0.0
+                e.ended, e.error, scores[i] = "timeout", timed_out("reward", e.env.timeout_s), 0.0
                 continue
-            except Exception:  # noqa: BLE001
-                e.ended, scores[i] = "error", 0.0
+            except Exception as exc:  # noqa: BLE001 - counted as the environment's failure, never raised
+                e.ended, e.error, scores[i] = "error", describe_failure("reward", exc), 0.0
                 continue
             if extra is not None:
                 scores[i] += float(extra)

@@ -29,7 +29,7 @@ from oxrl_core.data import eval_source, load_data
 from oxrl_core.distributed import gather_rows, is_main, reduce_metrics, shard, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.loops.episodes import Episodes
+from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episodes
 from oxrl_core.loops.rollouts import (
     MicroBatches,
     check_completions,
@@ -172,6 +172,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
 
     update = Update(run, model, ref, critic, shared)
     reward_watch = RewardWatch(ro.max_reward_error_share, ro.reward_error_steps)
+    env_watch = EnvWatch(cfg.env.max_error_share, cfg.env.error_steps)
     shards = cfg.engine.rollout_shards or world_size()
     # rollouts.jsonl: a bounded sample of the rollouts every logging.rollout_samples_every steps (the report's viewer)
     rollout_log = RolloutLog(
@@ -207,7 +208,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             prompts_text = [r["prompt"] for r in sample_rows]
             scores, reward_metrics = score_sharded(reward, prompts_text, texts, sample_rows, failures)
         else:  # each process scores its own episodes; every process gets all of them, in batch order
-            prompts, completions, scores, reward_metrics = episodes.collect(played, reward, failures)
+            env_failures = EnvFailures(cfg.env.name)
+            prompts, completions, scores, reward_metrics = episodes.collect(played, reward, failures, env_failures)
+            env_watch.after_scoring(step, env_failures, run.run_dir)  # one line per step; stops a failing environment
         versions = check_on_policy(completions, version, ro.strict_on_policy, step)
         reward_s = time.perf_counter() - t0
         reward_watch.after_scoring(step, failures, run.run_dir)  # one line per step; stops a reward that keeps failing
