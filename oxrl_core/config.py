@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from oxrl_core.chat_templates import check_chat_template
 from oxrl_core.errors import OxrlError
@@ -160,7 +168,15 @@ class TrainConfig(StrictModel):
         description="0 <= seed < 2^32 (what every random generator oxRL seeds accepts, with room "
         "for the per-step seeds derived from it)",
     )
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="steps over which the learning rate rises from 0 to train.lr; a value you set must be shorter "
+        "than the run (the built-in model's default of 20 is cut to 10% of a shorter run)",
+    )
+    #: train.warmup_steps came from the built-in model's defaults (`TINY_DEFAULTS`), not from the user: fitted to a
+    #: shorter run rather than refused (`fit_warmup`), and left out of config.yaml (`dump_yaml`)
+    _warmup_from_defaults: bool = PrivateAttr(False)
     lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
@@ -184,6 +200,10 @@ class TrainConfig(StrictModel):
         if self.epochs is not None:
             out.pop("max_steps", None)
         return out
+
+    @property
+    def warmup_from_defaults(self) -> bool:
+        return self._warmup_from_defaults
 
     @model_validator(mode="before")
     @classmethod
@@ -510,6 +530,7 @@ def load_run_config(
             "are both set; set one of them (with train.epochs the steps follow from the data size; "
             "--set train.epochs=null unsets it)"
         )
+    defaults: dict = {}
     if not model.get("name"):
         defaults = TINY_DEFAULTS if tiny_defaults is None else tiny_defaults
         if train.get("epochs") is not None:  # the steps follow from the data: the tiny model's max_steps yields
@@ -519,6 +540,12 @@ def load_run_config(
         config = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise format_validation_error(exc, RunConfig, source) from None
+    config.train._warmup_from_defaults = "warmup_steps" in defaults.get("train", {}) and "warmup_steps" not in train
+    if config.train.epochs is None and not config.train.warmup_from_defaults:  # the run's length is known: now
+        try:
+            fit_warmup(config.train, f"train.max_steps={config.train.max_steps}")
+        except OxrlError as exc:
+            raise OxrlError(f"invalid config ({source}):\n  {exc}") from None
     if not config.algorithm:
         raise OxrlError("no algorithm given: pass --alg NAME or set `algorithm:` in the config (see `oxrl plugins`)")
     return config
@@ -531,8 +558,36 @@ def validate_alg_section(config: RunConfig, config_cls, source: str = "config") 
     return alg_config
 
 
+def fit_warmup(train: TrainConfig, length: str) -> str | None:
+    """A warm-up at least as long as the run (``length`` says how long it is and why) would run every step below
+    train.lr, the first at 0 (a run of the built-in model shorter than its 20-step default trained nothing).
+    The built-in default is cut to 10% of the run's steps (the note to show is returned); a warm-up the user
+    set is refused, naming both values. Called when the config is read if train.max_steps is known, else
+    once the data has loaded (`Run.steps_from_epochs`), before the learning-rate schedule is built."""
+    warmup, steps = train.warmup_steps, train.max_steps
+    if warmup < steps:
+        return None
+    cut = steps // 10
+    if train.warmup_from_defaults:
+        train.warmup_steps = cut
+        return (
+            f"the built-in model's default warm-up of {warmup} steps (train.warmup_steps) is at least as long as the "
+            f"run ({length}): cut to {cut} steps (10% of the run) so that it trains at train.lr"
+        )
+    raise OxrlError(
+        f"train.warmup_steps={warmup} is at least as long as the run ({length}): every step would train below "
+        f"train.lr, the first at a learning rate of 0; set train.warmup_steps below {steps} (e.g. {cut})"
+    )
+
+
 def dump_yaml(config: RunConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """config.yaml's text. A warm-up that came from the built-in model's defaults is left out, as max_steps is under
+    train.epochs: read back (--resume, a data-parallel rank) the defaults supply it again and `fit_warmup` treats
+    it as theirs, where a written number would read as the user's own and be refused instead of fitted."""
+    data = config.model_dump(mode="json")
+    if config.train.warmup_from_defaults:
+        data["train"].pop("warmup_steps", None)
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def validate_reward_section(config: RunConfig, config_cls, source: str = "config") -> Any:

@@ -7,7 +7,8 @@ run has no reward) finds nothing.
 
     error    the run is broken: non-finite values, a run that stopped early, a reward that never varies
     warning  worth a look: entropy collapse, a growing trainer–rollout logprob gap, reward errors or
-             timeouts, most completions cut at the length limit, no held-out improvement
+             timeouts, most completions cut at the length limit, weights left unchanged (learning rate 0 at
+             every step), no held-out improvement
 """
 
 from __future__ import annotations
@@ -248,6 +249,22 @@ def _no_held_out_gain(records, summary, max_steps, error) -> list[Finding]:
     return [Finding("warning", "no_held_out_gain", f"no held-out improvement: {what}")]
 
 
+def _weights_unchanged(records, summary, max_steps, error) -> list[Finding]:
+    """Every step at learning rate 0 (a warm-up as long as the run): AdamW's update and weight decay are both
+    scaled by it, so the weights come out bit-identical to the start, however the loss moved."""
+    rates = series(records, "lr")
+    if not rates or any(rate != 0 for _, rate in rates):
+        return []
+    return [
+        Finding(
+            "warning",
+            "weights_unchanged",
+            f"the learning rate was 0 at all {len(rates)} steps: the weights did not change, final/ holds the "
+            "weights the run started from (a warm-up as long as the run does this: lower train.warmup_steps)",
+        )
+    ]
+
+
 CHECKS = (
     _stopped,
     _non_finite,
@@ -256,6 +273,7 @@ CHECKS = (
     _logprob_gap_growing,
     _reward_failures,
     _clipped,
+    _weights_unchanged,
     _no_held_out_gain,
 )
 

@@ -32,6 +32,7 @@ import torch
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
+from oxrl_core.config import fit_warmup
 from oxrl_core.data import make_plan, regroup_by_tokens
 from oxrl_core.distributed import at_step, is_main, world_size
 from oxrl_core.engines import build_engine
@@ -217,16 +218,23 @@ class Run:
     def steps_from_epochs(self, rows: int, what: str, accum: int | None = None) -> None:
         """With train.epochs, train.max_steps from the data: ⌈epochs × ⌈rows / batch_size⌉ / accum⌉ steps (a micro-
         batch is train.batch_size rows, a step ``accum`` of them: train.grad_accum_steps, 1 for RL's prompts).
-        Called once the data has loaded and before the engine, whose learning-rate schedule spans the steps."""
+        Then the warm-up is fitted to the run's length (`config.fit_warmup`: the built-in default cut, a warm-up
+        the user set as long as the run refused). Called once the data has loaded and before the engine, whose
+        learning-rate schedule spans the steps."""
         train = self.cfg.train
-        if train.epochs is None:
-            return
-        accum = train.grad_accum_steps if accum is None else accum
-        per_epoch = -(-rows // train.batch_size) / accum  # optimiser steps per pass over the data
-        train.max_steps = max(1, math.ceil(train.epochs * per_epoch - 1e-9))
-        self.info(
-            f"train.epochs={train.epochs:g}: {train.max_steps} steps ({rows} {what}, {train.batch_size * accum} a step)"
-        )
+        length = f"train.max_steps={train.max_steps}"
+        if train.epochs is not None:
+            accum = train.grad_accum_steps if accum is None else accum
+            per_epoch = -(-rows // train.batch_size) / accum  # optimiser steps per pass over the data
+            train.max_steps = max(1, math.ceil(train.epochs * per_epoch - 1e-9))
+            self.info(
+                f"train.epochs={train.epochs:g}: {train.max_steps} steps ({rows} {what}, {train.batch_size * accum} "
+                "a step)"
+            )
+            length = f"{train.max_steps} steps from train.epochs={train.epochs:g} on {rows} {what}"
+        note = fit_warmup(train, length)
+        if note:
+            self.info(f"[yellow]note:[/yellow] {note}")
 
     def draw(self, plan, row_tokens, packing: bool) -> list[list[int]]:
         """The next optimiser step's micro-batches (train.grad_accum_steps of them, as the plan deals
