@@ -113,11 +113,23 @@ class CollectiveMismatch(OxrlError):
     values meant for another call or wait for one another forever."""
 
 
+class CollectiveFailed(OxrlError):
+    """A checked collective failed: a peer died (gloo aborts a process that receives a collective it did not
+    expect), waited past ``engine.timeout_s``, or stopped at a mismatch. ``where``: the call site, its number
+    and the step."""
+
+    where = ""
+
+
 #: the first element of every tag; another collective's data that pairs with a tag lacks it
 TAG_MARK = 4_093_211.0
 #: characters of the call site a tag carries
 SITE_CHARS = 64
-_HEADER = 4 + SITE_CHARS  # mark, call number, step, number of values, the call site
+_HEADER = 4 + SITE_CHARS  # mark, call number, step, number of values; then the call site
+#: float64 elements of a tag on the wire (8 KiB: the tag, then up to TAG_FLOATS - _HEADER values). Larger than a
+#: count or a small parameter gather it may meet when another rank skipped a collective: gloo aborts a process
+#: that receives a longer message than it expects, so that rank stops at once instead of computing with the tag.
+TAG_FLOATS = 1024
 
 _local_depth = 0  # depth of `local_section()`s on this process
 _step = 0  # the optimiser step in progress (0: before the first), for messages
@@ -160,17 +172,24 @@ def _when(step: int) -> str:
     return f"at step {step}" if step else "before the first step"
 
 
-def _decode(row: list[float]) -> tuple[int, int, str] | None:
-    """(call number, step, call site) of a gathered tag, or None when it is not one (another collective's data)."""
-    if row[0] != TAG_MARK:
+def _decode(row: list[float]) -> tuple[int, int, int, str] | None:
+    """(call number, step, number of values, call site) of a received tag, or None when it is not one (another
+    collective's data)."""
+    if row[0] != TAG_MARK or not all(0 <= c < 0x110000 and c == int(c) for c in row[1:_HEADER]):
         return None
-    site = "".join(chr(int(c)) for c in row[4:_HEADER] if 0 < c < 0x110000)
-    return int(row[1]), int(row[2]), site
+    site = "".join(chr(int(c)) for c in row[4:_HEADER] if c)
+    return int(row[1]), int(row[2]), int(row[3]), site
 
 
 def _exchange(values: list[float]) -> list[list[float]] | None:
     """One checked collective: every rank's ``values`` (float64), ``[values of rank 0, values of rank 1, ...]``,
-    once every rank is known to be at the same call (call site and call number); None in one process."""
+    once every rank is known to be at the same call; None in one process.
+
+    Every rank all-gathers its tag — the call site, its call number, the step, how many values — with its
+    values, `TAG_FLOATS` elements in all, and compares the tags: ranks at different calls raise
+    `CollectiveMismatch` naming each rank's call (a rank in a collective that is not a checked one sends no
+    tag, and is named as such). More values than fit are gathered on their own once the tags agree.
+    """
     site = _call_site()
     if _local_depth:
         raise CollectiveMismatch(
@@ -185,24 +204,23 @@ def _exchange(values: list[float]) -> list[list[float]] | None:
 
     global _calls
     _calls += 1
-    rank_, when = dist.get_rank(), _when(_step)
+    world, when, k = dist.get_world_size(), _when(_step), len(values)
+    inline = _HEADER + k <= TAG_FLOATS  # values that fit travel with the tag
     codes = [float(ord(ch)) for ch in site[:SITE_CHARS]]
-    tag = [TAG_MARK, float(_calls), float(_step), float(len(values)), *codes, *[0.0] * (SITE_CHARS - len(codes))]
-    mine = torch.tensor(tag + [float(v) for v in values], dtype=torch.float64, device=_device())
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    try:
-        dist.all_gather(every, mine)
-    except RuntimeError as exc:  # a dead peer, engine.timeout_s, or a pairing with a collective of another size
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CollectiveMismatch(
-            f"the collective at {site} (#{_calls}, {when}) failed on rank {rank_}: {reason}. A rank died, "
-            "waited past engine.timeout_s, or issued a different collective; checkpoints are kept."
-        ) from None
-    rows = torch.stack(every).cpu().tolist()  # (world, header + values)
+    tag = [TAG_MARK, float(_calls), float(_step), float(k), *codes, *[0.0] * (SITE_CHARS - len(codes))]
+    sent = torch.zeros(TAG_FLOATS, dtype=torch.float64)
+    sent[:_HEADER] = torch.tensor(tag, dtype=torch.float64)
+    if inline and k:
+        sent[_HEADER : _HEADER + k] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    sent = sent.to(_device())
+    got = [torch.zeros_like(sent) for _ in range(world)]
+    with _failing_as(site, when):
+        dist.all_gather(got, sent)
+    rows = [row[: _HEADER + (k if inline else 0)] for row in torch.stack(got).cpu().tolist()]
     tags = [_decode(row) for row in rows]
-    if any(t != (_calls, _step, site) for t in tags):
+    if any(t != (_calls, _step, k, site) for t in tags):
         where = "; ".join(
-            f"rank {r} at {t[2]} (collective #{t[0]}, {_when(t[1])})"
+            f"rank {r} at {t[3]} (collective #{t[0]}, {_when(t[1])})"
             if t
             else f"rank {r} in another collective (not one of oxRL's checked ones, e.g. DeepSpeed's parameter gather)"
             for r, t in enumerate(tags)
@@ -212,7 +230,27 @@ def _exchange(values: list[float]) -> list[list[float]] | None:
             "one issued a collective the others did not (a bug in oxRL or a plugin). The run stopped instead of "
             "hanging or computing with mixed-up values; checkpoints are kept."
         )
-    return [row[_HEADER:] for row in rows]
+    if inline:
+        return [row[_HEADER:] for row in rows]
+    parts = [torch.zeros(k, dtype=torch.float64, device=_device()) for _ in range(world)]
+    with _failing_as(site, when):  # the tags agree, so do the sizes
+        dist.all_gather(parts, torch.tensor([float(v) for v in values], dtype=torch.float64, device=_device()))
+    return torch.stack(parts).cpu().tolist()
+
+
+@contextlib.contextmanager
+def _failing_as(site: str, when: str):
+    """A collective's RuntimeError (a dead peer, ``engine.timeout_s``, a peer stopped at a mismatch) as one line."""
+    try:
+        yield
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        failed = CollectiveFailed(
+            f"rank {rank()} was at {site} (collective #{_calls}, {when}) when it failed: {reason}. Another rank "
+            "died, waited past engine.timeout_s, or stopped at a mismatch; checkpoints are kept."
+        )
+        failed.where = f"{site} (collective #{_calls}, {when})"
+        raise failed from None
 
 
 def barrier() -> None:

@@ -264,13 +264,23 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
         if last
         else "No checkpoint was written yet (train.save_steps sets how often)."
     )
+    causes = [(rank, getattr(exc, "cause", None)) for rank, exc in failures]
     died = [f for f in failures if isinstance(f[1], ray.exceptions.RayActorError)]
+    out_of_step = [(rank, cause) for rank, cause in causes if isinstance(cause, distributed.CollectiveMismatch)]
+    if out_of_step:  # ranks issued different collectives: a rank that died did so of the mismatch (gloo aborts)
+        rank, cause = out_of_step[0]
+        also = f" ({', '.join(rank_of(f) for f in died)} died of it.)" if died else ""
+        return OxrlError(f"rank {rank}: {cause}{also} {resume}")
     if died:
+        # where a rank waiting in a checked collective was (gloo aborts a rank that receives a collective it did
+        # not expect, so ranks out of step can look like a death)
+        waiting = [
+            f" Rank {r} was waiting at {c.where}." for r, c in causes if isinstance(c, distributed.CollectiveFailed)
+        ]
         return OxrlError(
-            f"training actor {rank_of(died[0])} died: {ray_reason(died[0][1])}. "
+            f"training actor {rank_of(died[0])} died: {ray_reason(died[0][1])}.{''.join(waiting)} "
             f"The run stopped and the other ranks were shut down. {resume}"
         )
-    causes = [(rank, getattr(exc, "cause", None)) for rank, exc in failures]
     stopped = [cause for _, cause in causes if isinstance(cause, lifecycle.Interrupted)]
     if stopped:  # the ranks saved a checkpoint on the driver's stop request
         return stopped[0]
