@@ -14,19 +14,31 @@ early) and, for RL runs, ``rollouts.jsonl`` (a sample of rollouts, `rollout_log`
   inline script reads the samples from an inline JSON block).
 
 Nothing in the file points outside it: it opens from disk, offline.
+
+Every file of a run directory is treated as hostile (a tampered or damaged run directory, a name chosen by
+anyone): every value read from it reaches the page escaped (`_esc`; in the viewer's JSON block `<`, `>`, `&`
+are escaped, `_json_for_script`; the viewer's script puts data into the page as text only), and the page's
+Content-Security-Policy (`CSP`) runs no script but the viewer's own, identified by its hash. A file of the
+wrong shape (a step that is not a number, a config that is a list, a summary that is not an object) is a
+note in the report ("Damaged files"), never a crash; an error.log that the run outlived (it finished
+later, e.g. after ``--resume``) is shown as an earlier failure, as `oxrl bug-report` decides.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from oxrl_core.atomic import write_text_atomic
+from oxrl_core.bug_report import error_superseded
 from oxrl_core.errors import OxrlError
 from oxrl_core.health import HEADLINE, Finding, check_run, is_finite, series
 from oxrl_core.health import versions as current_versions
@@ -52,10 +64,16 @@ class RunData:
     summary: dict | None
     rollouts: list[dict] = field(default_factory=list)
     error_log: str = ""  # error.log: the traceback of a run that failed (lifecycle.error_log writes it)
+    #: the run finished after the failure error.log holds (`bug_report.error_superseded`): history, not its failure
+    error_superseded: bool = False
+    #: what was damaged in the run directory and how the report read around it (shown at the top of the run)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def error(self) -> str:
         """The one-line error a failed run stopped with (error.log's ``error:`` line), or ''."""
+        if self.error_superseded:
+            return ""
         for line in self.error_log.splitlines():
             if line.startswith("error: "):
                 return line.removeprefix("error: ").split(": ", 1)[-1].strip()
@@ -70,56 +88,292 @@ class RunData:
             return "preference"
         return "supervised"
 
+    def section(self, name: str) -> dict:
+        """A section of the config (``train``, ``rollout``, ...); {} when it is absent or not a mapping (the
+        damage is in `notes`)."""
+        value = self.config.get(name)
+        return value if isinstance(value, dict) else {}
+
     @property
     def max_steps(self) -> int | None:
-        steps = (self.config.get("train") or {}).get("max_steps")
-        return int(steps) if isinstance(steps, int) else None
+        steps = self.section("train").get("max_steps")
+        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """Every whole JSON object line; a torn or foreign line is skipped (as resume does)."""
-    if not path.is_file():
-        return []
+# ---------------------------------------------------------------------------------------------- reading, defensively
+# Every file of a run directory may be damaged (a disk that filled, a hand edit, a tool that wrote a wrong
+# shape): what cannot be read is left out of the report with a note naming the file, the line and the field,
+# and the rest is shown. Nothing read here is trusted to be of the type oxRL writes.
+
+#: the config sections the report reads; any other shape than a mapping is a note
+SECTIONS = ("model", "train", "data", "rollout", "reward")
+#: a value beyond this is drawn as not finite: no axis could span it (the float range ends at 1.8e308)
+HUGE = 1e300
+#: the most notes one file gets (the rest are counted)
+MAX_NOTES = 5
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _step(value) -> int | None:
+    """A record's step: a whole number (an int, or an integral float) within range; None otherwise."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**15:
+        return value
+    return None
+
+
+def _clip(value):
+    """A metric value the charts can draw: an int beyond the float range (JSON allows 1e400 written as an
+    int) becomes ±inf, a float beyond ±`HUGE` likewise; anything else is kept as it is."""
+    if _is_number(value) and value == value and abs(value) > HUGE:  # (value == value: not NaN; an int has none)
+        return math.inf if value > 0 else -math.inf
+    return value
+
+
+def _describe(value) -> str:
+    """A value as a note quotes it: its JSON form, short."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Notes:
+    """The notes of one run: per file, the first `MAX_NOTES` problems and how many more there were."""
+
+    def __init__(self):
+        self.by_file: dict[str, list[str]] = {}
+
+    def add(self, file: str, problem: str) -> None:
+        self.by_file.setdefault(file, []).append(problem)
+
+    def lines(self) -> list[str]:
+        out = []
+        for file, problems in self.by_file.items():
+            shown = "; ".join(problems[:MAX_NOTES])
+            more = f" (and {len(problems) - MAX_NOTES} more)" if len(problems) > MAX_NOTES else ""
+            out.append(f"{file}: {shown}{more}")
+        return out
+
+
+def _read_text(path: Path, notes: _Notes) -> str | None:
+    """A file's text (undecodable bytes replaced); None when it is absent or cannot be read (a note)."""
+    if not path.exists():
+        return None
+    try:
+        return path.read_text(errors="replace")
+    except OSError as exc:
+        notes.add(path.name, f"cannot be read ({exc.strerror or exc}); left out")
+        return None
+
+
+def _read_jsonl(path: Path, notes: _Notes) -> list[dict]:
+    """Every line that is a JSON object with a whole-number ``step``; any other line is skipped with a note
+    (a torn last line too: the run was killed in the middle of an append). Values beyond the float range
+    are read as ±inf (`_clip`)."""
+    text = _read_text(path, notes)
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    for number, line in enumerate((text or "").splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
+            notes.add(path.name, f"line {number} is not JSON (a write cut short?); skipped")
             continue
-        if isinstance(record, dict) and "step" in record:
-            out.append(record)
+        if not isinstance(record, dict):
+            notes.add(path.name, f"line {number} is a JSON {type(record).__name__}, not an object; skipped")
+            continue
+        step = _step(record.get("step"))
+        if step is None:
+            what = "has no step" if "step" not in record else f"has step {_describe(record['step'])}"
+            notes.add(path.name, f"line {number} {what}, not a whole number; skipped")
+            continue
+        out.append({**{k: _clip(v) for k, v in record.items()}, "step": step})
+    return out
+
+
+def _read_config(path: Path, notes: _Notes) -> dict:
+    """config.yaml as a mapping ({} when it is absent or not one); a section of another shape is a note."""
+    text = _read_text(path, notes)
+    if text is None:
+        return {}
+    try:
+        config = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        notes.add(path.name, f"not readable YAML ({reason}); the config is not shown")
+        return {}
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        notes.add(path.name, f"holds a {type(config).__name__}, not a mapping of settings; the config is not shown")
+        return {}
+    for name in SECTIONS:
+        value = config.get(name)
+        if value is not None and not isinstance(value, dict):
+            notes.add(path.name, f"{name} is {_describe(value)}, not a mapping; its settings are not shown")
+    return config
+
+
+def _held_out(summary: dict, when: str, notes: _Notes) -> dict[str, float]:
+    """summary.json's ``eval_before`` / ``eval_after`` as metric -> float (a non-finite one is NaN / inf)."""
+    values = summary.get(when)
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        notes.add("summary.json", f"{when} is {_describe(values)}, not a mapping; left out")
+        return {}
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, str) and not is_finite(value):
+            out[key] = float(value.strip().lower().replace("infinity", "inf"))
+        elif _is_number(value):
+            out[key] = float(_clip(value))
+        else:
+            notes.add("summary.json", f"{when}.{key} is {_describe(value)}, not a number; left out")
+    return out
+
+
+def _read_summary(path: Path, notes: _Notes) -> dict | None:
+    """summary.json (a finished run's) with its fields checked: None when it is absent or unreadable; a
+    field of the wrong type is left out with a note."""
+    text = _read_text(path, notes)
+    if text is None:
+        return None
+    try:
+        summary = json.loads(text)
+    except (ValueError, RecursionError):
+        notes.add(path.name, "not JSON; the held-out results and versions are not shown")
+        return None
+    if not isinstance(summary, dict):
+        notes.add(path.name, f"holds a JSON {type(summary).__name__}, not an object; not shown")
+        return None
+    summary = {**summary, "eval_before": _held_out(summary, "eval_before", notes)}
+    summary["eval_after"] = _held_out(summary, "eval_after", notes)
+    if "train_seconds" in summary and not (
+        _is_number(summary["train_seconds"]) and abs(summary["train_seconds"]) < HUGE
+    ):
+        notes.add(path.name, f"train_seconds is {_describe(summary['train_seconds'])}, not a number; left out")
+        del summary["train_seconds"]
+    environment = summary.get("environment")
+    if environment is not None and not isinstance(environment, dict):
+        notes.add(path.name, f"environment is {_describe(environment)}, not a mapping; versions at report time shown")
+        del summary["environment"]
+    return summary
+
+
+def _number_or_none(value):
+    return _clip(value) if _is_number(value) else None
+
+
+#: per-token lists of a logged sample (rollout_log): numbers, one per token
+TOKEN_VALUES = ("ids", "logp", "logp_rollout", "entropy", "adv", "mask", "logp_ref")
+
+
+def _clean_sample(sample, where: str, notes: _Notes) -> dict | None:
+    """A logged sample the viewer can show: the fields rollout_log writes, each of its type (a field of another
+    type is replaced: a number by null, text by its JSON form, a list by the values that fit); a sample that is
+    not an object is None. A well-formed sample is returned unchanged."""
+    if not isinstance(sample, dict):
+        notes.add("rollouts.jsonl", f"{where} is {_describe(sample)}, not an object; skipped")
+        return None
+    out, bad = dict(sample), []
+    tokens = sample.get("tokens")
+    if not isinstance(tokens, list):
+        bad.append("tokens")
+        tokens = []
+    out["tokens"] = [t if isinstance(t, str) else _describe(t) for t in tokens]
+    if any(not isinstance(t, str) for t in tokens):
+        bad.append("tokens")
+    for key in TOKEN_VALUES:
+        values = sample.get(key)
+        if values is None and key in ("adv", "mask", "entropy", "logp_ref"):
+            continue  # optional (an older run, no reference model)
+        if not isinstance(values, list) or any(v is not None and not _is_number(v) for v in values):
+            bad.append(key)
+            values = values if isinstance(values, list) else []
+            out[key] = [_number_or_none(v) for v in values]
+    for key in ("group", "sample", "length"):
+        if not (isinstance(sample.get(key), int) and not isinstance(sample.get(key), bool)):
+            bad.append(key)
+            out[key] = len(out["tokens"]) if key == "length" else None
+    for key in ("reward", "advantage"):
+        if sample.get(key) is not None and not _is_number(sample.get(key)):
+            bad.append(key)
+            out[key] = None
+    for key in ("prompt", "finish_reason"):
+        if not isinstance(sample.get(key, ""), str):
+            bad.append(key)
+            out[key] = _describe(sample.get(key))
+    out.setdefault("prompt", "")
+    out.setdefault("finish_reason", "")
+    if bad:
+        fields = ", ".join(dict.fromkeys(bad))
+        notes.add("rollouts.jsonl", f"{where}: {fields} not of the type oxRL writes; shown as far as readable")
+    return out
+
+
+def _read_rollouts(path: Path, notes: _Notes) -> list[dict]:
+    """rollouts.jsonl's lines with ``rewards`` a list of numbers (others null) and ``samples`` a list of
+    cleaned samples (`_clean_sample`)."""
+    out = []
+    for record in _read_jsonl(path, notes):
+        where = f"step {record['step']}"
+        rewards = record.get("rewards")
+        if rewards is not None and not isinstance(rewards, list):
+            notes.add(path.name, f"{where}: rewards is {_describe(rewards)}, not a list; left out")
+            rewards = None
+        samples = record.get("samples")
+        if samples is not None and not isinstance(samples, list):
+            notes.add(path.name, f"{where}: samples is {_describe(samples)}, not a list; left out")
+            samples = None
+        cleaned = [_clean_sample(s, f"{where}, sample {i + 1}", notes) for i, s in enumerate(samples or [])]
+        out.append(
+            {
+                **record,
+                "rewards": None if rewards is None else [_number_or_none(v) for v in rewards],
+                "samples": [s for s in cleaned if s is not None],
+            }
+        )
     return out
 
 
 def load_run(path: Path) -> RunData:
-    """A run directory's files; a clear `OxrlError` when it is not one or has no metrics."""
+    """A run directory's files; a clear `OxrlError` when it is not one or has no readable metrics. A damaged
+    file is a note (`RunData.notes`), never a failure: the report shows what it can."""
     path = Path(path)
     if not path.is_dir():
         raise OxrlError(f"{path}: not a directory (oxrl report reads run directories, e.g. runs/sgrpo-20261125-101500)")
     if not (path / "config.yaml").is_file() and not (path / "metrics.jsonl").is_file():
         raise OxrlError(f"{path}: not an oxRL run directory (no config.yaml, no metrics.jsonl)")
-    records = _read_jsonl(path / "metrics.jsonl")
+    notes = _Notes()
+    records = _read_jsonl(path / "metrics.jsonl", notes)
     if not records:
+        damaged = f" ({'; '.join(notes.lines())})" if notes.by_file.get("metrics.jsonl") else ""
         raise OxrlError(
-            f"{path}: no metrics (metrics.jsonl is missing or empty: the run stopped before its first step)"
+            f"{path}: no metrics (metrics.jsonl is missing, empty or holds no readable step{damaged}: the run "
+            "stopped before its first step)"
         )
-    try:
-        config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").is_file() else {}
-    except yaml.YAMLError as exc:
-        raise OxrlError(f"{path / 'config.yaml'}: not readable YAML ({exc})") from None
-    try:
-        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else None
-    except ValueError:
-        summary = None
-    error_log = (path / "error.log").read_text(errors="replace") if (path / "error.log").is_file() else ""
-    rollouts = _read_jsonl(path / "rollouts.jsonl")
-    return RunData(path, path.resolve().name, config or {}, records, summary, rollouts, error_log)
+    config = _read_config(path / "config.yaml", notes)
+    summary = _read_summary(path / "summary.json", notes)
+    error_log = _read_text(path / "error.log", notes) or ""
+    rollouts = _read_rollouts(path / "rollouts.jsonl", notes)
+    superseded = bool(error_log) and error_superseded(path)
+    return RunData(path, path.resolve().name, config, records, summary, rollouts, error_log, superseded, notes.lines())
 
 
 # ---------------------------------------------------------------------------------------------- SVG charts
 
 
 def _esc(text) -> str:
+    """Text from a run directory as HTML (element text or a quoted attribute): every value the page shows
+    goes through here, whatever its type (a step, a metric's name, a config value, a directory's name)."""
     return html.escape(str(text), quote=True)
 
 
@@ -193,7 +447,9 @@ def line_chart(lines: list[Line], ylog: bool = False, xlabel: str = "step") -> s
         x = px(t)
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT + ph}" y2="{MT + ph + 4}" stroke="#999"/>')
         out.append(f'<text x="{x:.1f}" y="{MT + ph + 15}" text-anchor="middle" font-size="10">{_fmt(t)}</text>')
-    out.append(f'<text x="{ML + pw / 2}" y="{H - 4}" text-anchor="middle" font-size="10" fill="#555">{xlabel}</text>')
+    out.append(
+        f'<text x="{ML + pw / 2}" y="{H - 4}" text-anchor="middle" font-size="10" fill="#555">{_esc(xlabel)}</text>'
+    )
     for ln in lines:
         if ln.band:
             pts = [(x, lo, hi) for x, lo, hi in ln.band if math.isfinite(lo) and math.isfinite(hi)]
@@ -262,12 +518,12 @@ def heatmap(columns: list[tuple[int, list[float]]]) -> str:
             x, y = ML + c * cw, MT + (len(bins) - 1 - k) * ch
             out.append(
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="{cw + 0.5:.1f}" height="{ch + 0.5:.1f}" '
-                f'fill="rgb(31,119,180)" fill-opacity="{share:.3f}"><title>step {step}: {share:.0%} of '
+                f'fill="rgb(31,119,180)" fill-opacity="{share:.3f}"><title>step {_esc(step)}: {share:.0%} of '
                 f"{len(finite)} samples in {_fmt(bins[k][0])}–{_fmt(bins[k][1])}</title></rect>"
             )
         if len(columns) <= 12 or c % max(1, len(columns) // 8) == 0:
             out.append(
-                f'<text x="{ML + (c + 0.5) * cw:.1f}" y="{MT + ph + 15}" text-anchor="middle" font-size="10">{step}</text>'
+                f'<text x="{ML + (c + 0.5) * cw:.1f}" y="{MT + ph + 15}" text-anchor="middle" font-size="10">{_esc(step)}</text>'
             )
     for k, (a, b) in enumerate(bins):
         label = _fmt(a) if a == b else f"{_fmt(a)}–{_fmt(b)}"
@@ -372,10 +628,16 @@ def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bo
     return lines
 
 
+def _colour_class(colour: str) -> str:
+    """The CSS class of a palette colour (``c0``, ``c1``, ...): the page has no ``style`` attribute, so that
+    its Content-Security-Policy can allow only the one stylesheet."""
+    return f"c{PALETTE.index(colour)}"
+
+
 def _figure(title: str, svg: str, lines: list[Line], note: str = "", fid: str = "", eid: str = "") -> str:
     """One plot: ``fid`` names its kind (``data-plot``), ``eid`` (default ``fid``) its element id."""
     legend = "".join(
-        f'<span class="key"><span class="swatch" style="background:{ln.color}"></span>{_esc(ln.label)}'
+        f'<span class="key"><span class="swatch {_colour_class(ln.color)}"></span>{_esc(ln.label)}'
         f"{' (dashed)' if ln.dash else ''}</span>"
         for ln in lines
     )
@@ -462,8 +724,8 @@ def _reward_distribution(runs: list[RunData]) -> str:
 # ---------------------------------------------------------------------------------------------- the page
 
 
-def _data_text(config: dict) -> str:
-    train = (config.get("data") or {}).get("train")
+def _data_text(run: RunData) -> str:
+    train = run.section("data").get("train")
     if not train:
         return "the built-in arithmetic task"
     items = train if isinstance(train, list) else [train]
@@ -474,8 +736,8 @@ def _data_text(config: dict) -> str:
 
 def _overview(run: RunData) -> str:
     cfg = run.config
-    model = (cfg.get("model") or {}).get("name") or "the built-in tiny model"
-    train = cfg.get("train") or {}
+    model = run.section("model").get("name") or "the built-in tiny model"
+    train = run.section("train")
     last = run.records[-1]
     steps = f"{last.get('step')} of {run.max_steps}" if run.max_steps else str(last.get("step"))
     env = (run.summary or {}).get("environment")
@@ -485,17 +747,17 @@ def _overview(run: RunData) -> str:
         ("run directory", str(run.path.resolve())),
         ("algorithm", f"{cfg.get('algorithm', '?')} ({run.family})"),
         ("model", model),
-        ("data", _data_text(cfg)),
+        ("data", _data_text(run)),
         ("steps", steps),
         ("batch size · lr", f"{train.get('batch_size', '?')} · {train.get('lr', '?')}"),
     ]
     if run.family == "rl":
-        ro = cfg.get("rollout") or {}
+        ro = run.section("rollout")
         rows.append(("rollouts", f"n={ro.get('n')} · max_new_tokens={ro.get('max_new_tokens')} · "
                                  f"temperature={ro.get('temperature')} · backend={ro.get('backend')}"))  # fmt: skip
-        rows.append(("reward", str((cfg.get("reward") or {}).get("name") or "the dataset's default")))
-    if run.summary:
-        rows.append(("training time", f"{run.summary.get('train_seconds', math.nan):.1f} s"))
+        rows.append(("reward", str(run.section("reward").get("name") or "the dataset's default")))
+    if run.summary and "train_seconds" in run.summary:  # (a number: `_read_summary` checked it)
+        rows.append(("training time", f"{run.summary['train_seconds']:.1f} s"))
     rows.append((f"versions ({where})", " · ".join(f"{k} {v}" for k, v in versions.items())))
     body = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv">{body}</table>'
@@ -518,17 +780,46 @@ def _held_out_table(run: RunData) -> str:
 
 
 def _error_log(run: RunData) -> str:
+    """error.log's last lines: the run's failure, or — when the run finished after it (`error_superseded`, as
+    `oxrl bug-report` decides) — an earlier failure, said to be one."""
     if not run.error_log:
         return ""
     tail = "\n".join(run.error_log.splitlines()[-60:])
-    return f"<details><summary>error.log (the run's failure)</summary><pre class='config'>{_esc(tail)}</pre></details>"
+    what = (
+        "an earlier failure: the run finished after it (summary.json is newer), e.g. after --resume"
+        if run.error_superseded
+        else "the run's failure"
+    )
+    return (
+        f'<details class="error-log"><summary>error.log ({what})</summary>'
+        f"<pre class='config'>{_esc(tail)}</pre></details>"
+    )
+
+
+def _notes(run: RunData) -> str:
+    """What was damaged in the run directory (`RunData.notes`): the report shows the rest."""
+    if not run.notes:
+        return ""
+    items = "".join(f'<li class="warning damaged">{_esc(note)}</li>' for note in run.notes)
+    return (
+        '<h3>Damaged files</h3><p class="note">These parts of the run directory could not be read as oxRL writes '
+        f'them; the report shows everything else.</p><ul class="findings notes">{items}</ul>'
+    )
+
+
+def _config_text(run: RunData) -> str:
+    try:
+        return yaml.safe_dump(run.config, sort_keys=False, allow_unicode=True)
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError):  # a shape safe_load made but safe_dump refuses
+        return json.dumps(run.config, indent=2, default=repr)
 
 
 def _findings(findings: list[Finding]) -> str:
     if not findings:
         return '<p class="ok">No warnings: nothing in the metrics looks wrong.</p>'
     items = "".join(
-        f'<li class="{f.level}" data-code="{f.code}"><b>{f.level}</b> {_esc(f.message)}</li>' for f in findings
+        f'<li class="{_esc(f.level)}" data-code="{_esc(f.code)}"><b>{_esc(f.level)}</b> {_esc(f.message)}</li>'
+        for f in findings
     )
     return f'<ul class="findings">{items}</ul>'
 
@@ -543,7 +834,10 @@ def _viewer_data(run: RunData) -> list[dict]:
 
 
 def _json_for_script(value) -> str:
-    """JSON safe inside <script>: no NaN (null instead), no '</' that could close the element."""
+    """JSON safe inside a ``<script type="application/json">`` element: no NaN (null instead), and no ``<``,
+    ``>`` or ``&`` (written ``\\u003c`` ...), so that no value (``</script>``, ``<!--``) can close the element or
+    change how the HTML parser reads it; ``ensure_ascii`` writes U+2028 / U+2029 escaped too. ``JSON.parse``
+    reads the same values back."""
 
     def clean(v):
         if isinstance(v, float) and not math.isfinite(v):
@@ -555,7 +849,7 @@ def _json_for_script(value) -> str:
         return v
 
     text = json.dumps(clean(value), ensure_ascii=True, allow_nan=False)
-    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 VIEWER_SCRIPT = r"""
@@ -569,17 +863,22 @@ VIEWER_SCRIPT = r"""
     mask: {label: "loss mask", kind: "mask"},
     kl: {label: "KL to the reference (k3)", kind: "seq"}
   };
+  // data reaches the page only as text (textContent, title, value): never as HTML
+  function at(list, i) {
+    var v = list ? list[i] : null;
+    return typeof v === "number" && isFinite(v) ? v : null;
+  }
   function values(s, q) {
-    var n = s.ids.length, out = [], i;
+    var n = s.tokens.length, out = [], i;
     for (i = 0; i < n; i++) {
-      var v = null;
-      if (q === "gap") { v = (s.logp[i] === null || s.logp_rollout[i] === null) ? null : s.logp[i] - s.logp_rollout[i]; }
+      var v = null, lp = at(s.logp, i);
+      if (q === "gap") { v = (lp === null || at(s.logp_rollout, i) === null) ? null : lp - at(s.logp_rollout, i); }
       else if (q === "kl") {
-        if (s.logp_ref && s.logp[i] !== null && s.logp_ref[i] !== null) {
-          var d = s.logp_ref[i] - s.logp[i]; v = Math.exp(d) - d - 1;
+        if (lp !== null && at(s.logp_ref, i) !== null) {
+          var d = at(s.logp_ref, i) - lp; v = Math.exp(d) - d - 1;
         }
       }
-      else if (s[q]) { v = s[q][i]; }
+      else { v = at(s[q], i); }
       out.push(v);
     }
     return out;
@@ -597,7 +896,8 @@ VIEWER_SCRIPT = r"""
     if (text !== undefined) { e.textContent = text; }
     return e;
   }
-  function fmt(v) { return v === null || v === undefined ? "–" : (Math.abs(v) < 1e-3 && v !== 0 ? v.toExponential(2) : v.toFixed(4)); }
+  function fmt(v) { return typeof v !== "number" || !isFinite(v) ? "–" : (Math.abs(v) < 1e-3 && v !== 0 ? v.toExponential(2) : v.toFixed(4)); }
+  function ordinal(v) { return typeof v === "number" ? String(v + 1) : "?"; }
   function render(viewer, runData) {
     var step = viewer.querySelector("select.step").value;
     var q = viewer.querySelector("select.quantity").value;
@@ -616,7 +916,7 @@ VIEWER_SCRIPT = r"""
       : (kind === "div" ? "green = positive, red = negative" : "blue") + ", the darker the larger |value| (largest here " + fmt(scale) + ")");
     entry.samples.forEach(function (s) {
       var box = el("div", "sample");
-      var head = el("div", "head", "prompt " + (s.group + 1) + ", sample " + (s.sample + 1) + " · reward " + fmt(s.reward) +
+      var head = el("div", "head", "prompt " + ordinal(s.group) + ", sample " + ordinal(s.sample) + " · reward " + fmt(s.reward) +
         " · advantage " + fmt(s.advantage) + " · " + s.length + " tokens (" + s.finish_reason + ")");
       box.appendChild(head);
       box.appendChild(el("pre", "prompt", s.prompt));
@@ -625,12 +925,12 @@ VIEWER_SCRIPT = r"""
       s.tokens.forEach(function (piece, j) {
         var t = el("span", "tok", piece);
         t.style.background = colour(vals[j], QUANTITIES[q].kind, scale);
-        t.title = "token " + s.ids[j] + " " + JSON.stringify(piece) + "\n" + QUANTITIES[q].label + ": " + fmt(vals[j]) +
-          "\nlogprob " + fmt(s.logp[j]) + " · rollout " + fmt(s.logp_rollout[j]) + " · entropy " + fmt(s.entropy ? s.entropy[j] : null) +
-          " · mask " + (s.mask ? s.mask[j] : "–");
+        t.title = "token " + at(s.ids, j) + " " + JSON.stringify(piece) + "\n" + QUANTITIES[q].label + ": " + fmt(vals[j]) +
+          "\nlogprob " + fmt(at(s.logp, j)) + " · rollout " + fmt(at(s.logp_rollout, j)) + " · entropy " + fmt(at(s.entropy, j)) +
+          " · mask " + (at(s.mask, j) === null ? "–" : String(at(s.mask, j)));
         comp.appendChild(t);
       });
-      if (s.length > s.tokens.length) { comp.appendChild(el("span", "more", " … " + (s.length - s.tokens.length) + " more tokens not logged")); }
+      if (typeof s.length === "number" && s.length > s.tokens.length) { comp.appendChild(el("span", "more", " … " + (s.length - s.tokens.length) + " more tokens not logged")); }
       box.appendChild(comp);
       out.appendChild(box);
     });
@@ -655,7 +955,7 @@ def _viewer(run: RunData, index: int, several: bool) -> str:
     if not data:
         return ""
     source = f"rollouts-{index}"
-    steps = "".join(f'<option value="{d["step"]}">step {d["step"]}</option>' for d in data)
+    steps = "".join(f'<option value="{_esc(d["step"])}">step {_esc(d["step"])}</option>' for d in data)
     return (
         f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + _esc(run.name) if several else ""}</h3>'
         '<p class="note">Prompts and completions rollouts.jsonl logged (logging.rollout_samples_every): each token '
@@ -686,7 +986,27 @@ pre.prompt{white-space:pre-wrap;background:#f4f4f4;margin:.2em 0;padding:.3em;fo
 .completion{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85em;white-space:pre-wrap;line-height:1.7}
 .tok{border-radius:2px;padding:1px 0;margin-right:1px}.more{color:#888}
 pre.config{background:#f6f6f6;padding:.6em;font-size:.8em;max-height:30em;overflow:auto}
-"""
+""" + "".join(f".swatch.c{i}{{background:{colour}}}" for i, colour in enumerate(PALETTE))
+
+
+def _sha256_source(text: str) -> str:
+    """A CSP source that allows exactly the inline element whose content is ``text``."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+#: what the page may load and run: its own stylesheet and script (by hash), images only as data: URLs, and
+#: nothing else — no other script (an injected <script>, an onerror= attribute, a javascript: URL), no
+#: network, no form, no <base>. Set by a <meta> tag: the file opens from disk, with no server to send a header.
+CSP = "; ".join(
+    [
+        "default-src 'none'",
+        f"script-src {_sha256_source(VIEWER_SCRIPT)}",
+        f"style-src {_sha256_source(STYLE)}",
+        "img-src data:",
+        "base-uri 'none'",
+        "form-action 'none'",
+    ]
+)
 
 
 def render_report(runs: list[RunData]) -> str:
@@ -698,11 +1018,11 @@ def render_report(runs: list[RunData]) -> str:
         title = f"{run.name}" if len(runs) > 1 else "The run"
         sections.append(
             f'<section class="run" id="run-{i}"><h2>{_esc(title)}</h2>{_overview(run)}'
-            f"<h3>Warnings</h3>{_findings(findings)}"
+            f"{_notes(run)}<h3>Warnings</h3>{_findings(findings)}"
             f"{_held_out_table(run)}"
             f"{_error_log(run)}"
             f"<details><summary>Resolved config (config.yaml)</summary><pre class='config'>"
-            f"{_esc(yaml.safe_dump(run.config, sort_keys=False))}</pre></details></section>"
+            f"{_esc(_config_text(run))}</pre></details></section>"
         )
     plots, _ = _plots(runs)
     viewers = "".join(_viewer(run, i, len(runs) > 1) for i, run in enumerate(runs))
@@ -711,6 +1031,7 @@ def render_report(runs: list[RunData]) -> str:
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{_esc(CSP)}">'
         f"<title>oxRL report: {_esc(names)}</title><style>{STYLE}</style></head><body>"
         f"<h1>oxRL report: {_esc(names)}</h1>"
         + "".join(sections)
@@ -721,10 +1042,14 @@ def render_report(runs: list[RunData]) -> str:
 
 
 def write_report(run_dirs: list[Path], output: Path) -> Path:
-    """Read the run directories (an `OxrlError` for a bad one), write the report atomically, return its path."""
+    """Read the run directories (an `OxrlError` for a bad one), write the report atomically, return its path.
+    What a damaged file left out is said on stderr too (a ``note:`` line per file), not only in the page."""
     runs = [load_run(Path(d)) for d in run_dirs]
     output = Path(output)
     if output.parent and not output.parent.exists():
         raise OxrlError(f"-o {output}: the folder {output.parent} does not exist")
     write_text_atomic(output, render_report(runs))
+    for run in runs:
+        for note in run.notes:
+            print(f"note: {run.path}/{note}", file=sys.stderr, flush=True)
     return output
