@@ -421,7 +421,7 @@ def line_chart(lines: list[Line], ylog: bool = False, xlabel: str = "step") -> s
     x0, x1 = min(xs), max(xs)
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
-    y0, y1 = (min(ys), max(ys)) if ys else (0.0, 1.0)
+    y0, y1 = (min(ys), max(ys)) if ys else ((1.0, 10.0) if ylog else (0.0, 1.0))  # no finite point: any axis
     tf = (lambda v: math.log10(v)) if ylog else (lambda v: v)
     y0, y1 = tf(y0), tf(y1)
     if y1 - y0 < 1e-12:

@@ -256,6 +256,11 @@ DAMAGE = {
         lambda p: append(p, '{"step": 4, "loss": {"a": 1}, "lr": [1], "grad_norm": 1e400, "x": 1' + "0" * 400 + "}"),
         None,
     ),
+    "a log-scale curve with no finite point": (
+        "metrics.jsonl",
+        lambda p: append(p, '{"step": 4, "rollout/logprob_diff": "nan", "rollout/logprob_diff_max": "inf"}'),
+        None,
+    ),
     "config is a list": ("config.yaml", lambda p: p.write_text("- a\n- b\n"), "holds a list, not a mapping"),
     "train is 5": ("config.yaml", lambda p: p.write_text("algorithm: sft\ntrain: 5\n"), "train is 5, not a mapping"),
     "rollout is text": ("config.yaml", lambda p: p.write_text("rollout: fast\n"), 'rollout is "fast", not a mapping'),
