@@ -329,6 +329,9 @@ def _read_rollouts(path: Path, notes: _Notes) -> list[dict]:
         if rewards is not None and not isinstance(rewards, list):
             notes.add(path.name, f"{where}: rewards is {_describe(rewards)}, not a list; left out")
             rewards = None
+        if rewards and any(v is not None and not _is_number(v) for v in rewards):
+            count = sum(v is not None and not _is_number(v) for v in rewards)
+            notes.add(path.name, f"{where}: {count} of the rewards are not numbers; left out of the distribution")
         samples = record.get("samples")
         if samples is not None and not isinstance(samples, list):
             notes.add(path.name, f"{where}: samples is {_describe(samples)}, not a list; left out")

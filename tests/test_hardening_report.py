@@ -321,7 +321,8 @@ def test_oxrl_report_on_a_run_directory_damaged_everywhere(tmp_path):
         "line 6 has step Infinity",
         "config.yaml: train is 5, not a mapping",
         "summary.json: holds a JSON list, not an object",
-        "rollouts.jsonl: step 3, sample 1 is [1], not an object",
+        "rollouts.jsonl: step 3: 1 of the rewards are not numbers; left out of the distribution; step 3, sample 1 is "
+        "[1], not an object",
     ):
         assert note in text, note
     assert 'data-plot="loss"' in text and 'data-plot="reward"' in text  # the readable steps are drawn
