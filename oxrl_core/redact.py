@@ -78,6 +78,9 @@ _URL_USERINFO = re.compile(
     r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s:/?#@'\"<>`]*:)(?P<password>[^\s/?#'\"<>`]*)(?=@[^\s@/?#'\"<>`]+)"
 )
 
+#: a parameter of a URL's query string: ``?name=value`` or ``&name=value``
+_URL_QUERY = re.compile(r"(?P<head>[?&;](?P<name>[A-Za-z_][A-Za-z0-9_.\-]*)=)(?P<value>[^&#\s'\"<>`]*)")
+
 #: an authenticating header written inline: ``Authorization: Basic dXNlcjpw``, ``"X-Api-Key": "..."``,
 #: ``-H 'Private-Token: ...'``; ``scheme`` (Basic, Bearer, ...) is kept
 _HEADER = re.compile(
@@ -236,15 +239,21 @@ def redact(text: str, secrets: Iterable[str] = (), home: str | None = None) -> s
 
 
 def redact_url(text: str) -> str:
-    """``text`` with the password of every ``scheme://user:password@host`` in it replaced by ``<redacted>``
-    (`redact`'s pass 2 alone: what a URL shown back to its user, or sent to a tracking server, must lose)."""
-    return _URL_USERINFO.sub(lambda m: m.group("head") + REDACTED, text)
+    """``text`` with the credentials of every URL in it replaced by ``<redacted>``: the password of
+    ``scheme://user:password@host`` and the value of a secret query parameter (``?token=``, ``&sig=``) —
+    what a URL shown back to its user, or sent to a tracking server, must lose."""
+
+    def query(match: re.Match) -> str:
+        secret = _is_secret_query(match.group("name")) and match.group("value") not in ("", REDACTED)
+        return f"{match.group('head')}{REDACTED}" if secret else match.group(0)
+
+    return _URL_QUERY.sub(query, _URL_USERINFO.sub(lambda m: m.group("head") + REDACTED, text))
 
 
 def redact_config(value):
     """A copy of a config (nested dicts and lists) for the world outside the run directory (a tracking
     server's parameters, a W&B run's config): a secret-named key's value is ``<redacted>``, and so is the
-    password of a URL in any string (``logging.mlflow_tracking_uri``). Nothing else changes: a 40-hex-digit
+    credentials of a URL in any string (`redact_url`: ``logging.mlflow_tracking_uri``). Nothing else changes: a 40-hex-digit
     ``model.revision`` is a commit, not a W&B key, and stays."""
     if isinstance(value, dict):
         return {

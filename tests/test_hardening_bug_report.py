@@ -139,10 +139,11 @@ def test_redact_keeps_what_is_not_secret():
     # a tracking server's parameters: secrets go, a commit hash (40 hex digits, like a W&B key) stays
     config = {
         "logging": {"mlflow_tracking_uri": DB_URI},
-        "reward": {"api_key": "k" * 8},
+        "reward": {"api_key": "k" * 8, "url": JUDGE},
         "model": {"revision": "a" * 40},
     }
     shared = redact_config(config)
+    assert shared["reward"]["url"] == f"https://judge.example.com/score?token={REDACTED}&mode=fast&sig={REDACTED}"
     assert shared["logging"]["mlflow_tracking_uri"] == "postgresql://user:<redacted>@db.example.com:5432/mlflow"
     assert shared["reward"]["api_key"] == REDACTED and shared["model"]["revision"] == "a" * 40
     assert config["logging"]["mlflow_tracking_uri"] == DB_URI  # a copy: the run's own config is untouched
