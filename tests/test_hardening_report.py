@@ -179,7 +179,7 @@ def test_a_tampered_run_directory_injects_nothing_and_runs_no_script_in_a_real_b
     # the file as written: every payload escaped, the only script the viewer's
     assert_nothing_injected(Elements(text))
     assert "</script><script>" not in text and "\u2028" not in text
-    data = [json.loads(attrs and body) for attrs, body in Elements(text).scripts if attrs.get("type")]
+    data = [json.loads(body) for attrs, body in Elements(text).scripts if attrs.get("type") == "application/json"]
     assert data[0][0]["samples"][0]["tokens"][0] == payload(0)  # JSON.parse reads each payload back as it was
     # the page as Chromium builds it, after the viewer's script ran
     dom, console = dump_dom(out, tmp_path)
