@@ -158,10 +158,15 @@ def at_step(step: int) -> None:
     _step = step
 
 
+_COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")  # frames of their own before Python 3.12
+
+
 def _call_site() -> str:
     """``module:line (function)`` of the first caller outside this module (the same on every rank)."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
+    while frame is not None and (
+        frame.f_globals.get("__name__") == __name__ or frame.f_code.co_name in _COMPREHENSIONS
+    ):
         frame = frame.f_back
     if frame is None:
         return "?"
