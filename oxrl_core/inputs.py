@@ -7,16 +7,25 @@ it again; so in-memory inputs are written into the run directory when the run st
 checks the config, before the run directory exists) the config holds a placeholder such as
 ``<in-memory: 120 rows>``. Rows are turned into JSON lines at once, so a value JSON cannot hold is refused
 before anything is written.
+
+Every local path a config names is made absolute before ``config.yaml`` is written (`absolute_paths`): the
+``inputs/`` files, and relative paths given on the command line, in a config file or to the API, resolved
+against the working directory the run started in, which is what they meant then. So ``--resume`` reads the
+same files from any working directory. Absolute rather than relative to the run directory because a path the
+user gave points outside it (data, models), and every reader of config.yaml (``--resume``, the data-parallel
+ranks, ``oxrl report``, ``oxrl bug-report``) then reads it as it is.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from oxrl_core.atomic import write_text_atomic
+from oxrl_core.chat_templates import TEMPLATES
 from oxrl_core.errors import OxrlError
 
 INPUTS_DIR = "inputs"
@@ -91,7 +100,8 @@ class Inputs:
         return f"{PLACEHOLDER}: {self.rows[section][1]} rows>"
 
     def path(self, run_dir: Path, section: str) -> Path:
-        return run_dir / INPUTS_DIR / ("model" if section == "model" else f"{section}.jsonl")
+        """Where ``section`` is written: an absolute path (config.yaml names it, read from any directory)."""
+        return Path(os.path.abspath(run_dir)) / INPUTS_DIR / ("model" if section == "model" else f"{section}.jsonl")
 
     def write(self, run_dir: Path, resume: bool) -> dict[str, str]:
         """Write the inputs into ``run_dir/inputs/``; returns ``{"model" | "train" | "eval": path}``.
@@ -118,3 +128,57 @@ class Inputs:
                 self.tokenizer.save_pretrained(path)
             written["model"] = str(path)
         return written
+
+
+# ----------------------------------------------------------------------------- paths in config.yaml
+
+#: config fields that may name a local file or directory (else a hub id, a dataset plugin, a built-in template).
+#: Plugins given as ``file.py:Class`` (algorithm, reward.name, env.name, env.tool_parser) are left as written: their
+#: name is how messages, metrics and reports refer to them
+PATH_FIELDS = (
+    "model.name",
+    "model.ref",
+    "model.teacher",
+    "model.chat_template",
+    "data.train",
+    "data.eval",
+)
+
+
+def _local(value: str) -> str:
+    """``value`` made absolute when it is a relative path to an existing file or directory; anything else (a hub id,
+    a plugin name, an absolute or ``~`` path, a name the OS cannot look up) as it is. An existing local path is what
+    the loaders take first too (before a plugin or the hub), so its meaning does not change."""
+    if not value or os.path.isabs(value) or value.startswith("~") or not os.path.exists(value):
+        return value
+    return os.path.abspath(value)
+
+
+def _sources(value: Any) -> Any:
+    """data.train / data.eval: a source string, a ``{source, ratio, ...}`` mapping (or `config.SourceSpec`), a list."""
+    if isinstance(value, list):
+        return [_sources(item) for item in value]
+    if isinstance(value, str):
+        return _local(value)
+    spec = value if isinstance(value, dict) else value.model_dump()
+    return {**spec, "source": _local(spec["source"])} if isinstance(spec.get("source"), str) else spec
+
+
+def absolute(key: str, value: Any) -> Any:
+    """The value of config field ``key`` (one of `PATH_FIELDS`) with its relative local paths made absolute."""
+    if key.startswith("data."):
+        return _sources(value)
+    if key == "model.chat_template" and value in TEMPLATES:
+        return value  # a built-in name wins over a file of that name
+    return _local(value)
+
+
+def absolute_paths(config) -> None:
+    """Every `PATH_FIELDS` value of ``config`` (a `config.RunConfig`) with relative local paths made absolute."""
+    for key in PATH_FIELDS:
+        section, name = key.split(".")
+        part = getattr(config, section)
+        value = getattr(part, name)
+        new = absolute(key, value)
+        if new != value:  # (a `SourceSpec` is given back as a mapping: validated into one again)
+            setattr(part, name, new)

@@ -32,7 +32,16 @@ from oxrl_core.config import (
 from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
 from oxrl_core.errors import OxrlError
-from oxrl_core.inputs import INPUTS_DIR, Inputs, is_loaded_model, is_rows, rows_as_jsonl
+from oxrl_core.inputs import (
+    INPUTS_DIR,
+    PATH_FIELDS,
+    Inputs,
+    absolute,
+    absolute_paths,
+    is_loaded_model,
+    is_rows,
+    rows_as_jsonl,
+)
 from oxrl_core.interfaces import Algorithm
 from oxrl_core.launcher import launch
 from oxrl_core.loops.result import RunResult
@@ -206,6 +215,7 @@ class Trainer:
                 f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"
             )
         check_engine(self.config, self.algorithm_cls.family, self.algorithm_cls.needs_rollouts)
+        absolute_paths(self.config)  # config.yaml's paths read the same from any working directory (--resume)
         self._preflight()
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -439,10 +449,15 @@ class Trainer:
         if not saved_file.is_file():
             return
         saved, now = read_yaml(saved_file), self.config.model_dump(mode="json")
+
+        def was(key: str):  # a relative path in an older run's config.yaml, read as this run reads it
+            value = _dotted(saved, key)
+            return absolute(key, value) if key in PATH_FIELDS and value is not None else value
+
         changed = [
             (key, _dotted(saved, key), _dotted(now, key))
             for key in IDENTITY_KEYS
-            if _dotted(saved, key) is not None and _dotted(saved, key) != _dotted(now, key)
+            if _dotted(saved, key) is not None and was(key) != _dotted(now, key)
         ]
         if not changed:
             return

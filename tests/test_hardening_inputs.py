@@ -101,3 +101,53 @@ def test_a_warm_up_the_user_set_as_long_as_the_run_is_refused_naming_both_values
     )
     assert not (run / "metrics.jsonl").exists() and not (run / "final").exists()
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["warmup_steps"] == 8  # the user's, as given
+
+
+# ----------------------------------------------------------------------------- item 12: paths in config.yaml
+
+
+def test_an_api_run_with_in_memory_inputs_resumes_from_any_directory(tmp_path, tiny_model_dir, monkeypatch):
+    """Rows and a loaded model given to the API, a relative held-out file and a relative output directory: config.yaml
+    names them by absolute paths (inputs/ under the run directory, the held-out file as the working directory made
+    it), so `oxrl run --resume` from another directory continues the run (it used to stop at "model directory not
+    found"). A run directory of an older oxRL, whose config.yaml holds the relative paths, still resumes from the
+    directory it was started in: the paths read back the same."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from oxrl_core import Trainer
+    from oxrl_core.checkpoint import write_manifest
+
+    started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
+    started.mkdir(), elsewhere.mkdir()
+    write_jsonl(started / "held.jsonl", SFT_ROWS[:4])
+    monkeypatch.chdir(started)
+    Trainer(
+        alg="sft",
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+        data=SFT_ROWS,
+        output_dir="out",
+        quiet=True,
+        overrides=["data.eval=held.jsonl"],
+        train={"max_steps": 2, "batch_size": 8, "save_steps": 1},
+    ).train()
+    run = started / "out"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["name"] == str(run / "inputs" / "model")
+    assert saved["data"]["train"] == str(run / "inputs" / "train.jsonl")
+    assert saved["data"]["eval"] == str(started / "held.jsonl")
+
+    proc = oxrl("run", "--resume", "-o", str(run), "--set", "train.max_steps=3", "-q", cwd=elsewhere)
+    assert proc.returncode == 0 and "Traceback" not in _text(proc), _text(proc)
+    metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and "eval/loss" in metrics[-1]
+    assert (run / "final" / "model.safetensors").is_file() and not (elsewhere / "runs").exists()
+
+    for config in (run / "config.yaml", *run.glob("checkpoints/*/config.yaml")):  # as an older oxRL wrote them
+        old = yaml.safe_load(config.read_text())
+        old["model"]["name"], old["data"]["train"] = "out/inputs/model", "out/inputs/train.jsonl"
+        config.write_text(yaml.safe_dump(old, sort_keys=False))
+        if config.parent.parent.name == "checkpoints":
+            write_manifest(config.parent)  # the checkpoint stays whole, with its older config.yaml
+    result = Trainer(alg="sft", output_dir="out", resume=True, quiet=True, train={"max_steps": 4}).train()
+    assert result.steps == 4 and [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
