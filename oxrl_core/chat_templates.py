@@ -159,6 +159,8 @@ def render_problem(tokenizer) -> str | None:
     """None if the tokenizer's chat template renders `PROBE`'s user turn with the generation prompt and the
     whole conversation (with the tokenizer's own special tokens, as a run renders rows); else which one
     failed and where. A tokenizer without a template has nothing to check."""
+    from jinja2 import TemplateSyntaxError
+
     if not getattr(tokenizer, "chat_template", None):
         return None
     for messages, generation_prompt, what in (
@@ -168,8 +170,6 @@ def render_problem(tokenizer) -> str | None:
         try:
             tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as exc:  # noqa: BLE001 - jinja2's errors, a filter's TypeError, a template's raise_exception
-            from jinja2 import TemplateSyntaxError
-
             verb = "does not compile" if isinstance(exc, TemplateSyntaxError) else f"fails on {what}"
             return f"{verb}: {describe_error(exc)}"
     return None
