@@ -45,6 +45,7 @@ from oxrl_core import distributed
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import dump_yaml
 from oxrl_core.errors import OxrlError
+from oxrl_core.redact import redact
 
 LOCK_FILE = ".oxrl.lock"
 #: a data-parallel run: the driver writes this file to ask the ranks to stop (rank 0 reads it each step)
@@ -433,7 +434,8 @@ def error_log(run_dir: Path):
 
 def describe_failure(exc: BaseException) -> str:
     """When and where the run failed, the error's one line, and the whole traceback — with the exceptions that
-    ``raise ... from None`` hides on the terminal (the error a loader or a plugin raised first)."""
+    ``raise ... from None`` hides on the terminal (the error a loader or a plugin raised first). Credentials
+    (a password in a URL given with ``--set``, tokens) are redacted as in a bug report."""
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     parts = [
         f"{ERROR_LOG_HEADER} at {when} (pid {os.getpid()} on {socket.gethostname()})\n",
@@ -446,4 +448,4 @@ def describe_failure(exc: BaseException) -> str:
         seen.add(id(hidden))
         parts += ["\nraised while handling (hidden on the terminal):\n\n", *traceback.format_exception(hidden)]
         hidden = hidden.__context__ if hidden.__suppress_context__ else None
-    return "".join(parts)
+    return redact("".join(parts))
