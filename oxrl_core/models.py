@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 from pathlib import Path
 
+from oxrl_core.chat_templates import chat_template_text, names, render_problem, template_source
 from oxrl_core.data import path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
@@ -51,8 +52,6 @@ def _apply_chat_template(tokenizer, path: str, field: str) -> None:
     turn and a user/assistant conversation: a template that does not compile or raises on them is an
     error naming the template, its line and jinja2's message, before any row is tokenised (a model's own
     template too: ``model.chat_template`` is the way round it)."""
-    from oxrl_core.chat_templates import chat_template_text, names, render_problem, template_source
-
     options = _OPTIONS.get()
     chosen = options.chat_template if options is not None else ""
     if chosen:
