@@ -140,7 +140,7 @@ class MLflowSink:
             mlflow.set_experiment("oxrl")
             self.run = mlflow.start_run(run_name=run_name or run_dir.name)
             mlflow.log_params(params)
-        except Exception as exc:  # an unsupported scheme, a refused connection, a missing database driver
+        except Exception as exc:  # noqa: BLE001 - an unsupported scheme, a refused connection, a missing database driver
             reason = _first_line(exc)
         if reason:
             # raised here, outside the handler: MLflow's exception (whose text holds the URI, password and all)
