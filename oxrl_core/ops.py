@@ -20,14 +20,6 @@ def masked_mean_value(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float(masked_mean(x.detach(), mask))
 
 
-def token_nll(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean negative log-likelihood over the scored positions:
-
-    NLL = −Σ_t m_t log π(y_t) / Σ_t m_t          logp, mask: (B, T) -> scalar
-    """
-    return -masked_mean(logp, mask)
-
-
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
     """Group z-scores: rewards (B,) -> A (B,).
 
