@@ -27,6 +27,7 @@ from pydantic import (
 from oxrl_core.chat_templates import check_chat_template
 from oxrl_core.errors import OxrlError
 from oxrl_core.schema import StrictModel, format_validation_error, validate_options
+from oxrl_core.tool_parsers import parser_for
 
 
 class ModelConfig(StrictModel):
@@ -604,3 +605,24 @@ def env_options(config: RunConfig) -> dict:
     """The environment plugin's own options: the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser,
     max_error_share and error_steps."""
     return dict(config.env.model_extra or {})
+
+
+def check_env(config: RunConfig, registry) -> None:
+    """Everything of ``env:`` that needs no model, checked when a run starts (before any warm start or model
+    load, which can take minutes on the built-in model): the environment plugin, its own options (its Config:
+    a typo names ``env.<key>``), its constructor (one instance, discarded), and ``env.tool_parser`` when it
+    names a parser (``auto`` follows the model's chat template, known once the tokenizer loads). Options
+    without an ``env.name`` would be ignored, so they are refused."""
+    options = env_options(config)
+    if not config.env.name:
+        if options:
+            raise OxrlError(f"env.{next(iter(options))}: environment options need an env.name")
+        return
+    if options and not registry.load_checked("environment", config.env.name).Config.model_fields:
+        raise OxrlError(
+            f"env.{next(iter(options))}: environment '{config.env.name}' takes no options of its own; the env keys "
+            f"are {', '.join(EnvConfig.model_fields)}"
+        )
+    registry.build("environment", config.env.name, options, field="env")
+    if config.env.tool_parser != "auto":
+        parser_for(None, config.env.tool_parser)

@@ -222,6 +222,8 @@ def _clipped(records, summary, max_steps, error) -> list[Finding]:
     if not values:
         return []
     last = _mean(values[-max(1, len(values) // 10) :])
+    if last > 0.5 and series(records, "env/cut_by_max_tokens"):
+        return _episodes_cut(records, last)
     if last > 0.5:
         return [
             Finding(
@@ -232,6 +234,33 @@ def _clipped(records, summary, max_steps, error) -> list[Finding]:
             )
         ]
     return []
+
+
+def _episodes_cut(records, clipped: float) -> list[Finding]:
+    """Multi-turn episodes (env.name) ending cut: by their token budget (env.max_tokens) or with a model turn cut
+    at rollout.max_new_tokens; the message names the setting of each share (raising the other does nothing)."""
+    cuts = []
+    for key, setting, what in (
+        ("env/cut_by_max_tokens", "env.max_tokens", "the episode's token budget"),
+        ("env/cut_by_max_new_tokens", "rollout.max_new_tokens", "one model turn's limit"),
+    ):
+        values = [v for _, v in series(records, key) if math.isfinite(v)]
+        share = _mean(values[-max(1, len(values) // 10) :]) if values else 0.0
+        if share > 0:
+            cuts.append((share, setting, what))
+    cuts.sort(reverse=True)
+    if not cuts:
+        return []
+    where = ", ".join(f"{share:.0%} at {setting} ({what})" for share, setting, what in cuts)
+    raise_ = " / ".join(setting for _, setting, _ in cuts)
+    return [
+        Finding(
+            "warning",
+            "clipped",
+            f"{clipped:.0%} of episodes ended cut at the end of the run: {where}; they are scored unfinished "
+            f"(raise {raise_})",
+        )
+    ]
 
 
 def _no_held_out_gain(records, summary, max_steps, error) -> list[Finding]:

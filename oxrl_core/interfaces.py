@@ -428,7 +428,15 @@ class Environment(ABC):
     `oxrl_core.tool_parsers.ToolParser` chosen for the model's chat template, ``env.tool_parser``) and
     ``stats`` (a `collections.Counter` the environment may count ``tool_calls`` / ``bad_tool_calls`` in;
     the loop logs them as ``env/...``). Every call is limited to `timeout_s`; one that raises or hangs
-    ends its episode with reward 0 and is counted (``env/errors``, ``env/timeouts``), never the run.
+    ends its episode with reward 0 and is counted (``env/errors``, ``env/timeouts``), and a run whose
+    environment keeps failing stops (``env.max_error_share``, ``env.error_steps``).
+
+    Each episode's instance lives in a worker process of its own (`oxrl_core.env_worker`), killed when a call
+    runs past `timeout_s`, so a hang never keeps running. Hence: the class must be importable (a module, or
+    ``env.name=file.py:Class``; not ``__main__``); the arguments and what `reset`, `step`, `tools` and `reward`
+    return are pickled — return plain data (str, numbers, lists, dicts), anything else is that episode's
+    error; and state outside the instance (module or class variables) is each episode's own copy, never
+    shared between episodes.
     """
 
     name: ClassVar[str]
@@ -442,7 +450,8 @@ class Environment(ABC):
     tiny_defaults: ClassVar[dict] = {}
 
     class Config(StrictModel):
-        """The environment's own options (the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser)."""
+        """The environment's own options (the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser,
+        max_error_share, error_steps)."""
 
     def __init__(self, config: "Environment.Config | None" = None):
         self.config = config if config is not None else self.Config()

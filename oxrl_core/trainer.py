@@ -24,6 +24,7 @@ from oxrl_core.config import (
     TINY_PREF_DEFAULTS,
     TINY_RL_DEFAULTS,
     RunConfig,
+    check_env,
     dump_yaml,
     load_run_config,
     merge_config,
@@ -332,6 +333,7 @@ class Trainer:
                     f"env.name={cfg.env.name}: environments drive the RL loop's rollouts, and '{cfg.algorithm}' "
                     "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
                 )
+        check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
         if self.algorithm_cls.needs_rollouts:
             self.registry.load_checked("rollout_backend", cfg.rollout.backend)  # its class checked too
             if cfg.reward.name:

@@ -40,7 +40,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "oxrl_core.distributed", "oxrl_core.checkpoint", "oxrl_core.lora", "oxrl_core.tracking",
         "oxrl_core.perf", "oxrl_core.sync", "oxrl_core.critic", "oxrl_core.token_head",
         "oxrl_core.packed_attention", "oxrl_core.rewards", "oxrl_core.evaluation", "oxrl_core.scoring",
-        "oxrl_core.inputs",
+        "oxrl_core.inputs", "oxrl_core.env_worker",
         "oxrl_core.plugins", "oxrl_core.builtin_plugins", "oxrl_core.lifecycle", "oxrl_core.progress",
         "oxrl_core.health", "oxrl_core.rollout_log"),
     # L4 the loops (every module of oxrl_core.loops) and the rollout actors they drive

@@ -8,8 +8,9 @@
   the limit), memory bombs, a fork bomb and a detached ``setsid`` child (nothing survives), subprocesses,
   writing or deleting outside its directory, reading a trainer file or the trainer's environment secrets,
   connecting to a loopback listener, printing 100 MB; no sandbox directory is left behind;
-- the loop's path: `step` under the loop's own time limit (`call_limited` with the environment's
-  ``timeout_s``) answers every call, runs at most ``max_calls_per_turn`` programs, a final answer ends it;
+- the loop's path: `step` in the episode's worker process under the environment's own ``timeout_s``
+  (`oxrl_core.env_worker`) answers every call, runs at most ``max_calls_per_turn`` programs, a final answer
+  ends it;
 - its options (``env.*``) default to the sandbox's limits and are validated;
 - `oxrl run --alg sgrpo --set env.name=python`: two steps whose turns call the tool (slow).
 """
@@ -26,8 +27,8 @@ from pathlib import Path
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
 
+from oxrl_core.env_worker import call_all, spawn
 from oxrl_core.errors import OxrlError
-from oxrl_core.loops.episodes import call_limited
 from oxrl_core.plugins import discover
 from oxrl_core.tool_parsers import HermesParser, ToolCall
 from oxrl_envs.python import START_UP_S, PythonEnv
@@ -232,9 +233,13 @@ def test_step_answers_every_call_within_the_environments_time_limit(sandbox_root
     # the environment's limit covers every program of a turn at the sandbox's own limit
     assert env.timeout_s > 2 * LIMITS["wall_s"] and PythonEnv.timeout_s > Limits().wall_s
     hang = "while True:\n    pass"
-    added, reward, done = call_limited(
-        env.step, turn(hang, hang, "print(1)"), limit_s=env.timeout_s
-    )  # never EnvTimeout
+    (worker,) = spawn(PythonEnv, env.config, HermesParser(), 1)  # as the loop runs an episode's environment
+    assert worker.timeout_s == env.timeout_s  # the instance's own limit
+    ((kind, result),) = call_all([(worker, "step", (turn(hang, hang, "print(1)"),))])
+    worker.close()
+    assert kind == "ok", result  # never a timeout
+    assert worker.stats["tool_calls"] == 2  # counted in the worker, reported with its answer
+    added, reward, done = result
     assert (reward, done) == (0.0, False)
     assert [m["role"] for m in added] == ["tool"] * 3 and {m["name"] for m in added} == {"run_python"}
     assert "timed out" in added[0]["content"] and "timed out" in added[1]["content"]
@@ -244,7 +249,7 @@ def test_step_answers_every_call_within_the_environments_time_limit(sandbox_root
     unknown = '<tool_call>{"name": "run_shell", "arguments": {"cmd": "ls"}}</tool_call>'
     added, _, done = env.step([{"role": "assistant", "content": unknown}])
     assert added[0]["content"].startswith("error: unknown tool 'run_shell'") and not done
-    assert env.stats["bad_tool_calls"] == 1 and env.stats["tool_calls"] == 3
+    assert env.stats["bad_tool_calls"] == 1 and env.stats["tool_calls"] == 1
     assert env.step([{"role": "assistant", "content": "The answer is 5."}]) == ([], 0.0, True)
 
 

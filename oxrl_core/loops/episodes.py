@@ -24,10 +24,16 @@ the template's rendering of the whole conversation so far, the turns before it a
 and the episode goes on from those ids (``env/retemplate_fallbacks`` counts it). What the model is
 trained on is still exactly what it was given and what it sampled.
 
+Each episode's environment lives in a worker process of its own (`oxrl_core.env_worker`: one instance per
+episode, forked from a host process that loaded the environment once; about a millisecond each), so a call
+that hangs can be stopped: the worker is killed, and nothing of it keeps running. The calls of a turn go to
+every live episode's worker at once (at most one per CPU running), each within the environment's ``timeout_s``.
+A worker is closed when its episode is over (after `rewards` when the environment defines ``reward``).
+
 Faults end an episode, not the run: an environment call (``reset``, ``step``, ``reward``) that raises or
 returns something malformed ends its episode with reward 0 (``env/errors``), one that runs past the
-environment's ``timeout_s`` likewise (``env/timeouts``); malformed tool calls are answered with an
-error message by `ToolEnvironment` (``env/bad_tool_calls``). What failed is kept per episode
+environment's ``timeout_s`` likewise (``env/timeouts``, its worker killed); malformed tool calls are answered
+with an error message by `ToolEnvironment` (``env/bad_tool_calls``). What failed is kept per episode
 (``Episode.error``) and summarised per step as reward failures are (`EnvFailures`: one warning line naming
 the first failure, ``env/error_share``, ``env/first_error``); an environment that keeps failing stops the
 run as a reward that keeps failing does (`EnvWatch`: ``env.max_error_share`` for ``env.error_steps`` steps
@@ -37,16 +43,12 @@ in a row), since episodes that all score 0 train nothing.
 from __future__ import annotations
 
 import math
-import threading
-import traceback
 from collections import Counter, defaultdict
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from oxrl_core.data import can_verify
 from oxrl_core.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
+from oxrl_core.env_worker import EnvWorker, Malformed, call_all, class_tools, spawn
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
 from oxrl_core.loops.rollouts import SHARD_SEED_STRIDE
@@ -56,47 +58,15 @@ from oxrl_core.tool_parsers import parser_for
 #: turn k of a step samples with seed + k·TURN_SEED_STRIDE
 TURN_SEED_STRIDE = 104_729
 #: metrics that are means per episode (the other episode metrics are counts)
-EPISODE_MEANS = ("env/turns", "env/tool_calls", "env/episode_tokens")
+EPISODE_MEANS = (
+    "env/turns",
+    "env/tool_calls",
+    "env/episode_tokens",
+    "env/cut_by_max_tokens",
+    "env/cut_by_max_new_tokens",
+)
 #: reward failures, counted over the episodes scored on their final answers
 COUNTS = ("reward/errors", "reward/timeouts")
-
-
-class EnvTimeout(Exception):
-    pass
-
-
-class Malformed(TypeError):
-    """An environment call returned something the loop cannot use (its message names the call and the value)."""
-
-
-def describe_failure(call: str, exc: BaseException) -> str:
-    """What an environment's failed call says in the log, the metrics and a stop message: the call, the
-    exception and where it was raised, e.g. ``step() raised RuntimeError: boom (broken_env.py:9)``."""
-    if isinstance(exc, Malformed):
-        return str(exc)
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{call}() raised {type(exc).__name__}: {exc}{where}"
-
-
-def call_limited(fn, *args, limit_s: float):
-    """``fn(*args)`` on a daemon thread; raises `EnvTimeout` after ``limit_s`` seconds (the thread is
-    left to finish in the background: Python cannot kill it; it never blocks interpreter exit)."""
-    future: Future = Future()
-
-    def work() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
-            future.set_exception(exc)
-
-    threading.Thread(target=work, name="oxrl-env", daemon=True).start()
-    try:
-        return future.result(timeout=max(limit_s, 0.0))
-    except FutureTimeout:
-        raise EnvTimeout from None
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -140,7 +110,7 @@ class Episode:
     """One sample: the conversation, the training sample's ids and who wrote each token."""
 
     row: dict
-    env: Environment
+    env: EnvWorker | None  # the episode's environment, in its worker process (`oxrl_core.env_worker`)
     messages: list[dict]
     prompt_ids: list[int]  # the training sample's prompt (re-rendered after a fallback)
     token_ids: list[int] = field(default_factory=list)  # after prompt_ids: the model's and the environment's
@@ -151,7 +121,9 @@ class Episode:
     turns: int = 0
     used: int = 0  # episode tokens so far (model + environment), against env.max_tokens
     fallbacks: int = 0
-    ended: str = ""  # done | max_turns | max_tokens | length | error | timeout
+    #: done | max_turns | error | timeout, or cut: max_tokens (the episode's budget env.max_tokens), length (a
+    #: model turn cut at rollout.max_new_tokens); each cut names its own setting (the end-of-run findings)
+    ended: str = ""
     finish_reason: str = "stop"
     earlier: tuple | None = None  # the sample before the last fallback (kept if the new one gets no model token)
     tools: list[dict] = field(default_factory=list)  # the environment's tool schemas (rendered by the template)
@@ -183,10 +155,6 @@ class Episode:
         return Completion(
             list(self.token_ids), list(self.logprobs), self.finish_reason, min(self.versions), list(self.sampled)
         )
-
-
-def timed_out(call: str, limit_s: float) -> str:
-    return f"{call}() ran past the environment's timeout_s={limit_s:g} s"
 
 
 def _check_step(result) -> tuple[list[dict], float, bool]:
@@ -319,6 +287,10 @@ class Episodes:
                 "messages cannot be rendered; use a model with a chat template (oxrl check-model shows it)"
             )
         self.parser = parser_for(tokenizer, cfg.env.tool_parser)
+        #: whether `rewards` calls the environment's reward() (the base class's returns None: no call needed)
+        self.calls_reward = env_cls.reward is not Environment.reward
+        #: the tool schemas when the interface's own tools() gives them (they depend on the class alone)
+        self.tools = class_tools(env_cls)
 
     # ---- one rollout batch
 
@@ -336,7 +308,7 @@ class Episodes:
         played = []
         for k, rows in shards:
             seed = None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k
-            played.append((rows, [self.start(row) for row in rows for _ in range(sampling.n)], seed))
+            played.append((rows, self.start([row for row in rows for _ in range(sampling.n)]), seed))
         for turn in range(self.max_turns):
             requests, lives = [], []
             for rows, episodes, seed in played:
@@ -350,11 +322,11 @@ class Episodes:
                 results = self.backend.generate_shards([(prompts, params) for prompts, params, _ in requests])
             else:
                 results = [self.backend.generate(prompts, params) for prompts, params, _ in requests]
+            waiting = []
             for live, (_, _, grouped), groups in zip(lives, requests, results):
                 self.take_turn(live, [c for g in groups for c in g] if grouped else [g[0] for g in groups])
-                for e in live:
-                    if not e.ended:
-                        self.env_turn(e)
+                waiting += [e for e in live if not e.ended]
+            self.env_turns(waiting)  # the environments of every shard answer at once, each in its own process
         return [e for _, episodes, _ in played for e in episodes]
 
     def play_sharded(self, rows: list[dict], sampling: SamplingParams, version: int, shards: int, engine):
@@ -404,36 +376,46 @@ class Episodes:
             metrics["env/first_error"] = env_failures.first()  # text: metrics.jsonl keeps it, trackers skip it
         return [p for p, _ in samples], [c for _, c in samples], scores, dict(metrics)
 
-    def start(self, row: dict) -> Episode:
-        env = self.env_cls(self.env_config)
-        env.tool_parser, env.stats = self.parser, Counter()
-        episode = Episode(row, env, [], [])
-        call = "reset"
-        try:
-            text = call_limited(env.reset, row, limit_s=env.timeout_s)
-            if text is not None and not isinstance(text, str):
-                raise Malformed(f"reset() must return text or None, got {type(text).__name__}")
-            prompt = row["prompt"] if text is None else text
-            episode.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            call = "tools"
-            episode.tools = call_limited(env.tools, limit_s=env.timeout_s)
-        except EnvTimeout:
-            episode.error = timed_out(call, env.timeout_s)
-            return self._broken(episode, "timeout")
-        except Exception as exc:  # noqa: BLE001 - an environment that cannot start ends its episode, never the run
-            episode.error = describe_failure(call, exc)
-            return self._broken(episode, "error")
-        episode.prompt_ids = encode(self.tokenizer, render(self.tokenizer, episode.messages, episode.tools, True))
-        return episode
+    def start(self, rows: list[dict]) -> list[Episode]:
+        """One episode per row (the n of a row contiguous), each with its environment in a worker process of its
+        own: built, `reset` on the row, its `tools`. An environment that fails to start gets one model turn on the
+        row's own prompt and reward 0."""
+        workers = spawn(self.env_cls, self.env_config, self.parser, len(rows))
+        episodes = [Episode(row, worker, [], []) for row, worker in zip(rows, workers)]
+        for e in episodes:
+            if e.env.started[0] != "ok":
+                self._broken(e, *e.env.started)
+        live = [e for e in episodes if not e.start_failure]
+        for e, (kind, text) in zip(live, call_all([(e.env, "reset", (e.row,)) for e in live])):
+            if kind == "ok" and text is not None and not isinstance(text, str):
+                kind, text = "error", f"reset() must return text or None, got {type(text).__name__}"
+            if kind != "ok":
+                self._broken(e, kind, text)
+                continue
+            prompt = e.row["prompt"] if text is None else text
+            e.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        live = [e for e in live if not e.start_failure]
+        if self.tools is not None:
+            calls = [("ok", list(self.tools))] * len(live)
+        else:
+            calls = call_all([(e.env, "tools", ()) for e in live])
+        for e, (kind, tools) in zip(live, calls):
+            if kind != "ok":
+                self._broken(e, kind, tools)
+                continue
+            e.tools = tools
+            e.prompt_ids = encode(self.tokenizer, render(self.tokenizer, e.messages, e.tools, True))
+        return episodes
 
-    def _broken(self, episode: Episode, why: str) -> Episode:
-        """An episode whose environment failed to start: the row's own prompt, one model turn, reward 0."""
+    def _broken(self, episode: Episode, why: str, error: str) -> None:
+        """An episode whose environment failed to start (``why``: error | timeout): the row's own prompt, one
+        model turn, reward 0; its worker is gone (killed at a timeout) or closed now."""
         prompt = episode.row["prompt"]
         episode.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         episode.tools = []
         episode.prompt_ids = encode(self.tokenizer, render(self.tokenizer, episode.messages, [], True))
-        episode.start_failure = why
-        return episode
+        episode.start_failure, episode.error = why, error
+        episode.env.close()
 
     def turn_request(self, live, episodes, rows, sampling: SamplingParams, turn: int):
         """One backend call for the live episodes of a shard: ``(prompt ids, sampling, grouped)``. On the
@@ -464,25 +446,37 @@ class Episodes:
             if e.start_failure:
                 e.messages.append(e.turn)
                 e.end(e.start_failure)
-            elif len(ids) < len(c.token_ids):
+            elif not eos:  # cut: by the episode's budget (the turn reached its room) or by rollout.max_new_tokens
                 e.messages.append(e.turn)
-                e.end("max_tokens")
-            elif not eos:
-                e.messages.append(e.turn)
-                e.end("length")
+                e.end("max_tokens" if len(ids) >= room else "length")
+            self.release(e)
 
-    def env_turn(self, e: Episode) -> None:
-        """The environment answers the model's turn; its messages join the sample as template tokens."""
-        before = list(e.messages)
-        e.messages.append(e.turn)
-        try:
-            added, reward, done = _check_step(call_limited(e.env.step, list(e.messages), limit_s=e.env.timeout_s))
-        except EnvTimeout:
-            e.error = timed_out("step", e.env.timeout_s)
-            return e.end("timeout")
-        except Exception as exc:  # noqa: BLE001 - a failing environment ends its episode (EnvWatch: maybe the run)
-            e.error = describe_failure("step", exc)
-            return e.end("error")
+    def release(self, e: Episode) -> None:
+        """Close an ended episode's worker unless `rewards` still needs it (the environment defines `reward`)."""
+        if e.ended and (e.failed or not self.calls_reward):
+            e.env.close()
+
+    def env_turns(self, episodes: list[Episode]) -> None:
+        """The environments answer the model's turns (`step`, each in its worker process, in parallel)."""
+        before = [list(e.messages) for e in episodes]
+        for e in episodes:
+            e.messages.append(e.turn)
+        outcomes = call_all([(e.env, "step", (list(e.messages),)) for e in episodes])
+        for e, messages, outcome in zip(episodes, before, outcomes):
+            self.env_turn(e, messages, outcome)
+            self.release(e)
+
+    def env_turn(self, e: Episode, before: list[dict], outcome: tuple) -> None:
+        """One environment's answer: its messages join the sample as template tokens."""
+        kind, value = outcome
+        if kind == "ok":
+            try:
+                added, reward, done = _check_step(value)
+            except Malformed as exc:
+                kind, value = "error", str(exc)
+        if kind != "ok":  # a failing environment ends its episode (EnvWatch: maybe the run)
+            e.error = value
+            return e.end(kind)  # error | timeout
         e.step_rewards.append(reward)
         if done:
             return e.end("done")
@@ -509,23 +503,23 @@ class Episodes:
 
     def rewards(self, episodes: list[Episode], reward, failures: RewardFailures) -> tuple[list[float], dict]:
         """R = Σ step rewards + the environment's `reward` (or, where it gives none and scores final answers,
-        ``reward`` on the final answer); 0 for an episode whose environment failed."""
+        ``reward`` on the final answer); 0 for an episode whose environment failed. The episodes are over
+        afterwards: their workers are closed (score each episode once)."""
         scores = [0.0 if e.failed else sum(e.step_rewards) for e in episodes]
+        scored = [i for i, e in enumerate(episodes) if not e.failed]
+        # reward() in each episode's worker, when the environment defines one (else its answer is None)
+        calls = [(episodes[i].env, "reward", (episodes[i].row, list(episodes[i].messages))) for i in scored]
+        outcomes = call_all(calls) if self.calls_reward else [("ok", None)] * len(scored)
         final = []
-        for i, e in enumerate(episodes):
-            if e.failed:
-                continue
-            try:
-                extra = call_limited(e.env.reward, e.row, list(e.messages), limit_s=e.env.timeout_s)
-                if extra is not None and (isinstance(extra, bool) or not isinstance(extra, (int, float))):
-                    raise Malformed(f"reward() returned {extra!r}, not a number or None")
-                if extra is not None and not math.isfinite(extra):
-                    raise Malformed(f"reward() returned {extra!r}, not a finite number")
-            except EnvTimeout:
-                e.ended, e.error, scores[i] = "timeout", timed_out("reward", e.env.timeout_s), 0.0
-                continue
-            except Exception as exc:  # noqa: BLE001 - counted as the environment's failure, never raised
-                e.ended, e.error, scores[i] = "error", describe_failure("reward", exc), 0.0
+        for i, (kind, extra) in zip(scored, outcomes):
+            e = episodes[i]
+            e.env.close()  # the episode is over
+            if kind == "ok" and extra is not None and (isinstance(extra, bool) or not isinstance(extra, (int, float))):
+                kind, extra = "error", f"reward() returned {extra!r}, not a number or None"
+            elif kind == "ok" and extra is not None and not math.isfinite(extra):
+                kind, extra = "error", f"reward() returned {extra!r}, not a finite number"
+            if kind != "ok":  # counted as the environment's failure, never raised
+                e.ended, e.error, scores[i] = kind, extra, 0.0
                 continue
             if extra is not None:
                 scores[i] += float(extra)
@@ -545,7 +539,8 @@ class Episodes:
         return scores, metrics
 
     def metrics(self, episodes: list[Episode]) -> dict[str, float]:
-        """Per step: means per episode (turns, tool calls, tokens) and counts (the rest)."""
+        """Per step: means per episode (turns, tool calls, tokens, the shares cut by env.max_tokens and by
+        rollout.max_new_tokens) and counts (the rest)."""
         n = len(episodes)
         stats = Counter()
         for e in episodes:
@@ -558,6 +553,8 @@ class Episodes:
             "env/errors": float(sum(e.ended == "error" for e in episodes)),
             "env/timeouts": float(sum(e.ended == "timeout" for e in episodes)),
             "env/truncated": float(sum(e.ended in ("max_tokens", "length", "max_turns") for e in episodes)),
+            "env/cut_by_max_tokens": sum(e.ended == "max_tokens" for e in episodes) / n,
+            "env/cut_by_max_new_tokens": sum(e.ended == "length" for e in episodes) / n,
             "env/retemplate_fallbacks": float(sum(e.fallbacks for e in episodes)),
         }
 

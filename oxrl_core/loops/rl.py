@@ -113,8 +113,13 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         )
         if ckpt is not None:
             critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
-    longest = cfg.env.max_tokens if env is not None else ro.max_new_tokens  # a whole episode, or one completion
-    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), longest)  # fits?
+    # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
+    # the message names the setting that is too long
+    if env is not None:
+        longest, setting = cfg.env.max_tokens, "env.max_tokens"
+    else:
+        longest, setting = ro.max_new_tokens, "rollout.max_new_tokens"
+    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), longest, setting)
     engine = run.build_engine(
         model, extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches
     )

@@ -27,16 +27,28 @@ the model's answer ("timed out"), never a timed-out environment.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from oxrl_core.interfaces import StrictModel, ToolEnvironment
+from oxrl_rewards import sandbox as _sandbox
 from oxrl_rewards.sandbox import RUNNER, Limits, RunResult, Sandbox
 
 #: seconds allowed on top of ``wall_s`` for each program's start-up and clean-up, and once per turn
 START_UP_S = 5.0
+
+
+def _own_uids() -> None:
+    """In a forked process: a block of sandbox uids of its own. Each episode's environment runs in a worker
+    forked from one host process (`oxrl_core.env_worker`); without this every worker would hand its programs the
+    uids the host's pool would have, and programs of two episodes could share a uid (and its process limit)."""
+    _sandbox._UIDS = _sandbox._UidPool()
+
+
+os.register_at_fork(after_in_child=_own_uids)
 
 
 def turn_time_limit(config: PythonEnv.Config) -> float:
