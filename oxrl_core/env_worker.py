@@ -116,6 +116,9 @@ class EnvWorker:
         except (EOFError, OSError):
             self.kill()
             return "error", f"{method}(): the environment's worker process died (pid {self.pid})"
+        except Exception as exc:  # noqa: BLE001 - an answer the trainer cannot unpickle is that episode's error
+            self.kill()
+            return "error", f"{method}(): its answer could not be read ({type(exc).__name__}: {exc})"
         self.stats = Counter(stats)
         return kind, value
 
@@ -125,10 +128,11 @@ class EnvWorker:
             return
         self.alive = False
         self.conn.close()
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
+        for kill in (os.killpg, os.kill):  # its group; itself too, should it not have made its group yet
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         deadline = time.monotonic() + KILL_WAIT_S
         while time.monotonic() < deadline:  # the host reaps it as soon as it is dead
             try:
