@@ -34,6 +34,7 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
+from oxrl_core.chat_templates import describe_error
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Dataset
 
@@ -656,8 +657,15 @@ def encode_row_prompt(tokenizer, row: dict, origin: str) -> list[int]:
     It happens with a tokenizer that has no chat template and adds no BOS (GPT-2/NeoX-style base
     models) and an empty prompt. Nothing would condition the first completion token: a rollout cannot
     start, and packed attention indexes an empty segment. So it is refused when the data loads,
-    not when the row is sampled."""
-    ids = encode_prompt(tokenizer, row["prompt"])
+    not when the row is sampled. A chat template that fails on this row (a ``system`` turn it refuses, a
+    ``raise_exception``) is an error naming the file, the row and the template's line."""
+    try:
+        ids = encode_prompt(tokenizer, row["prompt"])
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a template's raise_exception, a KeyError in it
+        raise OxrlError(
+            f"{row_where(row, origin)}: field 'prompt': the tokenizer's chat template cannot render it "
+            f"({describe_error(exc)}); change the row (e.g. the roles its messages use) or set model.chat_template"
+        ) from None
     if not ids:
         raise OxrlError(
             f"{row_where(row, origin)}: field 'prompt' encodes to no tokens (it is empty, and this tokenizer has no chat "

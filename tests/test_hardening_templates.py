@@ -106,3 +106,37 @@ def test_a_models_own_broken_template_is_refused_by_run_and_an_error_in_check_mo
     assert report["ok"] is False
     errors = [p["problem"] for p in report["problems"] if p["severity"] == "error"]
     assert errors == [f"the chat template ({template}) does not compile: line 2: unexpected '}}' (TemplateSyntaxError)"]
+
+
+#: renders plain user turns (the start-up check passes) but refuses a system turn, as many models' templates do
+NO_SYSTEM = (
+    "{% for m in messages %}\n"
+    "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}\n"
+    "{{ m['content'] }}\n"
+    "{% endfor %}\n"
+)
+
+
+def test_a_template_that_fails_on_one_rows_prompt_names_the_row(tmp_path):
+    """A prompt that is a message list with a ``system`` turn the template refuses: `oxrl eval` (which encodes every
+    prompt before it loads the weights) names the file, the row, the template's line and its message."""
+    from oxrl_core.tiny import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "model", hidden_size=64, num_layers=1)
+    rows = [{"prompt": "What is 1+1?", "answer": "2"}]
+    rows.append(
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}], "answer": "4"}
+    )
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = NO_SYSTEM
+    tokenizer.save_pretrained(model)
+    proc = oxrl("eval", "--model", str(model), "--data", str(data), "--reward", "exact_match", cwd=tmp_path)
+    _user_error(
+        proc,
+        f"{data}: row 2: field 'prompt': the tokenizer's chat template cannot render it",
+        "line 2: System role not supported (the template's raise_exception)",
+        "set model.chat_template",
+    )
