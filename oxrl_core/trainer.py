@@ -29,6 +29,7 @@ from oxrl_core.config import (
     load_run_config,
     merge_config,
     read_yaml,
+    reward_options,
 )
 from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
@@ -336,8 +337,8 @@ class Trainer:
         check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
         if self.algorithm_cls.needs_rollouts:
             self.registry.load_checked("rollout_backend", cfg.rollout.backend)  # its class checked too
-            if cfg.reward.name:
-                self.registry.load_checked("reward", cfg.reward.name)
+            if cfg.reward.name:  # the class and its own options (reward.*), before any warm start
+                self.registry.check("reward", cfg.reward.name, reward_options(cfg), field="reward")
 
     def train(self) -> RunResult:
         """Lock the run directory, decide where the run starts (step 0, a checkpoint, or nothing to do) and run it.

@@ -343,11 +343,13 @@ def test_the_cut_finding_names_each_setting_by_its_share():
 
 def test_a_typo_in_env_options_is_reported_before_the_tool_use_warm_start(tmp_path):
     """On the built-in model the tool-use warm start (170 SFT steps, minutes on 2 cores) comes first in the
-    run: a fresh cache shows that none was built, and no run directory is left behind."""
+    run: a fresh cache shows that none was built, and no run directory is left behind. A reward's own options
+    (``reward.*``) are checked as early (the single-turn warm start would come first otherwise)."""
     fresh = {"OXRL_CACHE": str(tmp_path / "fresh-cache")}
     for typo, named in (
         (["env.name=python", "env.wall_sec=3"], "env.wall_sec: unknown field"),  # the environment's own Config
         (["env.name=calculator", "env.tool_parser=hremes"], "env.tool_parser: unknown tool-call parser 'hremes'"),
+        (["reward.name=numeric", "reward.tolerence=0.1"], "reward.tolerence"),  # a reward's own options too
     ):
         run = tmp_path / "run"
         args = [x for s in typo for x in ("--set", s)]
