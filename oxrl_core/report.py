@@ -42,6 +42,7 @@ from oxrl_core.bug_report import error_superseded
 from oxrl_core.errors import OxrlError
 from oxrl_core.health import HEADLINE, Finding, check_run, is_finite, series
 from oxrl_core.health import versions as current_versions
+from oxrl_core.redact import redact, secret_values
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
 
@@ -787,7 +788,7 @@ def _error_log(run: RunData) -> str:
     `oxrl bug-report` decides) — an earlier failure, said to be one."""
     if not run.error_log:
         return ""
-    tail = "\n".join(run.error_log.splitlines()[-60:])
+    tail = redact("\n".join(run.error_log.splitlines()[-60:]), secret_values(_config_text(run, redacted=False)))
     what = (
         "an earlier failure: the run finished after it (summary.json is newer), e.g. after --resume"
         if run.error_superseded
@@ -810,11 +811,13 @@ def _notes(run: RunData) -> str:
     )
 
 
-def _config_text(run: RunData) -> str:
+def _config_text(run: RunData, redacted: bool = True) -> str:
+    """config.yaml as shown: credentials redacted (a report is made to be shared), as `oxrl bug-report` does."""
     try:
-        return yaml.safe_dump(run.config, sort_keys=False, allow_unicode=True)
+        text = yaml.safe_dump(run.config, sort_keys=False, allow_unicode=True)
     except (yaml.YAMLError, RecursionError, ValueError, TypeError):  # a shape safe_load made but safe_dump refuses
-        return json.dumps(run.config, indent=2, default=repr)
+        text = json.dumps(run.config, indent=2, default=repr)
+    return redact(text) if redacted else text
 
 
 def _findings(findings: list[Finding]) -> str:

@@ -363,3 +363,22 @@ def test_an_error_the_run_outlived_is_an_earlier_failure_as_bug_report_says(tmp_
     bug = oxrl("bug-report", str(run))
     assert bug.returncode == 0 and "the run finished after this error" in bug.stdout
     assert re.search(r"error\.log \(an earlier failure", text)
+
+
+def test_the_report_redacts_credentials_in_the_config_and_error_log(tmp_path):
+    """A report is made to be shared: a password in a tracking URI, a token, and their copies in error.log are
+    redacted as `oxrl bug-report` redacts them; the rest of the config is shown."""
+    run = good_run(tmp_path)
+    (run / "config.yaml").write_text(
+        "algorithm: sgrpo\ntrain:\n  max_steps: 3\nlogging:\n  mlflow_tracking_uri: postgresql://ana:Pw0rd-9x@db/ml\n"
+        "reward:\n  name: llm_judge\n  api_key: sk-abcdefghijklmnopqrstuvwx\n"
+    )
+    (run / "error.log").write_text(
+        "oxrl run failed at then\ncommand: oxrl run --set logging.mlflow_tracking_uri=postgresql://ana:Pw0rd-9x@db/ml\n"
+        "error: OxrlError: could not connect with key sk-abcdefghijklmnopqrstuvwx\n"
+    )
+    proc = oxrl("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    text = (run / "report.html").read_text()
+    assert "Pw0rd-9x" not in text and "sk-abcdefghijklmnopqrstuvwx" not in text
+    assert "postgresql://ana:" in text and "llm_judge" in text and "max_steps: 3" in text
