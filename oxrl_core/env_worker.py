@@ -234,13 +234,7 @@ class _Host:
         if not self.conn.poll(limit_s):
             self.process.kill()
             raise OxrlError(f"{what}: the environment host process did not answer within {limit_s:g} s")
-        try:
-            kind, value = self.conn.recv()
-        except (EOFError, OSError):
-            raise OxrlError(f"{what}: the environment host process died (exit status {self.process.wait()})") from None
-        if kind != "ok":
-            raise OxrlError(f"{what}: {value}")
-        return value
+        return self.request_reply(what)
 
     def template(self, env_cls: type, config: Any, parser: Any) -> int:
         """The host's id of (class, config, parser), loaded there once."""
