@@ -105,8 +105,8 @@ def _answer(rng: random.Random, expr: str, value: int, n_tokens: int) -> str:
 
 def build_rows(tokenizer, n: int, seed: int, prompt_len=(60, 250), completion_len=(20, 120)) -> list[dict]:
     """Preference rows {prompt: [system, user] messages, chosen, rejected} with the token lengths drawn uniformly."""
-    from oxrl_core.data import encode_prompt
-    from oxrl_core.task import rows as task_rows
+    from oxrl_core.data.encode import encode_prompt
+    from oxrl_core.data.task import rows as task_rows
 
     rng = random.Random(seed)
     base_rows = task_rows("train")
@@ -133,8 +133,9 @@ def build_rows(tokenizer, n: int, seed: int, prompt_len=(60, 250), completion_le
 def setup(workdir: Path, n_rows: int, seed: int, hidden: int, layers: int):
     from transformers import AutoTokenizer
 
-    from oxrl_core.data import load_source, prepare_examples
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import load_source
+    from oxrl_core.models.tiny import save_tiny_model
 
     model_dir = workdir / "model"
     if not (model_dir / "config.json").exists():
@@ -155,7 +156,7 @@ def setup(workdir: Path, n_rows: int, seed: int, hidden: int, layers: int):
 
 def batch_order(examples: list[dict], batch_size: int, seed: int, steps: int) -> list[list[int]]:
     """The micro-batches oxrl draws (run_preference's plan, no length grouping); TRL gets the same."""
-    from oxrl_core.data import BatchPlan
+    from oxrl_core.data.batching import BatchPlan
 
     lengths = [len(e["prompt_ids"]) + max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in examples]
     plan = BatchPlan(lengths, batch_size, seed, group_by_length=False)

@@ -3,7 +3,7 @@
 For the README's performance section on a GPU (bf16): each (algorithm, engine) pair is one real
 `oxrl run` on the built-in Llama architecture at `--hidden-size` × `--layers` (random weights,
 character tokenizer, head_dim 64) and the built-in task's data; the first `--warmup` steps are
-skipped and the median of the rest of `perf/tokens_per_s` and `perf/mfu` (oxrl_core/perf.py:
+skipped and the median of the rest of `perf/tokens_per_s` and `perf/mfu` (oxrl_core/models/perf.py:
 (4 + 2f)·N + 12·L·H·T FLOPs per token over the device's dense bf16 peak) is printed. SGRPO's
 figure is its update phase (`perf/train_s`); its generation runs on the `hf` backend.
 
@@ -75,7 +75,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,11 +26,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from oxrl_core.config import RunConfig
+from oxrl_core.data.task import CalculatorEnv, product_rows
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.episodes import Episodes
-from oxrl_core.rollout_hf import HFRolloutBackend
-from oxrl_core.task import CalculatorEnv, product_rows
-from oxrl_core.tiny import warm_start_dir
+from oxrl_core.models.tiny import warm_start_dir
+from oxrl_core.rollout.hf import HFRolloutBackend
 
 
 def main() -> None:

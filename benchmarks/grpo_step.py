@@ -23,7 +23,7 @@ default; it is off here, as in oxRL), bf16/fp16 off, TRL logging and saving off.
 Prompts: the built-in arithmetic task's train questions as one user message, tokenised by
 the tokenizer's chat template with the generation prompt on both sides (checked equal).
 Reward (the same Python function on both sides): 1 when the first integer of the completion
-is the answer (`oxrl_core.task.is_correct`), else 0.5 × the fraction of digit characters,
+is the answer (`oxrl_core.data.task.is_correct`), else 0.5 × the fraction of digit characters,
 so that groups have non-zero advantages and the update is a real one.
 
 Exactly 32 new tokens: a random-init model emits its EOS token with probability ~1/V per
@@ -74,7 +74,7 @@ SIDES = ("oxrl", "trl")
 
 def score_text(completion: str, answer: str) -> float:
     """1.0 for a correct answer (first integer), else 0.5 × the fraction of digit characters."""
-    from oxrl_core.task import is_correct
+    from oxrl_core.data.task import is_correct
 
     if is_correct(completion, answer):
         return 1.0
@@ -103,9 +103,9 @@ def setup(workdir: Path, args) -> tuple[Path, Path, list[dict]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oxrl_core.data import encode_prompt
-    from oxrl_core.task import rows as task_rows
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.data.encode import encode_prompt
+    from oxrl_core.data.task import rows as task_rows
+    from oxrl_core.models.tiny import save_tiny_model
 
     model_dir = workdir / "model"
     save_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.layers, seed=0)
@@ -137,7 +137,7 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, tag: str, pr
     import torch
 
     from oxrl_core import Trainer
-    from oxrl_core.progress import Reporter
+    from oxrl_core.observability.progress import Reporter
 
     torch.set_num_threads(args.threads)
     out_dir = workdir / f"oxrl-{tag}"

@@ -60,7 +60,7 @@ IGNORE = -100
 
 def setup(workdir: Path, args) -> None:
     """The model (151,936-token vocabulary) with the built-in character tokenizer, and the rows."""
-    from oxrl_core.tiny import build_model, build_tokenizer
+    from oxrl_core.models.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(args.vocab, hidden_size=args.hidden, num_layers=args.layers, max_positions=4096, seed=0)
@@ -136,7 +136,7 @@ def rollout_rows(workdir: Path):
     """The fixed rollout: prompt token ids (chat template + generation prompt) and completion token ids (+ EOS)."""
     from transformers import AutoTokenizer
 
-    from oxrl_core.data import encode_prompt
+    from oxrl_core.data.encode import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     spec = json.loads((workdir / "sgrpo.json").read_text())
@@ -154,8 +154,8 @@ def oxrl_sgrpo(args, workdir: Path, chunk: int) -> dict:
     from oxrl_core.interfaces import Completion
     from oxrl_core.loops.rollouts import policy_forward as _forward
     from oxrl_core.loops.rollouts import rollout_tensors
-    from oxrl_core.models import load_causal_lm
-    from oxrl_core.token_head import choose_path
+    from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.models.token_head import choose_path
 
     tokenizer, prompt_ids, completions = rollout_rows(workdir)
     device = torch.device(args.device)
@@ -251,7 +251,8 @@ def trl_sft(args, workdir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from oxrl_core.data import load_source, prepare_examples
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import load_source
 
     tokenizer = AutoTokenizer.from_pretrained(workdir / "model")
     examples = prepare_examples(

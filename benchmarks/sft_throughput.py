@@ -95,7 +95,7 @@ def encode_row(tokenizer, row: dict) -> dict:
 
 def build_rows(tokenizer, n: int, seed: int, lo: int = 60, hi: int = 250) -> list[dict]:
     """Arithmetic chat rows with token lengths uniform on [lo, hi] (char tokenizer: one token per character)."""
-    from oxrl_core.task import rows as task_rows
+    from oxrl_core.data.task import rows as task_rows
 
     rng = random.Random(seed)
     rows = []
@@ -118,8 +118,9 @@ def build_rows(tokenizer, n: int, seed: int, lo: int = 60, hi: int = 250) -> lis
 def setup(workdir: Path, n_rows: int, seed: int, hidden: int, layers: int):
     from transformers import AutoTokenizer
 
-    from oxrl_core.data import load_source, prepare_examples
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import load_source
+    from oxrl_core.models.tiny import save_tiny_model
 
     model_dir = workdir / "model"
     if not (model_dir / "config.json").exists():
@@ -137,7 +138,7 @@ def setup(workdir: Path, n_rows: int, seed: int, hidden: int, layers: int):
 
 def batch_order(examples: list[dict], batch_size: int, seed: int, steps: int) -> list[list[int]]:
     """The micro-batches oxrl draws (its deterministic plan, no length grouping); used by (b) and (c) too."""
-    from oxrl_core.data import BatchPlan
+    from oxrl_core.data.batching import BatchPlan
 
     plan = BatchPlan([len(e["input_ids"]) for e in examples], batch_size, seed, group_by_length=False)
     return [plan.micro_batch(k) for k in range(steps)]

@@ -14,7 +14,7 @@ median tokens/s is printed. The generated token counts of both sides are checked
 
 Then the weight sync: the trainer's model is perturbed and `update_weights` pushes it into the
 running engine in place (`--syncs` times; median seconds), and one verified-sync probe check
-(`oxrl_core.sync.check_weight_sync`: the backend's and the trainer's logprobs of a 64-token probe)
+(`oxrl_core.rollout.sync.check_weight_sync`: the backend's and the trainer's logprobs of a 64-token probe)
 is timed; its measured gap is printed too. `--hf` adds the `hf` backend's tokens/s on the same work.
 
 Model: the built-in tiny Llama architecture (head_dim 64, character tokenizer with a chat template),
@@ -50,7 +50,7 @@ def build_model_dir(workdir: Path, args) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     model_dir = workdir / "model"
     save_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.layers, seed=0)
@@ -92,12 +92,12 @@ def main() -> None:
     from vllm import TokensPrompt
 
     from oxrl_core.config import LoraConfig, RolloutConfig
-    from oxrl_core.data import encode_prompt
+    from oxrl_core.data.encode import encode_prompt
+    from oxrl_core.data.task import rows as task_rows
     from oxrl_core.interfaces import SamplingParams
-    from oxrl_core.lora import apply_lora
-    from oxrl_core.models import count_parameters, load_causal_lm, load_tokenizer
-    from oxrl_core.sync import check_weight_sync, probe_sequence
-    from oxrl_core.task import rows as task_rows
+    from oxrl_core.models.loading import count_parameters, load_causal_lm, load_tokenizer
+    from oxrl_core.models.lora import apply_lora
+    from oxrl_core.rollout.sync import check_weight_sync, probe_sequence
     from oxrl_vllm.backend import VLLMRolloutBackend, request_seed
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,7 +156,7 @@ def main() -> None:
 
         hf_rate = None
         if args.hf:
-            from oxrl_core.rollout_hf import HFRolloutBackend
+            from oxrl_core.rollout.hf import HFRolloutBackend
 
             hf = HFRolloutBackend(model, tokenizer)
             n_tokens, seconds = timed(

@@ -5,14 +5,14 @@ from oxrl_core.hookspecs import hookimpl
 
 @hookimpl
 def register_datasets(register):
-    register("arith", "oxrl_core.task:ArithDataset")
+    register("arith", "oxrl_core.data.task:ArithDataset")
 
 
 @hookimpl
 def register_rollout_backends(register):
-    register("hf", "oxrl_core.rollout_hf:HFRolloutBackend")
+    register("hf", "oxrl_core.rollout.hf:HFRolloutBackend")
 
 
 @hookimpl
 def register_environments(register):
-    register("calculator", "oxrl_core.task:CalculatorEnv")
+    register("calculator", "oxrl_core.data.task:CalculatorEnv")

@@ -133,7 +133,7 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
 def doctor():
     """Check the environment: torch/CUDA, DeepSpeed, Ray, vLLM, trackers, and plugins that failed to load."""
     # lazy: `oxrl doctor` imports its checks only when it runs (keeps `oxrl --help` light)
-    from oxrl_core.doctor import table_rows
+    from oxrl_core.commands.doctor import table_rows
     from oxrl_core.plugins import discover
 
     table = Table(title="oxRL doctor")
@@ -175,7 +175,7 @@ def score(
 ):
     """Score completions with a reward before a run: one JSON object per row with `score` and the reward's details."""
     # lazy: only `oxrl score` needs the reward machinery (keeps `oxrl --help` light)
-    from oxrl_core.scoring import score_file
+    from oxrl_core.scoring.offline import score_file
 
     score_file(reward, data, output, set_, console=err)
 
@@ -193,7 +193,7 @@ def report(
     """Write one self-contained HTML report (opens from disk, offline): config and versions, warnings, the
     curves of the run's algorithm, held-out metrics, and for RL runs a rollout viewer."""
     # lazy: only `oxrl report` reads runs (keeps `oxrl --help` light)
-    from oxrl_core.report import write_report
+    from oxrl_core.observability.report import write_report
 
     target = output or (run_dirs[0] / "report.html" if len(run_dirs) == 1 else Path("report.html"))
     path = write_report(run_dirs, target)
@@ -236,8 +236,8 @@ def eval_(
 ):
     """Evaluate a model on held-out prompts: mean reward, pass@1 and pass@k."""
     # lazy: `oxrl eval` loads torch and transformers; kept out of `oxrl --help`
-    from oxrl_core.eval_command import evaluate_model
-    from oxrl_core.progress import Reporter
+    from oxrl_core.commands.eval_command import evaluate_model
+    from oxrl_core.observability.progress import Reporter
 
     report = evaluate_model(
         model=model,
@@ -277,8 +277,8 @@ def check_model(
     """Check a model before training: architecture, tokenizer, chat template, which oxRL paths apply, problems and fixes.
     Exits with status 2 when oxRL cannot train the model."""
     # lazy: `oxrl check-model` loads torch and transformers; kept out of `oxrl --help`
-    from oxrl_core.check_model import check_model as inspect
-    from oxrl_core.check_model import render, to_json
+    from oxrl_core.commands.check_model import check_model as inspect
+    from oxrl_core.commands.check_model import render, to_json
 
     report = inspect(model, trust_remote_code=trust_remote_code)
     if as_json:
@@ -300,7 +300,7 @@ def new_plugin(
     """Scaffold a third-party plugin package that installs and runs: an algorithm, or (--kind environment) a
     tools-style environment for multi-turn RL."""
     # lazy: only `oxrl new-plugin` needs the scaffold (keeps `oxrl --help` light)
-    from oxrl_core.scaffold import create, name_taken, next_steps
+    from oxrl_core.commands.scaffold import create, name_taken, next_steps
 
     root = create(name, directory, kind)
     warning = name_taken(name, kind)
@@ -321,8 +321,8 @@ def bug_report(
     """Write a ready-to-paste markdown issue body: versions, plugins, and a run's config, last error with its
     traceback and last metrics; secrets (tokens, keys, passwords) redacted. Nothing is uploaded."""
     # lazy: only `oxrl bug-report` needs it (it runs the doctor's checks, which import torch)
-    from oxrl_core.bug_report import bug_report as report
-    from oxrl_core.bug_report import write
+    from oxrl_core.commands.bug_report import bug_report as report
+    from oxrl_core.commands.bug_report import write
 
     write(report(run_dir, redact_paths=redact_paths, metrics=metrics), output)
     if output is not None:
@@ -333,7 +333,7 @@ def main() -> None:
     """The console script. Ctrl-C / SIGTERM are oxRL's own (`lifecycle`), not the CLI framework's: click would
     catch a KeyboardInterrupt and exit 1; a run saves a checkpoint first and exits 130 / 143."""
     # lazy: the signal handling of a run; kept out of `oxrl --help`
-    from oxrl_core import lifecycle
+    from oxrl_core.run_io import lifecycle
 
     try:
         with lifecycle.handle_signals(lifecycle.stop_at_once):

@@ -1,7 +1,7 @@
 """Process-wide settings for the Hugging Face libraries, applied before a model or tokenizer loads.
 
 A leaf module (nothing of oxRL; torch and transformers are imported when `quiet_transformers` runs),
-so the built-in model (`oxrl_core.tiny`), the model loader (`oxrl_core.models`), `oxrl check-model`
+so the built-in model (`oxrl_core.models.tiny`), the model loader (`oxrl_core.models.loading`), `oxrl check-model`
 and plugins (the reward-model reward) share one call.
 """
 

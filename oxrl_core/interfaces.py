@@ -271,7 +271,7 @@ class Algorithm(ABC):
         return 1
 
     def critic_layout(self) -> Literal["shared", "separate"]:
-        """RL with ``needs_critic``: where the critic's value head sits (`oxrl_core.critic`):
+        """RL with ``needs_critic``: where the critic's value head sits (`oxrl_core.models.critic`):
         ``shared``, on the policy's own last hidden state, or ``separate``, on its own copy of the
         initial policy's backbone. Default: the algorithm config's ``critic`` option when it has
         one (PPO's ``alg.critic``), else ``shared``."""
@@ -357,7 +357,7 @@ class RolloutBackend(ABC):
     """Generates completions for token-id prompts and receives new policy weights."""
 
     name: ClassVar[str]
-    #: True when generation runs in other processes (`oxrl_core.rollout_actors.RolloutActors`): the RL
+    #: True when generation runs in other processes (`oxrl_core.rollout.actors.RolloutActors`): the RL
     #: loop then hands over every shard of a step at once (``generate_shards``) instead of calling
     #: `generate` once per shard in the trainer's process. A plugin backend leaves it False.
     remote: ClassVar[bool] = False
@@ -431,7 +431,7 @@ class Environment(ABC):
     ends its episode with reward 0 and is counted (``env/errors``, ``env/timeouts``), and a run whose
     environment keeps failing stops (``env.max_error_share``, ``env.error_steps``).
 
-    Each episode's instance lives in a worker process of its own (`oxrl_core.env_worker`), killed when a call
+    Each episode's instance lives in a worker process of its own (`oxrl_core.rollout.env_worker`), killed when a call
     runs past `timeout_s`, so a hang never keeps running. Hence: the class must be importable (a module, or
     ``env.name=file.py:Class``; not ``__main__``); the arguments and what `reset`, `step`, `tools` and `reward`
     return are pickled — return plain data (str, numbers, lists, dicts), anything else is that episode's

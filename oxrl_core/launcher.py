@@ -5,7 +5,7 @@ directory. It starts a local Ray cluster (or joins ``engine.ray_address``), chec
 cluster can hold the ranks (one GPU each when it has GPUs, else CPUs), places N actors, gives
 them the rendezvous (MASTER_ADDR = rank 0's node, a free port there) and waits. Each actor joins
 the torch.distributed group (nccl on GPUs, gloo on CPUs) and runs the run's loop, the same code
-as a single-process run (`oxrl_core.distributed` explains how ranks share batches); rank 0 alone
+as a single-process run (`oxrl_core.engines.distributed` explains how ranks share batches); rank 0 alone
 writes metrics, checkpoints and ``final/``, and its output is the run's output. ``ranks.json``
 in the run directory lists each rank's process id and node.
 
@@ -31,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from oxrl_core import distributed, lifecycle
-from oxrl_core.distributed import env_for_actors, ray_reason
+from oxrl_core.engines import distributed
+from oxrl_core.engines.distributed import env_for_actors, ray_reason
 from oxrl_core.errors import OxrlError
+from oxrl_core.run_io import lifecycle
 
 #: how long after the first failed rank the driver still collects the others' errors (the root cause may come second)
 GRACE_S = 3.0
@@ -123,10 +124,10 @@ def _prepare_shared(trainer) -> None:
     preference warm start when model.name is empty), once, in the driver."""
     if trainer.config.model.name:
         return
-    from oxrl_core.models import initial_policy_path, resolve_model_path  # lazy: torch only once a run starts
+    from oxrl_core.models.loading import initial_policy_path, resolve_model_path  # lazy: torch only once a run starts
 
     if trainer.algorithm_cls.needs_rollouts or trainer.algorithm_cls.family == "preference":
-        from oxrl_core.progress import Reporter  # lazy: as above
+        from oxrl_core.observability.progress import Reporter  # lazy: as above
 
         initial_policy_path("", reporter=Reporter(trainer.quiet))
     else:
@@ -252,7 +253,7 @@ def _wait(ray, futures: dict, infos: list[dict], run_dir: Path, timeout_s: float
 
 def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Exception:
     """The error that explains the run's end: a dead actor first, then a user error, then a bug."""
-    from oxrl_core.checkpoint import latest_checkpoint  # lazy: torch only once a run starts
+    from oxrl_core.run_io.checkpoint import latest_checkpoint  # lazy: torch only once a run starts
 
     def rank_of(item) -> str:
         rank = item[0]

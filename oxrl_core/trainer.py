@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
-from oxrl_core import lifecycle, plugins
+from oxrl_core import plugins
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import (
     TINY_PREF_DEFAULTS,
@@ -31,10 +31,15 @@ from oxrl_core.config import (
     read_yaml,
     reward_options,
 )
-from oxrl_core.data import FILE_SUFFIXES, path_kind, source_specs, sources_argument
+from oxrl_core.data.sources import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
 from oxrl_core.errors import OxrlError
-from oxrl_core.inputs import (
+from oxrl_core.interfaces import Algorithm
+from oxrl_core.launcher import launch
+from oxrl_core.loops.result import RunResult
+from oxrl_core.models.loading import check_model_path, model_options
+from oxrl_core.run_io import lifecycle
+from oxrl_core.run_io.inputs import (
     INPUTS_DIR,
     PATH_FIELDS,
     Inputs,
@@ -44,10 +49,6 @@ from oxrl_core.inputs import (
     is_rows,
     rows_as_jsonl,
 )
-from oxrl_core.interfaces import Algorithm
-from oxrl_core.launcher import launch
-from oxrl_core.loops.result import RunResult
-from oxrl_core.models import check_model_path, model_options
 
 
 def _section_overrides(sections: dict[str, Any]) -> list[str]:
@@ -101,7 +102,7 @@ def _saved_config(run_dir: Path) -> dict | None:
     with neither but a checkpoint to resume, a refusal (the defaults would silently train something else)."""
     if (run_dir / "config.yaml").is_file():
         return read_yaml(run_dir / "config.yaml")
-    from oxrl_core.checkpoint import latest_checkpoint  # lazy: torch, only when a run resumes
+    from oxrl_core.run_io.checkpoint import latest_checkpoint  # lazy: torch, only when a run resumes
 
     ckpt = latest_checkpoint(run_dir) if run_dir.is_dir() else None
     if ckpt is None:
@@ -393,7 +394,7 @@ class Trainer:
 
     def _fresh_start(self) -> None:
         """A new run: refused where steps were done already; a directory where none was done is reused."""
-        from oxrl_core.checkpoint import clean_partial  # lazy: torch (Trainer is built before any run)
+        from oxrl_core.run_io.checkpoint import clean_partial  # lazy: torch (Trainer is built before any run)
 
         run_dir = self.run_dir
         self._refuse_existing_run()  # again under the lock: another run may have started in between
@@ -411,7 +412,12 @@ class Trainer:
     def _resume_point(self) -> Path | None:
         """The checkpoint --resume continues from, after checking it belongs to this config; or a refusal that
         says why nothing can be resumed. Never a silent restart from step 0 over logged steps or final/."""
-        from oxrl_core.checkpoint import STEP_DIR, check_engine_matches, clean_partial, latest_checkpoint  # lazy: torch
+        from oxrl_core.run_io.checkpoint import (  # lazy: torch
+            STEP_DIR,
+            check_engine_matches,
+            clean_partial,
+            latest_checkpoint,
+        )
 
         run_dir = self.run_dir
         clean_partial(run_dir)

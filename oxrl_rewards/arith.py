@@ -1,6 +1,6 @@
 """`arith`: the reward of the core's built-in arithmetic task.
 
-Scores 1.0 when ``oxrl_core.task.is_correct(completion, example["answer"])`` — the first
+Scores 1.0 when ``oxrl_core.data.task.is_correct(completion, example["answer"])`` — the first
 integer in the completion equals the gold ``answer`` — else 0.0. Needs ``answer``.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from oxrl_core.data.task import is_correct
 from oxrl_core.interfaces import Reward
-from oxrl_core.task import is_correct
 from oxrl_rewards._common import field
 
 

@@ -3,7 +3,7 @@
 For each (prompt, completion) the rubric ``template`` is filled in — ``{prompt}`` with the prompt
 (a string as is; a list of chat messages as ``role: content`` lines) and ``{completion}`` with
 the completion — and sent to the judge model as one user message through its chat template with
-the generation prompt (`oxrl_core.data.encode_prompt`). The judge answers greedily
+the generation prompt (`oxrl_core.data.encode.encode_prompt`). The judge answers greedily
 (temperature 0, ``max_new_tokens``) through the core's ``hf`` rollout backend, on its own copy
 of the judge model (``reward.model``; empty = the built-in tiny model).
 
@@ -95,8 +95,8 @@ class LLMJudgeReward(Reward):
             return pattern
 
     def __init__(self, config: "LLMJudgeReward.Config | None" = None):
-        from oxrl_core.models import load_causal_lm, load_tokenizer
-        from oxrl_core.rollout_hf import HFRolloutBackend
+        from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+        from oxrl_core.rollout.hf import HFRolloutBackend
 
         super().__init__(config)
         cfg = self.config
@@ -129,7 +129,7 @@ class LLMJudgeReward(Reward):
 
     def generate(self, judge_prompts: list[str]) -> list[str]:
         """The judge's greedy answers, as text."""
-        from oxrl_core.data import encode_prompt
+        from oxrl_core.data.encode import encode_prompt
 
         ids = [encode_prompt(self.tokenizer, text) for text in judge_prompts]
         outputs = self.backend.generate(ids, self.sampling)

@@ -11,7 +11,7 @@ Scores 1.0 when the completion's final answer is mathematically equal to the gol
   expression) decides.
 
 math-verify times itself out with ``signal.alarm``, which only works on the main thread; off the
-main thread (inside `oxrl_core.rewards.score_batch`, which enforces ``timeout_s`` itself) its
+main thread (inside `oxrl_core.scoring.rewards.score_batch`, which enforces ``timeout_s`` itself) its
 timeouts are switched off, as its documentation asks.
 """
 

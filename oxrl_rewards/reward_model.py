@@ -5,9 +5,9 @@ a Bradley–Terry reward-model run (``--alg rm``) saves, loaded with
 ``AutoModelForSequenceClassification`` from ``reward.model`` (hub id or local dir).
 
 Input convention (the same as the RM's training data): the prompt goes through the
-tokenizer's chat template with the generation prompt (`oxrl_core.data.encode_prompt`; a string
+tokenizer's chat template with the generation prompt (`oxrl_core.data.encode.encode_prompt`; a string
 prompt is one user message, a list of chat messages is used as is), then the completion's
-tokens followed by EOS (`oxrl_core.data.encode_completion`). A row longer than ``max_length``
+tokens followed by EOS (`oxrl_core.data.encode.encode_completion`). A row longer than ``max_length``
 keeps its last ``max_length`` tokens, so the completion's end (where the score is read) survives.
 
 The score of a row is the head's output at its last token, the EOS, as a float32:
@@ -71,7 +71,7 @@ class RewardModelReward(Reward):
         from transformers import AutoModelForSequenceClassification
 
         from oxrl_core.hf_env import quiet_transformers
-        from oxrl_core.models import load_tokenizer, resolve_model_path
+        from oxrl_core.models.loading import load_tokenizer, resolve_model_path
 
         super().__init__(config)
         cfg = self.config
@@ -114,7 +114,7 @@ class RewardModelReward(Reward):
 
     def encode(self, prompt: Any, completion: str) -> list[int]:
         """Token ids of one row: chat-templated prompt, completion, EOS; the last ``max_length`` kept."""
-        from oxrl_core.data import encode_completion, encode_prompt
+        from oxrl_core.data.encode import encode_completion, encode_prompt
 
         ids = encode_prompt(self.tokenizer, prompt) + encode_completion(self.tokenizer, completion)
         return ids[-self.config.max_length :]

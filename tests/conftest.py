@@ -25,7 +25,7 @@ def oxrl_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama (hidden 64, 2 layers, head_dim 64) with the character tokenizer."""
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny", hidden_size=64, num_layers=2, seed=0)
 
@@ -33,7 +33,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def teacher_model_dir(tmp_path_factory) -> Path:
     """A second, differently initialised tiny model with the same vocabulary (a KD teacher)."""
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("models") / "teacher", hidden_size=128, num_layers=2, seed=7)
 

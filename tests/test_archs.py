@@ -163,7 +163,7 @@ def test_fixtures_are_their_family(arch_model):
 def test_attention_fast_paths_equal_plain_transformers(family, arch_model):
     """Below the CLI: a packed row (row-by-row SDPA) and a shared-prompt row give each sequence the logits
     plain transformers gives it alone — on the sliding-window families too."""
-    from oxrl_core.packed_attention import SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
+    from oxrl_core.models.packed_attention import SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 
     model, _ = _load(arch_model(family))
     fast = attention_fast_paths(model.config)
@@ -207,7 +207,7 @@ def test_fast_paths_decide_at_setup_and_refuse_what_they_cannot_express():
     unverified architecture or another attention implementation lose the shared prefix (with the reason)."""
     from transformers import Gemma2Config, LlamaConfig, MistralConfig
 
-    from oxrl_core.packed_attention import attention_fast_paths
+    from oxrl_core.models.packed_attention import attention_fast_paths
 
     mistral = attention_fast_paths(MistralConfig(sliding_window=16))
     assert mistral["packing"][0] and mistral["shared_prefix"][0] and "sliding window 16" in mistral["packing"][1]
@@ -365,7 +365,7 @@ def test_gemma2_soft_capping_is_what_transformers_sdpa_computes(arch_model, tmp_
     """Gemma-2's attention soft-capping: transformers' sdpa drops it (padded and packed alike), so oxRL's sdpa fast
     paths match it and say so; under eager (which applies it) packing goes through transformers' eager attention
     and packed SFT still equals plain per-sequence eager."""
-    from oxrl_core.packed_attention import attention_fast_paths
+    from oxrl_core.models.packed_attention import attention_fast_paths
 
     model, _ = _load(arch_model("gemma2"))
     for layer in model.model.layers:
@@ -402,7 +402,7 @@ def test_gemma2_soft_capping_is_what_transformers_sdpa_computes(arch_model, tmp_
 def test_packing_falls_back_when_shared_prompts_do_not_apply(arch_model, tmp_path, monkeypatch):
     """An architecture outside the verified matrix: packed DPO falls back to ordinary packing and packed SGRPO
     to padded rows (decided once at setup) — still exact."""
-    import oxrl_core.packed_attention as packed_attention
+    import oxrl_core.models.packed_attention as packed_attention
 
     monkeypatch.setattr(packed_attention, "SHARED_PREFIX_VERIFIED", frozenset())
 

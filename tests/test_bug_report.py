@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import oxrl
 
-from oxrl_core import lifecycle
-from oxrl_core.bug_report import REDACTED, bug_report, fence, is_secret_name, redact, secret_values
+from oxrl_core.commands.bug_report import REDACTED, bug_report, fence, is_secret_name, redact, secret_values
+from oxrl_core.run_io import lifecycle
 
 HF_TOKEN = "hf_PLANTEDabcdefghijklmnopqrstuvwxyz012"
 API_KEY = "sk-proj-PLANTEDkey0123456789abcdefABCDEF"
@@ -79,7 +79,7 @@ def test_a_failed_run_keeps_its_traceback_in_error_log(crashed_run):
     assert log.startswith(lifecycle.ERROR_LOG_HEADER)
     assert "error: OxrlError: reward 'boom_reward.py:Boom' could not start: ConnectionError" in log
     assert "Traceback (most recent call last)" in log
-    assert "oxrl_core/rewards.py" in log and "build_reward" in log  # where the run failed
+    assert "oxrl_core/scoring/rewards.py" in log and "build_reward" in log  # where the run failed
     # the plugin's own traceback, which `raise ... from None` hides on the terminal
     assert "raised while handling (hidden on the terminal)" in log
     assert 'boom_reward.py", line' in log and "in __init__" in log

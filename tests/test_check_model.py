@@ -209,8 +209,8 @@ def test_check_model_missing_dir_and_corrupt_config(tmp_path, monkeypatch, capsy
     """Not a model: one clear line, exit status 2, no traceback (the console script's own error path)."""
     import sys
 
-    from oxrl_core.check_model import check_model
     from oxrl_core.cli import main
+    from oxrl_core.commands.check_model import check_model
     from oxrl_core.errors import OxrlError
 
     monkeypatch.setattr(sys, "argv", ["oxrl", "check-model", str(tmp_path / "nope")])

@@ -28,7 +28,7 @@ import pytest
 from conftest import oxrl, write_jsonl
 
 from oxrl_core.interfaces import Reward
-from oxrl_core.rewards import score_batch
+from oxrl_core.scoring.rewards import score_batch
 
 #: short limits so the whole file stays fast
 LIMITS = {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 256, "output_bytes": 1 << 20, "scratch_mb": 16, "workers": 4}
@@ -559,7 +559,7 @@ class Slow(Reward):
 
 
 def test_score_file_applies_the_training_safety_rules(tmp_path):
-    from oxrl_core.scoring import score_file
+    from oxrl_core.scoring.offline import score_file
 
     module = tmp_path / "my_rewards.py"
     module.write_text(REWARDS_PY)
@@ -590,7 +590,7 @@ def test_score_details_defaults_to_the_score():
 def test_score_does_not_import_torch(tmp_path):
     data = write_jsonl(tmp_path / "rows.jsonl", [{"completion": "a", "answer": "a"}])
     code = (
-        "import sys\nfrom oxrl_core.scoring import score_file\n"
+        "import sys\nfrom oxrl_core.scoring.offline import score_file\n"
         f"score_file('exact_match', {str(data)!r}, {str(tmp_path / 'o.jsonl')!r}, [])\n"
         "assert 'torch' not in sys.modules\nprint('LIGHT')"
     )

@@ -1,4 +1,4 @@
-"""oxRL's own collectives across ranks (`oxrl_core.distributed`): every rank issues the same ones in the same order.
+"""oxRL's own collectives across ranks (`oxrl_core.engines.distributed`): every rank issues the same ones in the same order.
 
 Collectives pair by order alone, so a rank that issues one collective more than another makes the
 next ones pair wrongly: the chunked LM head once all-reduced its chunk count while rank 0 evaluated
@@ -25,8 +25,8 @@ import sys
 
 import pytest
 
-from oxrl_core import distributed
-from oxrl_core.distributed import CollectiveMismatch
+from oxrl_core.engines import distributed
+from oxrl_core.engines.distributed import CollectiveMismatch
 
 requires_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install 'oxrl[deepspeed]')"
@@ -43,9 +43,10 @@ os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="1
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
 
-from oxrl_core import distributed, token_head
+from oxrl_core.engines import distributed
+from oxrl_core.models import token_head
 from oxrl_core.config import load_run_config
-from oxrl_core.distributed import CollectiveMismatch
+from oxrl_core.engines.distributed import CollectiveMismatch
 from oxrl_core.engines.deepspeed_engine import DeepSpeedEngine
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",

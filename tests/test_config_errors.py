@@ -109,7 +109,7 @@ def test_model_dir_not_found(tmp_path):
 def test_loaders_name_the_field_of_a_missing_model_dir(tmp_path):
     """In-process: the tokenizer loader (which runs first) and the model loader both say 'not found'."""
     from oxrl_core.errors import OxrlError
-    from oxrl_core.models import load_causal_lm, load_tokenizer
+    from oxrl_core.models.loading import load_causal_lm, load_tokenizer
 
     for loader in (load_tokenizer, load_causal_lm):
         with pytest.raises(OxrlError, match=r"model\.teacher: model directory not found: .*no-such-teacher"):

@@ -196,7 +196,7 @@ def test_csv_and_directory_rows_read_as_written(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from oxrl_core.data import load_data
+    from oxrl_core.data.sources import load_data
 
     csv = tmp_path / "a.csv"
     csv.write_bytes(b'\xef\xbb\xbfprompt,response\n"say ""hi"", please","hi, there"\n\n"two\nlines",x\n')
@@ -293,7 +293,7 @@ def test_dtype_auto_keeps_the_checkpoint_dtype_and_nothing_leaks_outside_a_run(t
     from transformers import AutoModelForCausalLM
 
     from oxrl_core.config import ModelConfig
-    from oxrl_core.models import load_causal_lm, load_tokenizer, model_options
+    from oxrl_core.models.loading import load_causal_lm, load_tokenizer, model_options
 
     saved = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(saved)

@@ -10,18 +10,17 @@ import torch
 from conftest import write_jsonl
 
 from oxrl_core import plugins
-from oxrl_core.data import (
+from oxrl_core.data.batching import BatchPlan, collate
+from oxrl_core.data.encode import (
     IGNORE,
-    BatchPlan,
-    collate,
     encode_completion,
     encode_prompt,
-    load_source,
-    normalise_row,
     prepare_examples,
     tokenise_prompt_response,
     tokenise_text_packed,
 )
+from oxrl_core.data.rows import normalise_row
+from oxrl_core.data.sources import load_source
 from oxrl_core.errors import OxrlError
 
 ROWS = [
@@ -33,7 +32,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
-    from oxrl_core.models import load_tokenizer
+    from oxrl_core.models.loading import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))
 
@@ -314,7 +313,7 @@ def test_prompt_goes_through_chat_template_with_generation_prompt(tokenizer):
 
 
 def test_prompt_without_chat_template_is_plain_text(tiny_model_dir):
-    from oxrl_core.models import load_tokenizer
+    from oxrl_core.models.loading import load_tokenizer
 
     plain = load_tokenizer(str(tiny_model_dir))
     plain.chat_template = None
@@ -457,7 +456,7 @@ def test_collate_packing():
 def sft_loss_of_logits(batch: dict, logits):
     """SFT's loss from full logits: its per-token inputs (`logp`, `mask`) by token_head's plain maths."""
     from oxrl_algs_supervised.sft import SFT
-    from oxrl_core.token_head import on_grid, stats_from_logits
+    from oxrl_core.models.token_head import on_grid, stats_from_logits
 
     targets = batch["labels"][:, 1:]
     mask = targets != IGNORE
@@ -468,7 +467,7 @@ def sft_loss_of_logits(batch: dict, logits):
 
 def test_packed_forward_matches_padded_sft_loss(tiny_model_dir, tokenizer):
     """Block-diagonal attention through position_ids: packing must not change the loss."""
-    from oxrl_core.models import load_causal_lm
+    from oxrl_core.models.loading import load_causal_lm
 
     model = load_causal_lm(str(tiny_model_dir)).eval()
     rows = ROWS + [{"prompt": "Hello there, how are you?", "response": "Fine, thanks."}]
@@ -495,8 +494,8 @@ def test_packed_forward_matches_padded_sft_loss(tiny_model_dir, tokenizer):
 def test_packed_sdpa_attends_row_by_row_with_the_same_maths(tiny_model_dir, tokenizer, monkeypatch):
     """data.packing trains with PACKED_SDPA: causal SDPA per packed row instead of the dense block-diagonal
     mask; the loss and the gradients are those of plain sdpa on the same packed batch."""
-    from oxrl_core.models import load_causal_lm
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     rows = ROWS + [{"prompt": "Hello there, how are you?", "response": "Fine, thanks."}]
     examples = tokenise_prompt_response(rows, tokenizer, 256).examples
@@ -534,7 +533,7 @@ def test_shared_prefix_attention_equals_each_response_after_its_prompt(kv_heads)
     empty response (an EOS-only completion whose one token is dropped), grouped-query attention."""
     import torch.nn.functional as F
 
-    from oxrl_core.packed_attention import _shared_prefix_attention
+    from oxrl_core.models.packed_attention import _shared_prefix_attention
 
     torch.manual_seed(0)
     segments = [(0, 5, (3, 0, 7)), (15, 1, (2,)), (18, 9, (1, 4))]

@@ -3,7 +3,7 @@ ultrafeedback_binarized, hh_rlhf, alpaca and hf.
 
 Each is built the way the core builds it (``registry.load("dataset", name)``, then
 ``Config.model_validate(options)``, then ``cls(config)``), and its rows must pass
-`oxrl_core.data.normalise_row` for every format it declares. The fixtures under
+`oxrl_core.data.rows.normalise_row` for every format it declares. The fixtures under
 ``tests/fixtures/datasets/<name>/`` are a few rows shaped exactly like the real datasets' rows
 (field names, nesting, string formats). Every plugin is read from a JSONL file, a Parquet file, a
 ``save_to_disk`` directory and the hub; there is no hub here, so the hub is
@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from oxrl_core.data import normalise_row
+from oxrl_core.data.rows import normalise_row
 from oxrl_core.errors import OxrlError
 from oxrl_core.plugins import discover
 
@@ -609,7 +609,7 @@ def test_openr1_math_verify(registry):
 
 
 def test_datasets_without_an_answer_check_do_not_claim_one(registry):
-    from oxrl_core.evaluation import can_verify
+    from oxrl_core.scoring.evaluation import can_verify
 
     for name in ("ultrafeedback_binarized", "hh_rlhf", "alpaca"):
         path = fixture_path(name, BY_NAME[name].train_file)

@@ -290,7 +290,7 @@ def test_deepspeed_json_is_generated_from_the_config():
 
 
 def test_shards_cover_every_row_once_and_pad_ranks_without_rows(monkeypatch):
-    from oxrl_core import distributed
+    from oxrl_core.engines import distributed
 
     def shares(rows, unit, n):
         out = []
@@ -480,7 +480,7 @@ def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_m
     assert f"rank 1 (pid {victim}" in stderr and "died" in stderr and "Traceback" not in stderr
     assert "oxrl run --resume --output-dir" in stderr
     assert not (run / "final").exists()
-    from oxrl_core.checkpoint import latest_checkpoint
+    from oxrl_core.run_io.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(run)
     assert last is not None and len(list((last / "deepspeed" / "state").glob("*optim_states.pt"))) == 2

@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import oxrl
 
+from oxrl_core.data.task import CalculatorEnv, calculate, product_rows
 from oxrl_core.errors import OxrlError, PluginError
 from oxrl_core.interfaces import Environment, StrictModel, ToolEnvironment
 from oxrl_core.plugins import Registration, check_contract, discover
-from oxrl_core.task import CalculatorEnv, calculate, product_rows
 
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else():
@@ -95,7 +95,7 @@ def test_env_options_are_validated_by_the_environments_config():
 
 
 def test_an_environment_needs_an_rl_algorithm_and_valid_env_keys(tmp_path):
-    out = oxrl("run", "--alg", "sft", "--set", "env.name=oxrl_core.task:CalculatorEnv", "-o", str(tmp_path / "a"))
+    out = oxrl("run", "--alg", "sft", "--set", "env.name=oxrl_core.data.task:CalculatorEnv", "-o", str(tmp_path / "a"))
     assert out.returncode == 2 and "does not use rollouts" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "a").exists()
     out = oxrl("run", "--alg", "sgrpo", "--set", "env.name=nope", "-o", str(tmp_path / "c"))

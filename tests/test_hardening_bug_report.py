@@ -16,8 +16,8 @@ import os
 import pytest
 from conftest import oxrl
 
-from oxrl_core import lifecycle
 from oxrl_core.redact import REDACTED, redact, redact_config, secret_values
+from oxrl_core.run_io import lifecycle
 
 URL_PASSWORD = "URLPASS-1a2b3c"
 BASIC = base64.b64encode(b"judge:BASIC-SECRET-1234").decode()

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import oxrl, read_metrics
 
-from oxrl_core.checkpoint import MANIFEST, checkpoint_problem, latest_checkpoint, list_checkpoints
 from oxrl_core.errors import OxrlError
+from oxrl_core.run_io.checkpoint import MANIFEST, checkpoint_problem, latest_checkpoint, list_checkpoints
 
 FAST = ["--set", "train.save_steps=1", "--set", "train.save_total_limit=0"]
 
@@ -112,8 +112,8 @@ def test_nonfinite_check_refuses_before_writing(base_run, tmp_path):
     """The check itself, on a model with one NaN: the message names the parameter and the newest checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from oxrl_core.checkpoint import NonFiniteWeights, save_model
-    from oxrl_core.tiny import build_tokenizer
+    from oxrl_core.models.tiny import build_tokenizer
+    from oxrl_core.run_io.checkpoint import NonFiniteWeights, save_model
 
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
@@ -171,7 +171,7 @@ def test_resume_drops_a_torn_metrics_line(run_copy):
 
 def test_metrics_append_failure_is_cut_back_and_reported(tmp_path, run_copy):
     """ENOSPC while appending metrics.jsonl: no partial line stays, one message names the file and the checkpoint."""
-    from oxrl_core.tracking import JsonlSink
+    from oxrl_core.run_io.tracking import JsonlSink
 
     sink = JsonlSink(run_copy / "metrics.jsonl", resume_step=2)
     real = sink.handle
@@ -424,7 +424,7 @@ def test_sigkill_inside_a_write_loses_nothing_and_resume_goes_on(tmp_path, run_c
 def test_a_kill_between_the_two_renames_of_final_puts_the_old_final_back(run_copy):
     """Publishing over an existing final/ renames it aside, then renames the new one in: a kill between
     the two leaves only `.old-final-PID`; the next start puts it back instead of deleting it."""
-    from oxrl_core.checkpoint import clean_partial
+    from oxrl_core.run_io.checkpoint import clean_partial
 
     weights = sorted(p.name for p in (run_copy / "final").iterdir())
     (run_copy / "final").rename(run_copy / ".old-final-4242")

@@ -84,7 +84,7 @@ def rm_dir(tmp_path_factory) -> Path:
     """A reward model's final/: the tiny Llama as a sequence classifier (a `score` head, no `lm_head`)."""
     from transformers import AutoModelForSequenceClassification
 
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     base = save_tiny_model(tmp_path_factory.mktemp("models") / "base", hidden_size=64, num_layers=2, seed=0)
     path = tmp_path_factory.mktemp("models") / "rm-final"
@@ -130,7 +130,7 @@ def test_python_api_takes_rows_or_a_list_of_sources_not_both(sft_jsonl):
 
 def test_os_error_while_reading_data_names_field_and_path(tmp_path, monkeypatch):
     """Any OSError while reading a data source (here EIO, injected) is one line naming field and path."""
-    from oxrl_core import data
+    from oxrl_core.data import sources as data
 
     path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "a", "response": "b"}])
 
@@ -174,7 +174,7 @@ def test_non_utf8_byte_in_run_eval_and_score_names_file_line_and_offset(tmp_path
 def test_non_utf8_in_json_compressed_jsonl_and_dataset_plugin_files(tmp_path):
     """Every reader: a JSON list, a .jsonl.gz, and a dataset plugin's `path` report file, line and offset;
     a UTF-8 BOM is not an error."""
-    from oxrl_core.data import load_source
+    from oxrl_core.data.sources import load_source
     from oxrl_core.plugins import registry
 
     as_json = tmp_path / "bad.json"
@@ -215,8 +215,9 @@ def test_empty_prompt_without_bos_or_template_is_refused_at_load_time(tmp_path, 
 
 
 def test_empty_completions_are_refused_naming_row_and_field(tmp_path, gpt2_dir):
-    from oxrl_core.data import Source, prepare_examples
-    from oxrl_core.models import load_tokenizer
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import Source
+    from oxrl_core.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(gpt2_dir))
     for fmt, row, field in (
@@ -264,7 +265,7 @@ def test_intended_new_weights_get_a_note_and_tied_heads_load(gpt2_dir, rm_dir, t
     head absent from the checkpoint (GPT-2) is no error. Loading the RM as an RM: no note."""
     from safetensors import safe_open
 
-    from oxrl_core.models import load_causal_lm, load_score_model
+    from oxrl_core.models.loading import load_causal_lm, load_score_model
 
     with safe_open(str(gpt2_dir / "model.safetensors"), "pt") as handle:
         assert not any(k.startswith("lm_head") for k in list(handle.keys()))  # tied: saved once, as the embedding
@@ -280,8 +281,9 @@ def test_intended_new_weights_get_a_note_and_tied_heads_load(gpt2_dir, rm_dir, t
 
 
 def test_identical_pairs_are_dropped_with_a_note_and_refused_when_none_remain(tmp_path, tiny_model_dir):
-    from oxrl_core.data import load_source, prepare_examples
-    from oxrl_core.models import load_tokenizer
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import load_source
+    from oxrl_core.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_model_dir))
     rows = [

@@ -29,7 +29,7 @@ from test_episodes import play
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Environment
 from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episode
-from oxrl_core.tiny import build_model, build_tokenizer, warm_start_dir
+from oxrl_core.models.tiny import build_model, build_tokenizer, warm_start_dir
 
 
 def flat(text: str) -> str:
@@ -147,7 +147,7 @@ def test_what_cannot_cross_the_process_boundary_or_ends_its_worker_is_that_episo
 
 
 def test_an_environment_class_its_workers_cannot_import_is_refused_naming_it():
-    from oxrl_core.env_worker import spawn
+    from oxrl_core.rollout.env_worker import spawn
 
     in_main = type("InMain", (BusyLoop,), {"__module__": "__main__"})
     with pytest.raises(OxrlError, match="InMain is defined in __main__"):
@@ -192,7 +192,7 @@ class Failing(Environment):
 
 
 def test_an_environment_failing_in_every_episode_stops_the_run_naming_it_and_its_error(tmp_path):
-    from oxrl_core.checkpoint import latest_checkpoint
+    from oxrl_core.run_io.checkpoint import latest_checkpoint
 
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -316,7 +316,7 @@ def test_length_messages_name_env_max_tokens_when_it_is_the_setting_that_cut(tmp
 
 
 def test_the_cut_finding_names_each_setting_by_its_share():
-    from oxrl_core.health import check_run
+    from oxrl_core.observability.health import check_run
 
     def cut(by_budget: float, by_turn: float) -> list[str]:
         records = [

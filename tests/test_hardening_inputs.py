@@ -42,8 +42,8 @@ def test_epochs_on_small_data_with_the_built_in_model_train_at_the_learning_rate
     from safetensors.torch import load_file
 
     from oxrl_core.config import load_run_config, read_yaml
-    from oxrl_core.health import check_run, summary_rows
-    from oxrl_core.tiny import default_model_dir
+    from oxrl_core.models.tiny import default_model_dir
+    from oxrl_core.observability.health import check_run, summary_rows
 
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
     run = tmp_path / "run"
@@ -115,7 +115,7 @@ def test_an_api_run_with_in_memory_inputs_resumes_from_any_directory(tmp_path, t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from oxrl_core import Trainer
-    from oxrl_core.checkpoint import write_manifest
+    from oxrl_core.run_io.checkpoint import write_manifest
 
     started, elsewhere = tmp_path / "started", tmp_path / "elsewhere"
     started.mkdir(), elsewhere.mkdir()

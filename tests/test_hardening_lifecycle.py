@@ -277,10 +277,10 @@ def test_sigterm_to_the_driver_of_a_data_parallel_run_saves_on_every_rank(work):
 
 def test_signal_before_the_first_step_ends_at_once_and_the_directory_is_reused(work, monkeypatch, capsys):
     """Item 20 (before any step there is nothing to save) and 14 (the retry reuses the directory)."""
-    from oxrl_core import lifecycle
+    from oxrl_core.run_io import lifecycle
 
     run = work["root"] / "early"
-    monkeypatch.setattr("oxrl_core.checkpoint.clean_partial", _raise_sigint)  # inside train(), before the loop
+    monkeypatch.setattr("oxrl_core.run_io.checkpoint.clean_partial", _raise_sigint)  # inside train(), before the loop
     status, output = cli_main(
         monkeypatch, capsys, "run", "--alg", "sft", *work["base"], "--set", "train.max_steps=2", "-o", str(run)
     )

@@ -80,7 +80,7 @@ def _failure_lines(stderr: str, prefix: str = "") -> list[str]:
 
 
 def test_reward_failing_on_every_row_stops_the_run_naming_reward_exception_row_and_checkpoint(tmp_path, tiny_model_dir):
-    from oxrl_core.checkpoint import latest_checkpoint
+    from oxrl_core.run_io.checkpoint import latest_checkpoint
 
     (tmp_path / "typo.py").write_text(TYPO_REWARD)
     run = tmp_path / "run"
@@ -141,7 +141,7 @@ def test_reward_error_stop_can_be_switched_off_and_still_logs_one_line_per_step(
 
 def test_reward_watch_counts_consecutive_steps_and_its_off_switches(tmp_path):
     from oxrl_core.errors import OxrlError
-    from oxrl_core.rewards import RewardFailures, RewardWatch
+    from oxrl_core.scoring.rewards import RewardFailures, RewardWatch
 
     def step(errors: int, rows: int = 10) -> RewardFailures:
         failures = RewardFailures("r", rows=rows, errors=errors)
@@ -203,7 +203,7 @@ def test_score_summarises_failures_in_one_line(tmp_path):
 
 def test_score_batch_logs_one_line_per_call(caplog):
     """Everything that scores without a step (eval, a run's held-out eval) gets one line per call too."""
-    from oxrl_core.rewards import RewardFailures, score_batch
+    from oxrl_core.scoring.rewards import RewardFailures, score_batch
 
     class Typo:
         name, timeout_s = "typo", 5.0
@@ -247,7 +247,7 @@ EVIL_FILES = {
     """,
     "oxrl_evil/alg.py": """
         from oxrl_algs_supervised.sft import SFT
-        from oxrl_core.task import ArithDataset
+        from oxrl_core.data.task import ArithDataset
 
 
         class EvilSFT(SFT):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import oxrl
 
-from oxrl_core.report import CSP, VIEWER_SCRIPT, load_run, render_report, write_report
+from oxrl_core.observability.report import CSP, VIEWER_SCRIPT, load_run, render_report, write_report
 
 #: each payload, if it ran or became an element, would leave a mark the DOM dump shows: an element whose id
 #: starts with "pwned", a data-pwned attribute on <body>, or the document's title "PWNED"

@@ -120,7 +120,7 @@ NO_SYSTEM = (
 def test_a_template_that_fails_on_one_rows_prompt_names_the_row(tmp_path):
     """A prompt that is a message list with a ``system`` turn the template refuses: `oxrl eval` (which encodes every
     prompt before it loads the weights) names the file, the row, the template's line and its message."""
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     model = save_tiny_model(tmp_path / "model", hidden_size=64, num_layers=1)
     rows = [{"prompt": "What is 1+1?", "answer": "2"}]

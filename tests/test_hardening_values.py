@@ -158,8 +158,8 @@ def test_oxrl_eval_max_new_tokens_past_the_context_is_refused(tmp_path, tiny_mod
 
 @pytest.fixture(scope="module")
 def hf_backend(tiny_model_dir):
-    from oxrl_core.models import load_causal_lm, load_tokenizer
-    from oxrl_core.rollout_hf import HFRolloutBackend
+    from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+    from oxrl_core.rollout.hf import HFRolloutBackend
 
     return HFRolloutBackend(load_causal_lm(str(tiny_model_dir)).eval(), load_tokenizer(str(tiny_model_dir)))
 
@@ -176,7 +176,7 @@ def test_hf_backend_refuses_a_generation_longer_than_the_context(hf_backend):
 
 def test_kv_buffer_grows_with_use_instead_of_being_allocated_for_max_new_tokens():
     """A planned capacity of 10^9 positions allocates the prompt + `FIRST_STRETCH`, then doubles."""
-    from oxrl_core.rollout_hf import PreallocatedLayer
+    from oxrl_core.rollout.hf import PreallocatedLayer
 
     layer = PreallocatedLayer(capacity=10**9)
     prompt = torch.randn(2, 1, 5, 4)  # (B, H, T, D)
@@ -269,7 +269,7 @@ def test_oxrl_score_numbers_rows_from_one_in_warnings_and_output(tmp_path):
 
 def test_reward_warnings_name_the_rows_data_file_row(caplog):
     """Inside a run a batch holds rows from anywhere in the file: the warning names the file's row."""
-    from oxrl_core.rewards import score_batch
+    from oxrl_core.scoring.rewards import score_batch
 
     class Fails:
         name, timeout_s = "fails", 5.0

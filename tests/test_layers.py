@@ -24,7 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "oxrl_core"
 
-#: the layers, bottom up; a module may import from its own layer (acyclically) and any layer below
+#: the layers, bottom up; a module may import from its own layer (acyclically) and any layer below.
+#: The services (L3-L9) are sub-packages in this order: each may import the ones before it, never after.
 LAYERS: dict[int, tuple[str, ...]] = {
     # L0 leaves: nothing of oxRL but each other (errors); no torch at import
     0: ("oxrl_core", "oxrl_core.errors", "oxrl_core.schema", "oxrl_core.ops", "oxrl_core.atomic",
@@ -32,24 +33,22 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "oxrl_core.chat_templates", "oxrl_core.redact"),
     # L1 the contracts: plugin interfaces, batch types, the engine protocol
     1: ("oxrl_core.interfaces",),
-    # L2 the run configuration (YAML schema)
-    2: ("oxrl_core.config",),
-    # L3 services: data, models, engines, rollout, distributed, io, plugins
-    3: ("oxrl_core.data", "oxrl_core.task", "oxrl_core.tiny", "oxrl_core.models", "oxrl_core.engines",
-        "oxrl_core.engines.torch_engine", "oxrl_core.engines.deepspeed_engine", "oxrl_core.rollout_hf",
-        "oxrl_core.distributed", "oxrl_core.checkpoint", "oxrl_core.lora", "oxrl_core.tracking",
-        "oxrl_core.perf", "oxrl_core.sync", "oxrl_core.critic", "oxrl_core.token_head",
-        "oxrl_core.packed_attention", "oxrl_core.rewards", "oxrl_core.evaluation", "oxrl_core.scoring",
-        "oxrl_core.inputs", "oxrl_core.env_worker",
-        "oxrl_core.plugins", "oxrl_core.builtin_plugins", "oxrl_core.lifecycle", "oxrl_core.progress",
-        "oxrl_core.health", "oxrl_core.rollout_log"),
-    # L4 the loops (every module of oxrl_core.loops) and the rollout actors they drive
-    4: ("oxrl_core.loops", "oxrl_core.loops.*", "oxrl_core.rollout_actors"),
-    # L5 the run: the trainer (start-up checks, the loop for the algorithm) and the multi-rank launcher
-    5: ("oxrl_core.trainer", "oxrl_core.launcher"),
-    # L6 the command line and the commands beside `oxrl run`
-    6: ("oxrl_core.cli", "oxrl_core.doctor", "oxrl_core.scaffold", "oxrl_core.eval_command",
-        "oxrl_core.check_model", "oxrl_core.report", "oxrl_core.bug_report"),
+    # L2 the run configuration (YAML schema) and the plugin registry
+    2: ("oxrl_core.config", "oxrl_core.plugins", "oxrl_core.builtin_plugins"),
+    # L3-L9 the services, one sub-package each
+    3: ("oxrl_core.engines", "oxrl_core.engines.*"),  # torch / DeepSpeed engines, the collectives between ranks
+    4: ("oxrl_core.observability", "oxrl_core.observability.*"),  # console progress, health findings, the report
+    5: ("oxrl_core.data", "oxrl_core.data.*"),  # sources, rows, tokenisation, batching, the built-in task
+    6: ("oxrl_core.models", "oxrl_core.models.*"),  # loading, LoRA, critic, packed attention, the chunked head
+    7: ("oxrl_core.run_io", "oxrl_core.run_io.*"),  # checkpoints, lifecycle, tracking, recorded inputs
+    8: ("oxrl_core.rollout", "oxrl_core.rollout.*"),  # the hf backend, actors, weight sync, rollout log, env workers
+    9: ("oxrl_core.scoring", "oxrl_core.scoring.*"),  # rewards at run time, `oxrl score`, held-out evaluation
+    # L10 the loops: one run skeleton and one file per loop
+    10: ("oxrl_core.loops", "oxrl_core.loops.*"),
+    # L11 the run: the trainer (start-up checks, the loop for the algorithm) and the multi-rank launcher
+    11: ("oxrl_core.trainer", "oxrl_core.launcher"),
+    # L12 the command line and the commands beside `oxrl run`
+    12: ("oxrl_core.cli", "oxrl_core.commands", "oxrl_core.commands.*"),
 }  # fmt: skip
 
 LAZY_MARK = "lazy:"

@@ -12,7 +12,7 @@ Conventions (`SupervisedBatch` in `oxrl_core.interfaces`): an algorithm gets per
 next-token positions — ``mask``, ``logp`` (B, T-1), and ``logp_mean`` / ``kl_teacher`` — never
 logits. The tests start from logits (B, T, V) and labels (B, T) (-100 where no loss is taken;
 position t predicts label t+1) and build those tensors as the loop does, through the chunked LM
-head (`oxrl_core.token_head`, 2 tokens a chunk, an identity head so the logits are the given
+head (`oxrl_core.models.token_head`, 2 tokens a chunk, an identity head so the logits are the given
 ones), so each worked example checks the head and the algorithm together; gradients are taken
 with respect to the logits.
 """
@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from oxrl_algs_supervised.cpt import CPT
 from oxrl_algs_supervised.kd import KD
 from oxrl_algs_supervised.sft import SFT
-from oxrl_core.token_head import HeadPath, head_stats, on_grid
+from oxrl_core.models.token_head import HeadPath, head_stats, on_grid
 
 IGNORE = -100
 LN2, LN3, LN4 = math.log(2), math.log(3), math.log(4)

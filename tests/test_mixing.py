@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
 
-from oxrl_core.data import MixturePlan, Part, load_data, prepare_examples
-from oxrl_core.eval_command import ks_for, pass_at_k
+from oxrl_core.commands.eval_command import ks_for, pass_at_k
+from oxrl_core.data.batching import MixturePlan
+from oxrl_core.data.encode import prepare_examples
+from oxrl_core.data.sources import Part, load_data
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -73,8 +75,8 @@ def test_mixture_with_an_empty_source_is_an_error():
 
 
 def test_load_data_tags_rows_and_tokenises_each_source_apart(tmp_path):
+    from oxrl_core.models.tiny import build_tokenizer
     from oxrl_core.plugins import registry
-    from oxrl_core.tiny import build_tokenizer
 
     texts = write_jsonl(tmp_path / "texts.jsonl", [{"text": "a" * 30}, {"text": "b" * 30}])
     source = load_data([str(texts), {"source": "arith", "ratio": 2}], "train", registry())
@@ -186,7 +188,7 @@ def test_mixed_run_draws_3_to_1_and_resumes_at_the_same_position_after_sigkill(t
 
 @pytest.mark.slow
 def test_mixed_rl_run_counts_its_sources_and_checks_each_row_with_its_own_plugin(tmp_path):
-    from oxrl_core.data import MixedDataset
+    from oxrl_core.data.sources import MixedDataset
     from oxrl_core.plugins import registry
 
     # two arith parts: each part's rows are checked by its own instance (a MixedDataset)
@@ -230,7 +232,7 @@ def test_pass_at_k_hand_derived():
 
 @pytest.mark.slow
 def test_eval_reports_higher_accuracy_after_sft(tmp_path):
-    from oxrl_core.tiny import default_model_dir, warm_start_dir
+    from oxrl_core.models.tiny import default_model_dir, warm_start_dir
 
     untrained, trained = (
         default_model_dir(),

@@ -10,7 +10,7 @@ import pytest
 from conftest import oxrl, read_metrics, write_jsonl
 from test_multiturn_e2e import ALWAYS_CALLS  # a tool parser that makes every episode multi-turn
 
-from oxrl_core.tiny import warm_start_dir
+from oxrl_core.models.tiny import warm_start_dir
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 

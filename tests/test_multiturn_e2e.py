@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
 
-from oxrl_core.tiny import warm_start_dir
+from oxrl_core.models.tiny import warm_start_dir
 
 PRODUCTS = "{source: arith, task: products}"
 

@@ -10,19 +10,18 @@ import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
 
-from oxrl_core.data import (
+from oxrl_core.data.batching import collate
+from oxrl_core.data.encode import (
     IGNORE,
-    collate,
-    is_multi_turn,
-    load_source,
-    normalise_row,
     prepare_examples,
     tokenise_messages,
     tokenise_preference,
     tokenise_prompt_response,
 )
+from oxrl_core.data.rows import is_multi_turn, normalise_row
+from oxrl_core.data.sources import load_source
 from oxrl_core.errors import OxrlError
-from oxrl_core.tiny import build_tokenizer
+from oxrl_core.models.tiny import build_tokenizer
 
 PLAIN = [
     {"role": "user", "content": "Hi"},
@@ -374,8 +373,8 @@ def test_sft_loss_on_a_conversation_equals_a_plain_transformers_forward(tiny_mod
 
     from oxrl_algs_supervised.sft import SFT
     from oxrl_core.loops.supervised import supervised_tokens
-    from oxrl_core.models import load_causal_lm
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     (conversation,), _ = tokenise_messages(tokenizer, PLAIN, 256)
     (single,) = tokenise_prompt_response([{"prompt": "Go", "response": "12"}], tokenizer, 256).examples

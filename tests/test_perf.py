@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from conftest import oxrl, read_metrics
 
-from oxrl_core.perf import mfu, peak_flops, train_flops_per_token
+from oxrl_core.models.perf import mfu, peak_flops, train_flops_per_token
 
 
 def _tiny():
@@ -167,7 +167,7 @@ def test_a_preference_run_logs_the_mfu_of_its_policy(tmp_path, tiny_model_dir):
 
 
 def test_the_run_meter_counts_once_what_mfu_counts_per_step(monkeypatch):
-    from oxrl_core.perf import MfuMeter
+    from oxrl_core.models.perf import MfuMeter
 
     model = _tiny()
     monkeypatch.setenv("OXRL_PEAK_TFLOPS", "2")

@@ -65,7 +65,7 @@ def test_reward_model_ranks_held_out_pairs_and_serves_rlhf(tmp_path, tiny_model_
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from oxrl_core.task import rows
+    from oxrl_core.data.task import rows
     from oxrl_rewards.reward_model import RewardModelReward
 
     run = tmp_path / "rm"

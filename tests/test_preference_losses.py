@@ -214,7 +214,7 @@ def test_online_dpo_all_ties_gives_zero_loss_with_graph():
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from oxrl_core.tiny import build_model, build_tokenizer
+    from oxrl_core.models.tiny import build_model, build_tokenizer
 
     tok = build_tokenizer()
     model = build_model(len(tok), hidden_size=64, num_layers=2, seed=3).eval()
@@ -233,7 +233,7 @@ def _direct_logps(model, prompt, completion):
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 def test_sequence_logps_match_a_direct_computation(tiny_lm, layout):
     from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     model, tok = tiny_lm
     prompts = [[5, 9, 11], [7, 8], [6, 6, 6, 6, 6]]
@@ -260,7 +260,7 @@ def test_sequence_logps_match_a_direct_computation(tiny_lm, layout):
 def test_shared_prompt_gradients_equal_separate_sequences(tiny_lm):
     """Computing the prompt once must not change the gradient (it collects both responses' parts)."""
     from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     model, tok = tiny_lm
     prompts, chosen, rejected = [[5, 9, 11], [7, 8]], [[20, 21, 3], [30, 3]], [[22, 3], [31, 32, 33, 3]]
@@ -307,7 +307,7 @@ def test_reward_head_reads_the_same_scores_in_every_layout():
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_scores
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     torch.manual_seed(0)
     config = LlamaConfig(

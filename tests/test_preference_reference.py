@@ -10,7 +10,7 @@ sees (`tests/trl_reference.py` says how each TRL trainer is driven and where its
 
 Tokenisation: the two sides would tokenise differently (TRL applies its own chat template handling and adds
 EOS/BOS its own way), so both are fed the SAME token ids: oxRL tokenises the JSONL file itself, and the ids
-given to TRL are built with oxRL's own functions, `oxrl_core.data.encode_prompt` (the chat template with the
+given to TRL are built with oxRL's own functions, `oxrl_core.data.encode.encode_prompt` (the chat template with the
 generation prompt) and `encode_completion` (completion tokens + EOS). TRL then only collates them.
 
 Each training file holds exactly `train.batch_size` rows, so the first micro-batch is the whole file. The
@@ -68,7 +68,7 @@ ORPO_PAIRS = [
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     """Tiny Llamas: the policy (seed 0) and a differently initialised reference (seed 1)."""
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("ref-models")
     return {
@@ -122,7 +122,7 @@ def rm_dir(models, tmp_path_factory) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
 
-    from oxrl_core.models import load_score_model
+    from oxrl_core.models.loading import load_score_model
 
     loaded = load_score_model(str(path), pad_token_id=tokenizer.pad_token_id)
     torch.testing.assert_close(loaded.score.weight, model.score.weight, rtol=0, atol=0)  # the head is kept
@@ -160,7 +160,7 @@ def pair_examples(model_dir, rows: list[dict]) -> list[dict]:
     """TRL-side ids of preference rows, built with oxRL's own tokenisation functions."""
     from transformers import AutoTokenizer
 
-    from oxrl_core.data import encode_completion, encode_prompt
+    from oxrl_core.data.encode import encode_completion, encode_prompt
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [
@@ -236,7 +236,9 @@ def kto_batch_order(model_dir, rows: list[dict], seed: int) -> list[int]:
     """The row order of the loop's first micro-batch (the file is exactly one batch)."""
     from transformers import AutoTokenizer
 
-    from oxrl_core.data import BatchPlan, Source, prepare_examples
+    from oxrl_core.data.batching import BatchPlan
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import Source
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = prepare_examples(
@@ -256,7 +258,7 @@ def kto_batch_order(model_dir, rows: list[dict], seed: int) -> list[int]:
 def test_kto_matches_trl(models, tmp_path, swap):
     from transformers import AutoTokenizer
 
-    from oxrl_core.data import encode_completion, encode_prompt
+    from oxrl_core.data.encode import encode_completion, encode_prompt
 
     # Which way round the raw KL estimate is positive depends on the two random models; "kl-positive" is the
     # case the clamp max(0, .) does not hide (asserted below), "kl-clamped" swaps policy and reference.

@@ -14,7 +14,7 @@ import pytest
 from conftest import oxrl
 from rich.console import Console
 
-from oxrl_core.progress import Reporter, counter, nice_interval, step_fields
+from oxrl_core.observability.progress import Reporter, counter, nice_interval, step_fields
 
 PROGRESS_LINE = re.compile(r"^(warm start|held-out evaluation): (\d+)/(\d+) (steps|samples)( in [\d.]+ s)?$")
 
@@ -127,7 +127,7 @@ def test_terminal_phase_before_training_starts_and_stops_its_own_display():
 
 def test_warm_start_reports_its_steps(tmp_path, monkeypatch, capsys):
     """`warm_start_dir` with a reporter: the announcement, then counted steps up to the end."""
-    from oxrl_core.tiny import warm_start_dir
+    from oxrl_core.models.tiny import warm_start_dir
 
     monkeypatch.setenv("OXRL_CACHE", str(tmp_path / "cache"))
     reporter = Reporter()
@@ -177,7 +177,7 @@ def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_pat
 
 def test_a_quiet_warm_start_prints_nothing(tmp_path, monkeypatch, capsys):
     """The warm start on a fresh cache with a quiet reporter (what `oxrl run -q` gives it): built, silent."""
-    from oxrl_core.tiny import warm_start_dir
+    from oxrl_core.models.tiny import warm_start_dir
 
     monkeypatch.setenv("OXRL_CACHE", str(tmp_path / "cache"))
     path = warm_start_dir(steps=12, reporter=Reporter(quiet=True))

@@ -9,7 +9,7 @@
   writing or deleting outside its directory, reading a trainer file or the trainer's environment secrets,
   connecting to a loopback listener, printing 100 MB; no sandbox directory is left behind;
 - the loop's path: `step` in the episode's worker process under the environment's own ``timeout_s``
-  (`oxrl_core.env_worker`) answers every call, runs at most ``max_calls_per_turn`` programs, a final answer
+  (`oxrl_core.rollout.env_worker`) answers every call, runs at most ``max_calls_per_turn`` programs, a final answer
   ends it;
 - its options (``env.*``) default to the sandbox's limits and are validated;
 - `oxrl run --alg sgrpo --set env.name=python`: two steps whose turns call the tool (slow).
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
 
-from oxrl_core.env_worker import call_all, spawn
 from oxrl_core.errors import OxrlError
 from oxrl_core.plugins import discover
+from oxrl_core.rollout.env_worker import call_all, spawn
 from oxrl_core.tool_parsers import HermesParser, ToolCall
 from oxrl_envs.python import START_UP_S, PythonEnv
 from oxrl_rewards.sandbox import Limits

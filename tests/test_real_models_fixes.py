@@ -87,7 +87,7 @@ def test_lora_default_targets_leave_moe_experts_router_and_vision_tower_out(arch
     from transformers import AutoModelForCausalLM
 
     from oxrl_core.config import LoraConfig
-    from oxrl_core.lora import _peft_config
+    from oxrl_core.models.lora import _peft_config
 
     cfg = LoraConfig(enabled=True, r=4)
     for family, absent in (
@@ -106,7 +106,7 @@ def test_hf_name_strips_every_peft_infix_and_a_bad_save_is_an_error(arch_model, 
     from transformers import AutoModelForCausalLM
 
     from oxrl_core.errors import OxrlError
-    from oxrl_core.lora import hf_name, save_lora
+    from oxrl_core.models.lora import hf_name, save_lora
 
     assert (
         hf_name("model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj")
@@ -128,7 +128,7 @@ def test_hf_name_strips_every_peft_infix_and_a_bad_save_is_an_error(arch_model, 
     ids = torch.tensor([[5, 17, 23, 9, 40, 41, 12, 7]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, peft_model(ids).logits, atol=1e-5, rtol=0)
-    import oxrl_core.lora as lora
+    import oxrl_core.models.lora as lora
 
     real = lora.hf_name
     try:
@@ -211,7 +211,7 @@ def test_equal_rewards_get_exactly_zero_advantage_in_float32():
 # ----------------------------------------------------------------------------- mismatch alarm
 
 OFFSET_BACKEND = (
-    "from oxrl_core.rollout_hf import HFRolloutBackend\n\n"
+    "from oxrl_core.rollout.hf import HFRolloutBackend\n\n"
     "class OffsetBackend(HFRolloutBackend):\n"
     "    '''The hf backend, whose logprobs are 0.5 nats off once the policy has been updated.'''\n\n"
     "    def generate(self, prompt_token_ids, sampling):\n"

@@ -20,9 +20,9 @@ import pytest
 from conftest import oxrl, read_metrics, write_jsonl
 from test_multiturn_e2e import ALWAYS_CALLS
 
-from oxrl_core.health import check_run
-from oxrl_core.report import thin
-from oxrl_core.rollout_log import MAX_TOKENS, PROMPTS, SAMPLES
+from oxrl_core.observability.health import check_run
+from oxrl_core.observability.report import thin
+from oxrl_core.rollout.log import MAX_TOKENS, PROMPTS, SAMPLES
 
 RL = ["train.batch_size=4", "rollout.n=4", "train.max_steps=4", "train.eval_steps=2", "logging.rollout_samples_every=2"]
 RUNS = {
@@ -459,7 +459,7 @@ def test_end_of_run_table_is_coloured_on_a_terminal_and_plain_in_a_log():
 
     from rich.console import Console
 
-    from oxrl_core.health import Finding, print_summary, summary_rows
+    from oxrl_core.observability.health import Finding, print_summary, summary_rows
 
     summary = {"steps": 2, "train_seconds": 75.0, "eval_before": {"eval/accuracy": 0.2}, "eval_after": {}}
     records = [{"step": 1, "loss": 1.0, "reward/mean": 0.0}, {"step": 2, "loss": 0.5, "reward/mean": 0.0}]
@@ -481,7 +481,7 @@ def test_end_of_run_table_is_coloured_on_a_terminal_and_plain_in_a_log():
 
 def test_every_curve_kind_is_drawn_when_its_metric_is_logged(tmp_path):
     """A run dir with every metric a plot reads (MFU only comes from a GPU, KL only with a reference): each plot."""
-    from oxrl_core.report import PLOTS
+    from oxrl_core.observability.report import PLOTS
 
     run = tmp_path / "run"
     run.mkdir()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oxrl_core.errors import OxrlError
-from oxrl_core.rewards import build_reward, score_batch
+from oxrl_core.scoring.rewards import build_reward, score_batch
 
 PROMPTS = [
     "What is 2+3?",
@@ -24,7 +24,7 @@ def make_rm(path: Path, pad_is_eos: bool = False, seed: int = 0) -> Path:
     """A tiny LlamaForSequenceClassification (num_labels=1) + the character tokenizer, saved to ``path``."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from oxrl_core.tiny import build_tokenizer
+    from oxrl_core.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     if pad_is_eos:  # the common fallback that breaks transformers' own pooling
@@ -62,7 +62,7 @@ def rm_pad_eos_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def judge_dir(tmp_path_factory) -> Path:
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("judge") / "judge", hidden_size=64, num_layers=2, seed=0)
 
@@ -100,7 +100,7 @@ def hand_score(path: Path, prompt, completion: str) -> float:
     """The head's logit at the last token (the EOS) of the unpadded row, computed by hand."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from oxrl_core.data import encode_completion, encode_prompt
+    from oxrl_core.data.encode import encode_completion, encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
@@ -178,7 +178,7 @@ def test_reward_model_config_errors_name_the_field(tmp_path, rm_dir, judge_dir):
     # ... nor is one whose config claims one label: its head is missing from the checkpoint
     from transformers import AutoConfig
 
-    from oxrl_core.tiny import save_tiny_model
+    from oxrl_core.models.tiny import save_tiny_model
 
     lm = save_tiny_model(tmp_path / "lm", hidden_size=64, num_layers=1)
     config = AutoConfig.from_pretrained(lm)

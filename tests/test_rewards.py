@@ -1,5 +1,5 @@
 """Rewards (the `Reward` interface, `oxrl_core.interfaces`): each `oxrl-rewards` reward on hand-written examples, its
-Config, and `oxrl_core.rewards.score_batch`, which turns every reward failure into a counted 0."""
+Config, and `oxrl_core.scoring.rewards.score_batch`, which turns every reward failure into a counted 0."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from oxrl_core.interfaces import Reward
-from oxrl_core.rewards import score_batch
+from oxrl_core.scoring.rewards import score_batch
 
 REWARDS = {"math", "gsm8k", "format", "reasoning", "exact_match", "numeric", "arith"}
 
@@ -135,7 +135,7 @@ def test_numeric_first_or_last_number_within_tolerance():
 
 
 def test_arith_is_the_builtin_task_check():
-    from oxrl_core.task import is_correct
+    from oxrl_core.data.task import is_correct
 
     completions = ["12", " 12 and then 13", "13", "x", "-4"]
     answers = ["12", "12", "12", "12", "-4"]

@@ -309,7 +309,7 @@ def test_non_finite_values_stop_the_run_naming_the_tensor_and_keep_checkpoints(t
 
 
 STALE = '''
-from oxrl_core.rollout_hf import HFRolloutBackend
+from oxrl_core.rollout.hf import HFRolloutBackend
 
 
 class NeverSyncs(HFRolloutBackend):
@@ -396,8 +396,8 @@ def test_shared_prompt_forward_equals_separate_rows(tiny_model_dir):
     """`data.packing`: the n samples of a prompt share one copy of it; logprobs, entropy and gradients
     at completion positions equal the padded per-row forward pass."""
     from oxrl_core.loops.rollouts import policy_forward as _forward
-    from oxrl_core.models import load_causal_lm
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=packed_attn_implementation("sdpa"))
     prompts = [[5, 9, 11, 12], [7, 8]]

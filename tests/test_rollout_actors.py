@@ -32,7 +32,7 @@ ENV = {"OMP_NUM_THREADS": "1"}
 
 DYING = """
 import os
-from oxrl_core.rollout_hf import HFRolloutBackend
+from oxrl_core.rollout.hf import HFRolloutBackend
 
 
 class DiesAtVersion2(HFRolloutBackend):

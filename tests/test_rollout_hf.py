@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oxrl_core.data import encode_prompt
+from oxrl_core.data.encode import encode_prompt
 from oxrl_core.errors import OxrlError
-from oxrl_core.evaluation import greedy_completions
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
-from oxrl_core.models import load_causal_lm, load_tokenizer
-from oxrl_core.rollout_hf import HFRolloutBackend
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.rollout.hf import HFRolloutBackend
+from oxrl_core.scoring.evaluation import greedy_completions
 
 # Different lengths, so the batch is left-padded.
 PROMPTS = ["What is 2+3?", "Compute 17+345, please.", "Hi"]
@@ -157,7 +157,7 @@ def test_finish_reasons_length_and_stop(backend, prompt_ids, tokenizer):
 
 
 def test_update_weights_versions_and_changes_outputs(backend, model, tokenizer, prompt_ids, tiny_model_dir):
-    from oxrl_core.tiny import build_model
+    from oxrl_core.models.tiny import build_model
 
     greedy = SamplingParams(n=1, max_new_tokens=8, temperature=0.0)
     before = backend.generate(prompt_ids, greedy)
@@ -245,7 +245,7 @@ def test_prefill_once_and_the_preallocated_cache_sample_what_plain_generate_samp
 def test_preallocated_layer_holds_what_a_dynamic_layer_holds():
     from transformers.cache_utils import DynamicLayer
 
-    from oxrl_core.rollout_hf import PreallocatedLayer
+    from oxrl_core.rollout.hf import PreallocatedLayer
 
     torch.manual_seed(0)
     chunks = [(torch.randn(2, 3, t, 4), torch.randn(2, 3, t, 4)) for t in (5, 1, 1, 2)]  # (B, H, t, D)

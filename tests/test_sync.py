@@ -17,13 +17,13 @@ from oxrl_algs_rl.ppo import PPO
 from oxrl_algs_rl.rlhf import RLHF
 from oxrl_algs_rl.sgrpo import SGRPO
 from oxrl_core.config import RolloutConfig
-from oxrl_core.data import encode_prompt
+from oxrl_core.data.encode import encode_prompt
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import RolloutBackend, StrictModel
-from oxrl_core.models import load_causal_lm, load_tokenizer
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer
 from oxrl_core.ops import k3_kl, masked_mean
-from oxrl_core.rollout_hf import HFRolloutBackend
-from oxrl_core.sync import check_weight_sync, default_tolerance, probe_sequence, tis_weight, trainer_logprobs
+from oxrl_core.rollout.hf import HFRolloutBackend
+from oxrl_core.rollout.sync import check_weight_sync, default_tolerance, probe_sequence, tis_weight, trainer_logprobs
 
 # ----------------------------------------------------------------------------- TIS maths
 
@@ -292,7 +292,7 @@ PLUGINS = '''
 import copy
 
 from oxrl_core.interfaces import Reward
-from oxrl_core.rollout_hf import HFRolloutBackend
+from oxrl_core.rollout.hf import HFRolloutBackend
 
 
 class Varied(Reward):
@@ -337,7 +337,7 @@ class WrongModel(HFRolloutBackend):
 
     @classmethod
     def build(cls, model, tokenizer, model_path, config):
-        from oxrl_core.tiny import build_model
+        from oxrl_core.models.tiny import build_model
 
         return cls(build_model(len(tokenizer), hidden_size=64, num_layers=2, seed=1), tokenizer)
 '''

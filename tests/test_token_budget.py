@@ -8,7 +8,7 @@ import torch
 from conftest import read_metrics, write_jsonl
 
 from oxrl_core import Trainer
-from oxrl_core.data import regroup_by_tokens, token_budget_batches
+from oxrl_core.data.batching import regroup_by_tokens, token_budget_batches
 
 
 def test_budget_batches_are_filled_longest_first_by_hand():

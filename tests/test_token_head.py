@@ -1,4 +1,4 @@
-"""The chunked LM head (`oxrl_core.token_head`): per-token quantities without a (tokens, V) tensor.
+"""The chunked LM head (`oxrl_core.models.token_head`): per-token quantities without a (tokens, V) tensor.
 
 * the chunk maths by hand (a 2-token vocabulary), and equal to full-logits autograd — values and
   gradients of the hidden states and the head's weight and bias — with soft-capping, a logit scale,
@@ -19,7 +19,15 @@ import torch
 from archs import FAMILIES
 from conftest import oxrl, read_metrics
 
-from oxrl_core.token_head import HeadPath, choose_path, head_stats, on_grid, path_of, stats_from_logits, token_stats
+from oxrl_core.models.token_head import (
+    HeadPath,
+    choose_path,
+    head_stats,
+    on_grid,
+    path_of,
+    stats_from_logits,
+    token_stats,
+)
 
 LN3 = math.log(3)
 
@@ -165,7 +173,7 @@ def test_rl_logprobs_equal_the_models_own_logits(arch_model, family):
     on every family of the matrix (the probe keeps the chunked path on all of them). Gemma-2 soft-caps its
     final logits at 30: the probe finds it and the head applies it."""
     from oxrl_core.loops.rollouts import token_logprobs
-    from oxrl_core.models import load_causal_lm
+    from oxrl_core.models.loading import load_causal_lm
 
     model = load_causal_lm(str(arch_model(family)))
     if family == "gemma2":
@@ -191,7 +199,7 @@ def test_lora_gradients_equal_the_plain_path(tiny_model_dir):
 
     from oxrl_algs_supervised.sft import SFT
     from oxrl_core.loops.supervised import supervised_tokens
-    from oxrl_core.models import load_causal_lm
+    from oxrl_core.models.loading import load_causal_lm
 
     torch.manual_seed(0)
     model = get_peft_model(
@@ -216,8 +224,8 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
     sequence on its own through plain transformers."""
     from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
     from oxrl_core.loops.rollouts import token_logprobs_shared
-    from oxrl_core.models import load_causal_lm
-    from oxrl_core.packed_attention import packed_attn_implementation
+    from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.models.packed_attention import packed_attn_implementation
 
     attn = "sdpa" if layout == "padded" else packed_attn_implementation("sdpa")
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
@@ -265,7 +273,7 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
 def test_an_unknown_output_transform_falls_back_to_the_models_logits(tiny_model_dir, monkeypatch):
     """A forward that scales its logits (a transform the head does not know): the probe sees the difference,
     the plain path is chosen with a note, and the log-probabilities are those of the scaled logits."""
-    from oxrl_core.models import load_causal_lm
+    from oxrl_core.models.loading import load_causal_lm
 
     model = load_causal_lm(str(tiny_model_dir))
     original = model.forward

@@ -8,8 +8,8 @@ import json
 import pytest
 from archs import _FAMILY_STYLE, _STYLES, FAMILIES, HISTORY_REWRITING_TEMPLATE, build_tokenizer
 
-from oxrl_core import tiny
 from oxrl_core.errors import OxrlError
+from oxrl_core.models import tiny
 from oxrl_core.tool_parsers import (
     PARSERS,
     HermesParser,

@@ -7,7 +7,7 @@ import types
 import pytest
 
 from oxrl_core.config import LoggingConfig
-from oxrl_core.tracking import JsonlSink, Tracker
+from oxrl_core.run_io.tracking import JsonlSink, Tracker
 
 
 def test_jsonl_resume_drops_steps_after_the_checkpoint(tmp_path):
@@ -58,8 +58,8 @@ def test_a_tracking_uri_mlflow_rejects_is_one_message_and_loses_no_metrics(tmp_p
     """MLflow refuses the URI (a database scheme it cannot use): one `OxrlError` naming the setting, the
     password redacted, MLflow's exception (which quotes the URI) not chained into error.log, and on a resume
     metrics.jsonl is not cut back to the checkpoint: the run can be resumed again once the URI is fixed."""
-    from oxrl_core import lifecycle
     from oxrl_core.errors import OxrlError
+    from oxrl_core.run_io import lifecycle
 
     uri = "postgresql://user:Pw0rd-secret@db.example.com:5432/mlflow"
     metrics = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 6))

@@ -25,13 +25,13 @@ from test_rollout_hf import PROMPTS, teacher_forced_logprobs, tokens  # noqa: E4
 from test_vllm import vllm_run  # noqa: E402
 
 from oxrl_core.config import LoraConfig, RolloutConfig  # noqa: E402
-from oxrl_core.data import encode_prompt  # noqa: E402
+from oxrl_core.data.encode import encode_prompt
 from oxrl_core.errors import OxrlError  # noqa: E402
 from oxrl_core.interfaces import SamplingParams  # noqa: E402
-from oxrl_core.lora import apply_lora  # noqa: E402
-from oxrl_core.models import load_causal_lm, load_tokenizer  # noqa: E402
-from oxrl_core.rollout_hf import HFRolloutBackend  # noqa: E402
-from oxrl_core.sync import check_weight_sync, probe_sequence  # noqa: E402
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from oxrl_core.models.lora import apply_lora  # noqa: E402
+from oxrl_core.rollout.hf import HFRolloutBackend  # noqa: E402
+from oxrl_core.rollout.sync import check_weight_sync, probe_sequence  # noqa: E402
 from oxrl_vllm.backend import VLLMRolloutBackend  # noqa: E402
 
 LORA = ["--set", "lora.enabled=true", "--set", "lora.r=4", "--set", "lora.alpha=8"]

@@ -53,7 +53,8 @@ import os
 import torch
 
 from oxrl_algs_rl.sgrpo import SGRPO
-from oxrl_core import distributed, token_head
+from oxrl_core.engines import distributed
+from oxrl_core.models import token_head
 
 if os.environ.get("RANK") == "1" and os.environ.get("OXRL_TEST_SKIP_HEAD_AT"):
     _head_stats, _skipped = token_head.head_stats, []
@@ -82,7 +83,7 @@ def _ok(proc):
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    from oxrl_core.task import rows
+    from oxrl_core.data.task import rows
 
     root = tmp_path_factory.mktemp("zero3-held-out")
     write_jsonl(root / "held_out.jsonl", rows("eval")[:33])  # the built-in task's held-out rows, an odd number
@@ -170,11 +171,11 @@ def test_a_rank_that_skips_a_head_call_stops_the_run_with_the_guards_message(wor
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     error = next(line for line in proc.stderr.splitlines() if line.startswith("error:"))
-    assert "ranks out of step at step 2: rank 0 at oxrl_core.token_head:" in error and "(_chunk_count)" in error
+    assert "ranks out of step at step 2: rank 0 at oxrl_core.models.token_head:" in error and "(_chunk_count)" in error
     assert "; rank 1 at oxrl_core.loops.rl:" in error and "(forward_rows)" in error
     assert f"continue with: oxrl run --resume --output-dir {run}" in error
     # the checkpoint of step 1 is intact: --resume (without the planted skip) finishes the run
-    from oxrl_core.checkpoint import latest_checkpoint
+    from oxrl_core.run_io.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(run) == run / "checkpoints" / "step-1"
     assert not (run / "final").exists()

@@ -3,7 +3,10 @@
 `build_engine` picks one from ``engine.name``: `torch` (one process; the default) or
 `deepspeed` (ZeRO 0-3, CPU offload; one process, or one rank of a data-parallel run started by
 `oxrl_core.launcher`). DeepSpeed is imported only when its engine is built. `check_engine`
-refuses, before anything is loaded or launched, settings that cannot work together.
+refuses, before anything is loaded or launched, settings that cannot work together. `distributed` holds the ranks'
+view of each other: checked collectives, the local sections inside `full_weights()`.
+
+May import: the leaves, `interfaces`, `config`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core import distributed
+from oxrl_core.engines import distributed
 from oxrl_core.engines.torch_engine import PrecisionAndDevice, adamw_param_groups, pick_autocast_dtype, pick_device
 from oxrl_core.errors import OxrlError
 

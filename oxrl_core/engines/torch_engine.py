@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core import distributed
+from oxrl_core.engines import distributed
 from oxrl_core.errors import OxrlError
 
 

@@ -24,7 +24,7 @@ the template's rendering of the whole conversation so far, the turns before it a
 and the episode goes on from those ids (``env/retemplate_fallbacks`` counts it). What the model is
 trained on is still exactly what it was given and what it sampled.
 
-Each episode's environment lives in a worker process of its own (`oxrl_core.env_worker`: one instance per
+Each episode's environment lives in a worker process of its own (`oxrl_core.rollout.env_worker`: one instance per
 episode, forked from a host process that loaded the environment once; about a millisecond each), so a call
 that hangs can be stopped: the worker is killed, and nothing of it keeps running. The calls of a turn go to
 every live episode's worker at once (at most one per CPU running), each within the environment's ``timeout_s``.
@@ -46,13 +46,13 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
-from oxrl_core.data import can_verify
-from oxrl_core.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
-from oxrl_core.env_worker import EnvWorker, Malformed, call_all, class_tools, spawn
+from oxrl_core.data.sources import can_verify
+from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
 from oxrl_core.loops.rollouts import SHARD_SEED_STRIDE
-from oxrl_core.rewards import RewardFailures, RewardWatch, prompt_snippet, row_number, score_batch
+from oxrl_core.rollout.env_worker import EnvWorker, Malformed, call_all, class_tools, spawn
+from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, prompt_snippet, row_number, score_batch
 from oxrl_core.tool_parsers import parser_for
 
 #: turn k of a step samples with seed + k·TURN_SEED_STRIDE
@@ -110,7 +110,7 @@ class Episode:
     """One sample: the conversation, the training sample's ids and who wrote each token."""
 
     row: dict
-    env: EnvWorker | None  # the episode's environment, in its worker process (`oxrl_core.env_worker`)
+    env: EnvWorker | None  # the episode's environment, in its worker process (`oxrl_core.rollout.env_worker`)
     messages: list[dict]
     prompt_ids: list[int]  # the training sample's prompt (re-rendered after a fallback)
     token_ids: list[int] = field(default_factory=list)  # after prompt_ids: the model's and the environment's
@@ -254,7 +254,7 @@ class EnvWatch(RewardWatch):
 
     def stop(self, step: int, failures: EnvFailures, run_dir):
         # lazy: checkpoint imports torch; the episode runner's module stays importable without a model
-        from oxrl_core.checkpoint import latest_checkpoint
+        from oxrl_core.run_io.checkpoint import latest_checkpoint
 
         last = latest_checkpoint(run_dir) if run_dir is not None else None
         streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"

@@ -25,16 +25,23 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.data import IGNORE, can_verify, collate, eval_source, load_data, prepare_examples
-from oxrl_core.distributed import is_main, reduce_metrics, shard
+from oxrl_core.data.batching import collate
+from oxrl_core.data.encode import IGNORE, prepare_examples
+from oxrl_core.data.sources import can_verify, eval_source, load_data
+from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
-from oxrl_core.evaluation import evaluate
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
-from oxrl_core.lora import is_peft, policy_state_dict
-from oxrl_core.models import initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
-from oxrl_core.packed_attention import PACKED_SDPA, SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
-from oxrl_core.token_head import token_stats
+from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
+from oxrl_core.models.lora import is_peft, policy_state_dict
+from oxrl_core.models.packed_attention import (
+    PACKED_SDPA,
+    SHARED_PREFIX,
+    attention_fast_paths,
+    packed_attn_implementation,
+)
+from oxrl_core.models.token_head import token_stats
+from oxrl_core.scoring.evaluation import evaluate
 
 REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current iteration
 
@@ -312,7 +319,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             ref = None  # every reference logprob the run needs is stored: free the model
     backend = None
     if self_play:
-        from oxrl_core.rollout_hf import HFRolloutBackend  # lazy: self-play alone generates
+        from oxrl_core.rollout.hf import HFRolloutBackend  # lazy: self-play alone generates
 
         backend = HFRolloutBackend(ref, tokenizer)
     iteration_steps = -(-cfg.train.max_steps // algorithm.iterations()) if self_play else cfg.train.max_steps

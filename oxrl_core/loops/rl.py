@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.config import env_options
-from oxrl_core.critic import build_critic
-from oxrl_core.data import eval_source, load_data
-from oxrl_core.distributed import gather_rows, is_main, reduce_metrics, shard, world_size
+from oxrl_core.data.sources import eval_source, load_data
+from oxrl_core.engines.distributed import gather_rows, is_main, reduce_metrics, shard, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episodes
@@ -44,13 +42,15 @@ from oxrl_core.loops.rollouts import (
     sync_weights,
 )
 from oxrl_core.loops.run import Run, RunResult, backward_share, check_finite
-from oxrl_core.models import initial_policy_path, load_causal_lm, load_tokenizer
+from oxrl_core.models.critic import build_critic
+from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_tokenizer
+from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
 from oxrl_core.ops import k3_kl, masked_mean_value
-from oxrl_core.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
-from oxrl_core.rewards import RewardFailures, RewardWatch, build_reward
-from oxrl_core.rollout_hf import check_generation_length
-from oxrl_core.rollout_log import RolloutLog
-from oxrl_core.sync import SyncCheck, check_logprob_diff, default_max_logprob_diff, tis_weight
+from oxrl_core.rollout.hf import check_generation_length
+from oxrl_core.rollout.log import RolloutLog
+from oxrl_core.rollout.sync import SyncCheck, check_logprob_diff, default_max_logprob_diff, tis_weight
+from oxrl_core.run_io.checkpoint import latest_checkpoint
+from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, build_reward
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -124,7 +124,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         model, extra_modules=[critic] if critic else [], total_steps=cfg.train.max_steps * ro.epochs * ro.minibatches
     )
     if ro.actors:  # rollout.actors: the backend in Ray actors of its own; rank 0 drives them
-        from oxrl_core.rollout_actors import RolloutActors  # lazy: Ray starts only when rollout.actors is set
+        from oxrl_core.rollout.actors import RolloutActors  # lazy: Ray starts only when rollout.actors is set
 
         args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
         backend = RolloutActors.start(*args) if is_main() else None
@@ -137,7 +137,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         with engine.full_weights():  # ZeRO-3: the backend may read the weights
             sync_weights(backend, model, run.start_step)
     version = run.start_step  # the policy version: optimiser phases completed
-    # verified weight sync (oxrl_core.sync): the backend and the trainer score a fixed probe
+    # verified weight sync (oxrl_core.rollout.sync): the backend and the trainer score a fixed probe
     can_score = ro.sync_check and backend_cls.can_score()
     verify_sync = SyncCheck(
         backend, can_score, model, engine, tokenizer, prompt_ids[0], ro, run.start_step, run.run_dir, run.info
@@ -310,7 +310,7 @@ class Update:
 
     def forward_rows(self, module, critic, parts: MicroBatches, unit: int, keys: list[str]) -> dict:
         """A no-grad pass over the rollout batch in micro-batches; with data parallelism each rank
-        computes its rows of each micro-batch and every rank gets all of them (`oxrl_core.distributed`)."""
+        computes its rows of each micro-batch and every rank gets all of them (`oxrl_core.engines.distributed`)."""
         outs, order = [], []
         for part in parts.for_scoring():
             mine, padding = shard(part, unit)
@@ -353,7 +353,7 @@ class Update:
         return fresh
 
     def rollout_checks(self, step: int, batch: dict) -> dict:
-        """Trainer vs rollout logprobs (the mismatch alarm, `oxrl_core.sync`), TIS weights, KL to the reference."""
+        """Trainer vs rollout logprobs (the mismatch alarm, `oxrl_core.rollout.sync`), TIS weights, KL to the reference."""
         ro, engine, mask = self.ro, self.engine, batch["mask"]
         check_finite("logp_old", batch["logp_old"], step, self.run_dir)
         gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)

@@ -17,13 +17,16 @@ from dataclasses import replace
 
 import torch
 
-from oxrl_core.data import can_verify, encode_row_prompt, normalise_row, token_budget_batches
-from oxrl_core.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
+from oxrl_core.data.batching import token_budget_batches
+from oxrl_core.data.encode import encode_row_prompt
+from oxrl_core.data.rows import normalise_row
+from oxrl_core.data.sources import can_verify
+from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.packed_attention import SHARED_PREFIX
-from oxrl_core.rewards import RewardFailures, score_batch
-from oxrl_core.token_head import on_grid, token_stats
+from oxrl_core.models.packed_attention import SHARED_PREFIX
+from oxrl_core.models.token_head import on_grid, token_stats
+from oxrl_core.scoring.rewards import RewardFailures, score_batch
 
 # ----------------------------------------------------------------------------- prompts and rollouts
 

@@ -31,21 +31,21 @@ from pathlib import Path
 import torch
 
 from oxrl_core.atomic import write_text_atomic
-from oxrl_core.checkpoint import latest_checkpoint, load_training_state, save_model
 from oxrl_core.config import fit_warmup
-from oxrl_core.data import make_plan, regroup_by_tokens
-from oxrl_core.distributed import at_step, is_main, world_size
+from oxrl_core.data.batching import make_plan, regroup_by_tokens
 from oxrl_core.engines import build_engine
+from oxrl_core.engines.distributed import at_step, is_main, world_size
 from oxrl_core.errors import OxrlError
-from oxrl_core.health import check_run, print_summary, summary_rows, versions
-from oxrl_core.lifecycle import Checkpointer
 from oxrl_core.loops.result import RunResult
-from oxrl_core.lora import apply_lora, start_path, trainable_summary
-from oxrl_core.models import count_parameters, load_causal_lm
-from oxrl_core.perf import MfuMeter
-from oxrl_core.progress import Reporter
-from oxrl_core.token_head import choose_path
-from oxrl_core.tracking import Tracker
+from oxrl_core.models.loading import count_parameters, load_causal_lm
+from oxrl_core.models.lora import apply_lora, start_path, trainable_summary
+from oxrl_core.models.perf import MfuMeter
+from oxrl_core.models.token_head import choose_path
+from oxrl_core.observability.health import check_run, print_summary, summary_rows, versions
+from oxrl_core.observability.progress import Reporter
+from oxrl_core.run_io.checkpoint import latest_checkpoint, load_training_state, save_model
+from oxrl_core.run_io.lifecycle import Checkpointer
+from oxrl_core.run_io.tracking import Tracker
 
 __all__ = ["MODEL_INPUTS", "Run", "RunResult", "backward_share", "check_finite", "check_loss", "seed_everything"]
 

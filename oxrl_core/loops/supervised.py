@@ -15,14 +15,16 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from oxrl_core.data import IGNORE, collate, eval_source, load_data, prepare_examples
-from oxrl_core.distributed import all_reduce_sum, is_main, reduce_metrics, shard
+from oxrl_core.data.batching import collate
+from oxrl_core.data.encode import IGNORE, prepare_examples
+from oxrl_core.data.sources import eval_source, load_data
+from oxrl_core.engines.distributed import all_reduce_sum, is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
-from oxrl_core.evaluation import evaluate
 from oxrl_core.loops.run import MODEL_INPUTS, Run, RunResult, backward_share, check_loss
-from oxrl_core.models import load_causal_lm, load_tokenizer
-from oxrl_core.packed_attention import packed_attn_implementation
-from oxrl_core.token_head import on_grid, token_stats
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.models.packed_attention import packed_attn_implementation
+from oxrl_core.models.token_head import on_grid, token_stats
+from oxrl_core.scoring.evaluation import evaluate
 
 
 def micro_batch_weight(batch: dict, weighting: str) -> float:

@@ -5,7 +5,7 @@ the data is, and its ``map_row`` turns one source row into one oxRL row. ``rows(
 the split and maps every row. The source, in this order:
 
 - ``path`` is a file: ``.jsonl``/``.json``/``.parquet``, or ``.jsonl.gz``/``.json.bz2``/``.jsonl.xz``
-  (read by `oxrl_core.data.read_data_file`; ``.zst`` by `datasets`' json builder). It is the train split.
+  (read by `oxrl_core.data.sources.read_data_file`; ``.zst`` by `datasets`' json builder). It is the train split.
 - ``path`` is a directory written by ``datasets.save_to_disk``: a ``DatasetDict``'s splits are
   picked by name (``train_split``, ``eval_split``); a single ``Dataset`` is the train split.
 - ``path`` is any other directory, e.g. a hub snapshot (``huggingface-cli download ID
@@ -164,7 +164,7 @@ def pick_split(ds_dict, split_name: str, dataset: str, origin: str, split: str):
 def read_file(path: Path, dataset: str, option: str) -> Part:
     """One JSONL/JSON/Parquet file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``; ``.zst`` through `datasets`),
     every row of it. A bad byte, bad JSON or an unreadable file is an `OxrlError` naming the file and line."""
-    from oxrl_core.data import path_kind, read_data_file
+    from oxrl_core.data.sources import path_kind, read_data_file
 
     label = f"dataset '{dataset}': {option}"
     if path_kind(str(path), label) != "file":
@@ -295,7 +295,7 @@ def read_split(dataset: str, config: SourceConfig, split: str, subsets: list[str
         if not config.hub_id:
             raise OxrlError(f"dataset '{dataset}': set `path` (a local copy) or `hub_id`")
         return [read_hub(config, dataset, split_name, s, columns) for s in subsets] if split_name else []
-    from oxrl_core.data import path_kind
+    from oxrl_core.data.sources import path_kind
 
     path = Path(config.path).expanduser()
     kind = path_kind(config.path, f"dataset '{dataset}': path")

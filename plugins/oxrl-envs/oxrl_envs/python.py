@@ -43,7 +43,7 @@ START_UP_S = 5.0
 
 def _own_uids() -> None:
     """In a forked process: a block of sandbox uids of its own. Each episode's environment runs in a worker
-    forked from one host process (`oxrl_core.env_worker`); without this every worker would hand its programs the
+    forked from one host process (`oxrl_core.rollout.env_worker`); without this every worker would hand its programs the
     uids the host's pool would have, and programs of two episodes could share a uid (and its process limit)."""
     _sandbox._UIDS = _sandbox._UidPool()
 

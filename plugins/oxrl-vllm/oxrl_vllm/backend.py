@@ -10,7 +10,7 @@ so a weight sync hands the trainer's tensors to vLLM's in-place reloader by refe
 rebuild and no round trip through disk. Each sync then resets vLLM's prefix cache (key/value
 blocks computed by the old weights must not be reused).
 
-Sampling matches the `hf` backend's contract (`oxrl_core.rollout_hf`):
+Sampling matches the `hf` backend's contract (`oxrl_core.rollout.hf`):
 
 - token-id prompts in, ``sampling.n`` completions per prompt out; generation stops only at the
   tokenizer's EOS (the model's own generation_config is ignored: no top_k, repetition penalty,
@@ -257,7 +257,7 @@ class VLLMRolloutBackend(RolloutBackend):
         if not on_gpu:
             # a chunked prefill rewinds a seeded request's generator, which the CPU generator cannot do
             engine_args.setdefault("enable_chunked_prefill", False)
-        from oxrl_core.lora import is_peft
+        from oxrl_core.models.lora import is_peft
 
         adapter = is_peft(model) and (options.lora == "adapter" or (options.lora == "auto" and on_gpu))
         if adapter:
@@ -394,7 +394,7 @@ class VLLMRolloutBackend(RolloutBackend):
             self.policy_version = policy_version
             return
         if isinstance(state, torch.nn.Module):
-            from oxrl_core.lora import policy_state_dict
+            from oxrl_core.models.lora import policy_state_dict
 
             state = policy_state_dict(
                 state
@@ -422,7 +422,7 @@ class VLLMRolloutBackend(RolloutBackend):
         from peft import get_peft_model_state_dict
         from vllm.lora.request import LoRARequest
 
-        from oxrl_core.lora import is_peft
+        from oxrl_core.models.lora import is_peft
 
         if not is_peft(model):
             raise OxrlError(

@@ -41,10 +41,11 @@ import time
 import traceback
 from pathlib import Path
 
-from oxrl_core import distributed
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import dump_yaml
+from oxrl_core.engines import distributed
 from oxrl_core.errors import OxrlError
+from oxrl_core.observability.health import ERROR_LOG
 from oxrl_core.redact import redact
 
 LOCK_FILE = ".oxrl.lock"
@@ -349,7 +350,9 @@ class Checkpointer:
         return saved
 
     def save(self, step: int, state: dict) -> Path:
-        from oxrl_core.checkpoint import save_checkpoint  # lazy: torch; trainer imports this module before any run
+        from oxrl_core.run_io.checkpoint import (
+            save_checkpoint,  # lazy: torch; trainer imports this module before any run
+        )
 
         def files(tmp: Path) -> None:
             (tmp / CONFIG_FILE).write_text(self.config_yaml)
@@ -410,8 +413,6 @@ def finished(result):
 
 # ---------------------------------------------------------------- the error log
 
-#: a failed run's traceback, kept in its run directory (the terminal shows only the one-line message)
-ERROR_LOG = "error.log"
 #: the error log's first line, which `oxrl bug-report` reads
 ERROR_LOG_HEADER = "oxrl run failed"
 

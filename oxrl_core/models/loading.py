@@ -7,11 +7,11 @@ import contextvars
 from pathlib import Path
 
 from oxrl_core.chat_templates import chat_template_text, names, render_problem, template_source
-from oxrl_core.data import path_kind
+from oxrl_core.data.sources import path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
-from oxrl_core.progress import activity
-from oxrl_core.tiny import default_model_dir, warm_start_dir
+from oxrl_core.models.tiny import default_model_dir, warm_start_dir
+from oxrl_core.observability.progress import activity
 
 #: the run's ``model.*`` loading options (revision, dtype, chat_template), set around a run's loop by
 #: `model_options`; outside a run (``oxrl eval``, tests) every model loads as saved, in float32

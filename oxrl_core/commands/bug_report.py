@@ -25,10 +25,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from oxrl_core.errors import OxrlError
+from oxrl_core.observability.health import error_superseded
 from oxrl_core.redact import REDACTED, is_secret_name, redact, secret_values
 
 __all__ = [
-    "REDACTED", "bug_report", "error_superseded", "is_secret_name", "redact", "secret_values",
+    "REDACTED", "bug_report", "is_secret_name", "redact", "secret_values",
 ]  # fmt: skip
 
 
@@ -53,7 +54,7 @@ def _table(header: tuple[str, ...], rows: Iterable[tuple]) -> str:
 
 def _versions(registry) -> str:
     # lazy: the doctor imports torch (and tries DeepSpeed and vLLM) only when a report is written
-    from oxrl_core.doctor import table_rows
+    from oxrl_core.commands.doctor import table_rows
 
     rows = [(name, "ok" if ok else "missing", detail) for name, ok, detail in table_rows(registry)]
     rows.insert(1, ("platform", "ok", f"{platform.platform()} ({platform.machine()})"))
@@ -111,23 +112,9 @@ def _shorten(text: str, head: int = 8, tail: int = 250) -> str:
     return "\n".join([*lines[:head], f"... ({len(lines) - head - tail} lines left out) ...", *lines[-tail:]])
 
 
-def error_superseded(run_dir: Path) -> bool:
-    """Whether the run finished after the failure its ``error.log`` holds: ``summary.json`` (written when a
-    run ends) is newer, e.g. a start that failed and a ``--resume`` that then went through. Such an error is
-    history, not the run's failure; `oxrl report` decides the same way with this function."""
-    # lazy: the lifecycle module is the error log's writer; imported only for a run directory
-    from oxrl_core.lifecycle import ERROR_LOG
-
-    log, summary = Path(run_dir) / ERROR_LOG, Path(run_dir) / "summary.json"
-    try:
-        return log.is_file() and summary.is_file() and summary.stat().st_mtime > log.stat().st_mtime
-    except OSError:  # removed between the two looks
-        return False
-
-
 def _error_section(run_dir: Path) -> str:
     # lazy: the lifecycle module is the error log's writer; imported only for a run directory
-    from oxrl_core.lifecycle import ERROR_LOG
+    from oxrl_core.run_io.lifecycle import ERROR_LOG
 
     log = run_dir / ERROR_LOG
     if not log.is_file():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from oxrl_core.data import IGNORE, can_verify, collate, encode_prompt
-from oxrl_core.rollout_hf import check_generation_length
-from oxrl_core.token_head import token_stats
+from oxrl_core.data.batching import collate
+from oxrl_core.data.encode import IGNORE, encode_prompt
+from oxrl_core.data.sources import can_verify
+from oxrl_core.models.token_head import token_stats
+from oxrl_core.rollout.hf import check_generation_length
 
 __all__ = ["can_verify", "eval_loss", "evaluate", "greedy_completions"]
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from oxrl_core.atomic import write_error, write_text_atomic
-from oxrl_core.checkpoint import latest_checkpoint
-from oxrl_core.distributed import is_main
+from oxrl_core.engines.distributed import is_main
 from oxrl_core.errors import OxrlError
 from oxrl_core.redact import redact, redact_config
+from oxrl_core.run_io.checkpoint import latest_checkpoint
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

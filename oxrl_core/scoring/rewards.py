@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from oxrl_core.config import reward_options
-from oxrl_core.data import can_verify
+from oxrl_core.data.sources import can_verify
 from oxrl_core.errors import OxrlError
 
 log = logging.getLogger("oxrl.rewards")
@@ -288,7 +288,7 @@ class RewardWatch:
 
     def stop(self, step: int, failures: RewardFailures, run_dir):
         # lazy: checkpoint imports torch; rewards stays torch-free for `oxrl score` and the reward plugins
-        from oxrl_core.checkpoint import latest_checkpoint
+        from oxrl_core.run_io.checkpoint import latest_checkpoint
 
         last = latest_checkpoint(run_dir) if run_dir is not None else None
         streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core import distributed
 from oxrl_core.atomic import fsync_dir, is_disk_full, write_error
+from oxrl_core.engines import distributed
 from oxrl_core.errors import OxrlError
-from oxrl_core.lora import is_peft, save_lora
+from oxrl_core.models.lora import is_peft, save_lora
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"

@@ -26,12 +26,12 @@ import os
 from typing import Any, ClassVar
 
 from oxrl_core.config import RolloutConfig
-from oxrl_core.distributed import env_for_actors, ray_reason
+from oxrl_core.engines.distributed import env_for_actors, ray_reason
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
-from oxrl_core.lifecycle import kept_signal_handlers
-from oxrl_core.lora import policy_state_dict
+from oxrl_core.models.lora import policy_state_dict
 from oxrl_core.plugins import discover
+from oxrl_core.run_io.lifecycle import kept_signal_handlers
 
 #: actors whose probe logprobs differ from the first actor's by more than this hold other weights
 REPLICA_TOLERANCE = 1e-5
@@ -43,7 +43,7 @@ class RolloutWorker:
     def __init__(self, index: int, backend_name: str, model_path: str, rollout: dict, cwd: str, threads: int):
         import torch
 
-        from oxrl_core.models import load_causal_lm, load_tokenizer  # lazy: torch loads in the actor process
+        from oxrl_core.models.loading import load_causal_lm, load_tokenizer  # lazy: torch loads in the actor process
 
         os.chdir(cwd)  # relative plugin paths resolve as in the driver
         if threads:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from oxrl_core.models import count_parameters
+from oxrl_core.models.loading import count_parameters
 
 #: dense bf16 peak TFLOP/s per device (datasheets; SXM parts unless named)
 PEAK_BF16_TFLOPS = {

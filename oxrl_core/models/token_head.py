@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from oxrl_core import distributed
+from oxrl_core.engines import distributed
 
 #: relative tolerance of the setup probe (log-probabilities of both paths, fp32, no autocast)
 PROBE_TOLERANCE = 1e-4

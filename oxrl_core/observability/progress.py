@@ -29,7 +29,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from oxrl_core.distributed import is_main
+from oxrl_core.engines.distributed import is_main
 
 __all__ = ["Reporter", "activity", "counter", "step_fields"]
 

@@ -38,10 +38,9 @@ from pathlib import Path
 import yaml
 
 from oxrl_core.atomic import write_text_atomic
-from oxrl_core.bug_report import error_superseded
 from oxrl_core.errors import OxrlError
-from oxrl_core.health import HEADLINE, Finding, check_run, is_finite, series
-from oxrl_core.health import versions as current_versions
+from oxrl_core.observability.health import HEADLINE, Finding, check_run, error_superseded, is_finite, series
+from oxrl_core.observability.health import versions as current_versions
 from oxrl_core.redact import redact, secret_values
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
@@ -65,7 +64,7 @@ class RunData:
     summary: dict | None
     rollouts: list[dict] = field(default_factory=list)
     error_log: str = ""  # error.log: the traceback of a run that failed (lifecycle.error_log writes it)
-    #: the run finished after the failure error.log holds (`bug_report.error_superseded`): history, not its failure
+    #: the run finished after the failure error.log holds (`health.error_superseded`): history, not its failure
     error_superseded: bool = False
     #: what was damaged in the run directory and how the report read around it (shown at the top of the run)
     notes: list[str] = field(default_factory=list)

@@ -1,12 +1,12 @@
 """`oxrl score`: score a file of completions with a reward, before (or without) a run.
 
-Rows come from a JSONL, JSON or Parquet file (`oxrl_core.data.load_source`). Every row needs a
+Rows come from a JSONL, JSON or Parquet file (`oxrl_core.data.sources.load_source`). Every row needs a
 string ``completion`` plus whatever fields the reward reads (``answer``, ``tests``, ...); its
 ``prompt`` (default ``""``) and the whole row are passed as in training. The reward is built as a
 run builds it: ``reward.name`` is ``--reward`` and each ``--set key=value`` is a ``reward.key``
 option, validated by the reward's ``Config`` (``timeout_s`` is the per-call limit, as in a run).
 
-Scoring goes through the same safety net as training (`oxrl_core.rewards.score_batch`), in
+Scoring goes through the same safety net as training (`oxrl_core.scoring.rewards.score_batch`), in
 chunks of `CHUNK` rows so a slow chunk costs only itself: a call that raises is retried row by
 row, one that runs past ``timeout_s`` scores its rows 0, and a non-finite value scores its row 0;
 each such row is counted and gets an ``error``.
@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from oxrl_core.config import RunConfig, apply_overrides
-from oxrl_core.data import load_source, path_kind
+from oxrl_core.data.sources import load_source, path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.plugins import registry
-from oxrl_core.rewards import RewardFailures, build_reward, score_batch
 from oxrl_core.schema import format_validation_error
+from oxrl_core.scoring.rewards import RewardFailures, build_reward, score_batch
 
 #: rows per `score_batch` call
 CHUNK = 256

@@ -23,16 +23,18 @@ import yaml
 from pydantic import ValidationError
 
 from oxrl_core.config import RolloutConfig, RunConfig
-from oxrl_core.data import encode_row_prompt, load_data, normalise_row
+from oxrl_core.data.encode import encode_row_prompt
+from oxrl_core.data.rows import normalise_row
+from oxrl_core.data.sources import load_data
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.episodes import Episodes
-from oxrl_core.models import load_causal_lm, load_tokenizer
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.observability.progress import counter
 from oxrl_core.plugins import registry as get_registry
-from oxrl_core.progress import counter
-from oxrl_core.rewards import RewardFailures, build_reward, score_batch
-from oxrl_core.rollout_hf import check_generation_length
+from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.schema import format_validation_error
+from oxrl_core.scoring.rewards import RewardFailures, build_reward, score_batch
 
 CORRECT = 1.0 - 1e-9  # a reward at least this large counts as a correct sample
 

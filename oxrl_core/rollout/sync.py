@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from oxrl_core.checkpoint import latest_checkpoint
 from oxrl_core.errors import OxrlError
+from oxrl_core.run_io.checkpoint import latest_checkpoint
 
 #: appended to the first training prompt to make the probe (any fixed text would do)
 PROBE_TEXT = " The quick brown fox jumps over the lazy dog; 12 + 30 = 42, and 7 × 6 = 42 too."

@@ -17,6 +17,7 @@ import math
 import platform
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -32,6 +33,21 @@ HEADLINE = (
     ("eval/reward_sampled", True),
     ("eval/loss", False),
 )
+
+
+#: a failed run's traceback, kept in its run directory (the terminal shows only the one-line message)
+ERROR_LOG = "error.log"
+
+
+def error_superseded(run_dir: Path) -> bool:
+    """Whether the run finished after the failure its ``error.log`` holds: ``summary.json`` (written when a
+    run ends) is newer, e.g. a start that failed and a ``--resume`` that then went through. Such an error is
+    history, not the run's failure; `oxrl report` decides the same way with this function."""
+    log, summary = Path(run_dir) / ERROR_LOG, Path(run_dir) / "summary.json"
+    try:
+        return log.is_file() and summary.is_file() and summary.stat().st_mtime > log.stat().st_mtime
+    except OSError:  # removed between the two looks
+        return False
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from oxrl_core.chat_templates import names as template_names
 from oxrl_core.config import LoraConfig, TrainConfig
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
-from oxrl_core.lora import default_targets
-from oxrl_core.models import _check_local_dir, resolve_model_path
-from oxrl_core.packed_attention import attention_fast_paths
-from oxrl_core.token_head import choose_path
+from oxrl_core.models.loading import _check_local_dir, resolve_model_path
+from oxrl_core.models.lora import default_targets
+from oxrl_core.models.packed_attention import attention_fast_paths
+from oxrl_core.models.token_head import choose_path
 
 #: head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

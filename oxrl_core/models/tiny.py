@@ -17,10 +17,11 @@ import shutil
 import string
 from pathlib import Path
 
-from oxrl_core import task
-from oxrl_core.data import IGNORE, collate, tokenise_messages, tokenise_prompt_response
+from oxrl_core.data import task
+from oxrl_core.data.batching import collate
+from oxrl_core.data.encode import IGNORE, tokenise_messages, tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
-from oxrl_core.progress import counter
+from oxrl_core.observability.progress import counter
 
 #: ``<|role|>content<|end|>`` per message. An assistant message's ``tool_calls`` (HF format, ``{"function": {"name",
 #: "arguments"}}`` or flat) follow its content, on a new line after non-empty content, exactly as the ``hermes`` tool

@@ -6,7 +6,7 @@ from the trainer. A process can be killed: the call counts as a timeout and noth
 
 How, and what an episode costs:
 
-- one *host* process per trainer process (``python -m oxrl_core.env_worker``, in a session of its own, started
+- one *host* process per trainer process (``python -m oxrl_core.rollout.env_worker``, in a session of its own, started
   on first use): it imports the environment's module once, builds one instance of it (so that per-process work —
   imports, the python environment's sandbox probe — is done once, and a constructor that fails is reported
   once), freezes its objects for the garbage collector, and then forks one worker per episode on request. A fork
@@ -213,7 +213,7 @@ class _Host:
     def __init__(self):
         parent, child = socket.socketpair()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "oxrl_core.env_worker", str(child.fileno())],
+            [sys.executable, "-m", "oxrl_core.rollout.env_worker", str(child.fileno())],
             pass_fds=[child.fileno()],
             start_new_session=True,  # no terminal signals; its workers are killed by it or by the trainer
             stdin=subprocess.DEVNULL,

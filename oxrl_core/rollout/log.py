@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from oxrl_core.distributed import is_main
-from oxrl_core.tracking import JsonlSink
+from oxrl_core.engines.distributed import is_main
+from oxrl_core.run_io.tracking import JsonlSink
 
 PROMPTS, SAMPLES, MAX_TOKENS, MAX_PROMPT_CHARS = 2, 4, 1024, 2000
 

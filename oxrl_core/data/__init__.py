@@ -1,0 +1,11 @@
+"""data: where rows come from and how they become batches.
+
+- `sources`: files, directories, saved datasets, dataset plugins, hub ids, mixtures of them
+- `rows`: every row checked against its format when the data loads (file, row and field named)
+- `encode`: the tokenisation convention (chat template, completion + EOS, labels)
+- `batching`: deterministic micro-batch plans, token budgets, the collator
+- `task`: the built-in offline task (arithmetic prompts with answers)
+
+May import: the leaves (errors, chat_templates), `interfaces`, `config`, `engines`, `observability`. Nothing here
+imports torch at module level.
+"""

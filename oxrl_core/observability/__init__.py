@@ -1,0 +1,5 @@
+"""observability: what a run shows about itself — the console progress while it runs (`progress`), the health
+findings read from its files (`health`), and the self-contained HTML report (`report`, `oxrl report`).
+
+May import: the leaves, `interfaces`, `config`, `engines` (to know the main rank). Nothing here imports torch.
+"""
