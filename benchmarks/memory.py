@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sft_throughput import _filler  # noqa: E402  (the benchmarks' shared row filler)
+from sft_throughput import _filler  # the benchmarks' shared row filler
 
 WORKLOADS = ("sft", "dpo", "sgrpo")
 SIDES = ("oxrl", "oxrl-plain", "trl")
@@ -69,7 +69,7 @@ def setup(workdir: Path, args) -> None:
     model.save_pretrained(workdir / "model")
     tokenizer.save_pretrained(workdir / "model")
     rng = random.Random(args.seed)
-    prompt = lambda: "Continue the chain. " + _filler(rng, args.prompt_tokens - 40)  # noqa: E731
+    prompt = lambda: "Continue the chain. " + _filler(rng, args.prompt_tokens - 40)
     sft = [
         {"prompt": prompt(), "response": _filler(rng, args.row_tokens - args.prompt_tokens)}
         for _ in range(args.batch * 8)

@@ -257,7 +257,7 @@ def _load_path(name: str) -> Any:
         obj = import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except Exception as exc:  # noqa: BLE001 - any failure in the user's code is one message naming it
+    except Exception as exc:  # any failure in the user's code is one message naming it
         raise OxrlError(
             f"env.tool_parser: tool-call parser '{name}' failed to load: {type(exc).__name__}: {exc}"
         ) from exc

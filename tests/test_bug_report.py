@@ -171,7 +171,7 @@ def test_bug_report_refuses_a_run_dir_that_is_not_one(tmp_path):
 def test_error_log_keeps_failures_not_requested_stops(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with lifecycle.error_log(tmp_path):
-            1 / 0  # noqa: B018 - the failure under test
+            1 / 0  # the failure under test
     log = (tmp_path / lifecycle.ERROR_LOG).read_text()
     assert "error: ZeroDivisionError: division by zero" in log and "in test_error_log_keeps" in log
     (tmp_path / lifecycle.ERROR_LOG).unlink()

@@ -26,8 +26,8 @@ from oxrl_core.scoring.rewards import RewardFailures
 from oxrl_core.tool_parsers import ToolCall, parser_for
 
 sys.path.insert(0, str(Path(__file__).parent))
-from archs import FAMILIES, HISTORY_REWRITING_TEMPLATE  # noqa: E402
-from archs import build_tokenizer as family_tokenizer  # noqa: E402
+from archs import FAMILIES, HISTORY_REWRITING_TEMPLATE
+from archs import build_tokenizer as family_tokenizer
 
 
 class Engine:
@@ -234,7 +234,7 @@ class Quiz(ToolEnvironment):
         Args:
             expr: an expression
         """
-        return str(eval(expr, {"__builtins__": {}}))  # noqa: S307 - test expressions only
+        return str(eval(expr, {"__builtins__": {}}))  # test expressions only, no builtins
 
 
 class Graded(Quiz):
@@ -367,7 +367,7 @@ def test_a_shard_plays_the_same_episodes_wherever_it_is_played():
     remote_backend = Remote(model, tok)
     remote = runner(remote_backend).play_sharded(rows, sampling, 0, shards=2, engine=None)
     assert remote_backend.shard_calls == 3  # one call per turn
-    as_ids = lambda eps: [(e.prompt_ids, e.token_ids, e.sampled) for e in eps]  # noqa: E731
+    as_ids = lambda eps: [(e.prompt_ids, e.token_ids, e.sampled) for e in eps]
     assert as_ids(alone) == as_ids(together) == as_ids(remote)
     assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12), 0))
     failures = EnvFailures("tool_echo")

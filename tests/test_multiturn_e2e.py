@@ -42,7 +42,7 @@ def test_calculator_demo_raises_held_out_accuracy_above_the_model_without_the_to
     before, after = summary["eval_before"]["eval/accuracy"], summary["eval_after"]["eval/accuracy"]
     metrics = read_metrics(run_dir)
     first, last = metrics[:5], metrics[-5:]
-    mean = lambda rows, k: sum(m[k] for m in rows) / len(rows)  # noqa: E731
+    mean = lambda rows, k: sum(m[k] for m in rows) / len(rows)
     assert after > before, (before, after)
     assert mean(last, "reward/mean") > mean(first, "reward/mean")
     assert all(m["env/tool_calls"] > 0 and m["env/errors"] == 0 for m in metrics)

@@ -37,7 +37,7 @@ import pytest
 pytest.importorskip("trl")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import trl_reference  # noqa: E402  (a test helper next to this file)
+import trl_reference  # a test helper next to this file
 
 TOL = 1e-4
 HIDDEN, LAYERS = 128, 2

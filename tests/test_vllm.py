@@ -16,17 +16,17 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e 'plugins/oxrl-vllm[cpu]' or '[gpu]')")
 
-from conftest import oxrl, read_metrics  # noqa: E402
-from test_rollout_hf import PROMPTS, check_well_formed, teacher_forced_logprobs, tokens  # noqa: E402
+from conftest import oxrl, read_metrics
+from test_rollout_hf import PROMPTS, check_well_formed, teacher_forced_logprobs, tokens
 
-from oxrl_core.config import RolloutConfig  # noqa: E402
+from oxrl_core.config import RolloutConfig
 from oxrl_core.data.encode import encode_prompt
-from oxrl_core.errors import OxrlError  # noqa: E402
-from oxrl_core.interfaces import RolloutBackend, SamplingParams  # noqa: E402
-from oxrl_core.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
-from oxrl_core.rollout.hf import HFRolloutBackend  # noqa: E402
-from oxrl_core.rollout.sync import check_weight_sync, probe_sequence  # noqa: E402
-from oxrl_vllm.backend import VLLMRolloutBackend, request_seed  # noqa: E402
+from oxrl_core.errors import OxrlError
+from oxrl_core.interfaces import RolloutBackend, SamplingParams
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.rollout.hf import HFRolloutBackend
+from oxrl_core.rollout.sync import check_weight_sync, probe_sequence
+from oxrl_vllm.backend import VLLMRolloutBackend, request_seed
 
 
 @pytest.fixture(scope="module")

@@ -198,7 +198,7 @@ def _prefill_cache(model, config) -> tuple[bool, str]:
         return False, f"{type(model).__name__} needs its own cache type: transformers' default generate path"
     try:
         cache = DynamicCache(config=config)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any failure means the default generate path, reported, not raised
         return (
             False,
             f"transformers cannot lay a cache out for this config ({type(exc).__name__}): default generate path",
@@ -277,7 +277,7 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
     tokenizer = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any load failure is one reported problem; the check goes on
         _problem(
             problems,
             "error",
@@ -302,7 +302,7 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
             trust_remote_code=trust_remote_code,
             output_loading_info=True,
         )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - any load failure is one reported problem; the check goes on
         _problem(
             problems,
             "error",

@@ -35,7 +35,7 @@ def checks() -> list[tuple[str, bool, str]]:
         if cuda:
             detail += f"; bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}"
         rows.append(("torch", True, detail))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a broken install fails in any way; doctor reports it as a row
         rows.append(("torch", False, f"cannot import: {exc}"))
     for label, module, dist, why in [
         ("transformers", "transformers", "transformers", "models and tokenizers"),
@@ -59,7 +59,7 @@ def checks() -> list[tuple[str, bool, str]]:
                 if module == "deepspeed" and not _cuda():
                     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it here, not in DeepSpeed's import warning
                 importlib.import_module(module)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a heavy import fails in any way; doctor reports it as a row
                 rows.append((label, False, f"{version} installed but import fails: {type(exc).__name__}: {exc}"))
                 continue
             if module == "deepspeed":

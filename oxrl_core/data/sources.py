@@ -294,7 +294,7 @@ def load_source(spec: str, split: str, registry=None, options: dict | None = Non
             from datasets import load_from_disk
 
             ds = load_from_disk(str(path))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - load_from_disk fails in several types for a directory it cannot read
             raise OxrlError(f"{path}: not a dataset saved with `datasets.save_to_disk` ({exc})") from None
         return Source(_from_hf(ds, str(path), split), str(path))
     if is_plugin:
@@ -451,4 +451,3 @@ class MixedDataset(Dataset):
 
     def verify(self, completion: str, row: dict) -> bool | None:
         return self.datasets[row.get("_source", 0)].verify(completion, row)
-

@@ -294,7 +294,7 @@ def load_causal_lm(
                 trust_remote_code=trust_remote_code,
                 output_loading_info=True,
             )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - from_pretrained fails in many types (OSError, ValueError, KeyError, ImportError, ...) for a bad checkpoint
         raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     check_loading(model, info, path, field)
     return model
@@ -339,7 +339,7 @@ def load_score_model(
                 trust_remote_code=trust_remote_code,
                 output_loading_info=True,
             )
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - from_pretrained fails in many types (OSError, ValueError, KeyError, ImportError, ...) for a bad checkpoint
         raise OxrlError(
             f"{field}: cannot load a sequence-classification model from '{path}': {type(exc).__name__}: {exc}"
         ) from None
