@@ -1,6 +1,6 @@
 """`arith`: the reward of the core's built-in arithmetic task.
 
-Scores 1.0 when ``oxrl_core.data.task.is_correct(completion, example["answer"])`` — the first
+Scores 1.0 when ``oxrl_core.first_integer_equals(completion, example["answer"])`` (the task's own check) — the first
 integer in the completion equals the gold ``answer`` — else 0.0. Needs ``answer``.
 """
 
@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from oxrl_core.data.task import is_correct
-from oxrl_core.interfaces import Reward
+from oxrl_core import Reward, first_integer_equals
 from oxrl_rewards._common import field
 
 
@@ -19,5 +18,6 @@ class ArithReward(Reward):
 
     def score(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[float]:
         return [
-            float(is_correct(c, field(ex, "answer", self.name))) for c, ex in zip(completions, examples, strict=True)
+            float(first_integer_equals(c, field(ex, "answer", self.name)))
+            for c, ex in zip(completions, examples, strict=True)
         ]

@@ -36,8 +36,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from oxrl_core.interfaces import Reward, StrictModel
-from oxrl_core.scoring.rewards import row_number
+from oxrl_core import Reward, StrictModel, row_number
 from oxrl_rewards._common import MissingFieldError
 from oxrl_rewards.sandbox import Limits, RunResult, Sandbox, SandboxError
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from oxrl_core.interfaces import Reward, StrictModel
-from oxrl_rewards._common import answer_tag, field
+from oxrl_core import Reward, StrictModel, answer_tag
+from oxrl_rewards._common import field
 
 
 def normalise(text: str, case_sensitive: bool = False) -> str:

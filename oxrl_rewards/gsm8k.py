@@ -13,11 +13,10 @@ Scores 1.0 when the completion's answer equals the gold answer as a number, else
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from oxrl_core.interfaces import Reward
-from oxrl_rewards._common import field, numbers, to_number
+from oxrl_core import Reward, numbers_equal, to_number
+from oxrl_rewards._common import field
 
 
 def gold_number(answer: str) -> float:
@@ -25,14 +24,6 @@ def gold_number(answer: str) -> float:
     if value is None:
         raise ValueError(f"reward 'gsm8k': the field 'answer' is not a number after '####': {answer!r}")
     return value
-
-
-def completion_number(completion: str) -> float | None:
-    if "####" in completion:
-        after = numbers(completion.split("####")[-1])
-        return after[0] if after else None
-    found = numbers(completion)
-    return found[-1] if found else None
 
 
 class GSM8KReward(Reward):
@@ -43,6 +34,5 @@ class GSM8KReward(Reward):
         scores = []
         for completion, example in zip(completions, examples, strict=True):
             gold = gold_number(field(example, "answer", self.name))
-            predicted = completion_number(completion)
-            scores.append(float(predicted is not None and math.isclose(predicted, gold, rel_tol=0.0, abs_tol=1e-6)))
+            scores.append(float(numbers_equal(completion, gold)))
         return scores

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from oxrl_core.interfaces import Reward, SamplingParams, StrictModel
+from oxrl_core import Reward, SamplingParams, StrictModel
 from oxrl_rewards.reward_model import Device, resolve_device
 
 DEFAULT_TEMPLATE = """You are a strict and fair judge. Rate how well the response answers the request: \
@@ -95,8 +95,7 @@ class LLMJudgeReward(Reward):
             return pattern
 
     def __init__(self, config: "LLMJudgeReward.Config | None" = None):
-        from oxrl_core.models.loading import load_causal_lm, load_tokenizer
-        from oxrl_core.rollout.hf import HFRolloutBackend
+        from oxrl_core import HFRolloutBackend, load_causal_lm, load_tokenizer
 
         super().__init__(config)
         cfg = self.config
@@ -129,7 +128,7 @@ class LLMJudgeReward(Reward):
 
     def generate(self, judge_prompts: list[str]) -> list[str]:
         """The judge's greedy answers, as text."""
-        from oxrl_core.data.encode import encode_prompt
+        from oxrl_core import encode_prompt
 
         ids = [encode_prompt(self.tokenizer, text) for text in judge_prompts]
         outputs = self.backend.generate(ids, self.sampling)

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Reward, StrictModel
-from oxrl_rewards._common import answer_tag, field, numbers, to_number
+from oxrl_core import Reward, StrictModel, answer_tag, numbers, to_number
+from oxrl_rewards._common import field
 
 
 class NumericReward(Reward):

@@ -16,9 +16,8 @@ from typing import Any
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Reward, StrictModel
-from oxrl_rewards._common import answer_tag, field
-from oxrl_rewards.math_answer import is_equivalent
+from oxrl_core import Reward, StrictModel, answer_tag, math_equivalent
+from oxrl_rewards._common import field
 from oxrl_rewards.tag_format import follows_format
 
 
@@ -37,7 +36,7 @@ class ReasoningReward(Reward):
         for completion, example in zip(completions, examples, strict=True):
             gold = field(example, "answer", self.name)
             tagged = answer_tag(completion)
-            correct = tagged is not None and is_equivalent(tagged, gold)
+            correct = tagged is not None and math_equivalent(tagged, gold)
             fmt = follows_format(completion)
             scores.append(self.config.format_weight * float(fmt) + self.config.correctness_weight * float(correct))
         return scores

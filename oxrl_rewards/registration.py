@@ -6,7 +6,7 @@ The files are `math_answer.py`, `tag_format.py` and `code_exec.py`, not `math.py
 working directory.
 """
 
-from oxrl_core.hookspecs import hookimpl
+from oxrl_core import hookimpl
 
 
 @hookimpl

@@ -28,8 +28,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import Reward, StrictModel
+from oxrl_core import OxrlError, Reward, StrictModel
 
 Device = Literal["auto", "cpu", "cuda"]
 
@@ -70,8 +69,7 @@ class RewardModelReward(Reward):
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from oxrl_core.hf_env import quiet_transformers
-        from oxrl_core.models.loading import load_tokenizer, resolve_model_path
+        from oxrl_core import load_tokenizer, resolve_model_path
 
         super().__init__(config)
         cfg = self.config
@@ -79,7 +77,6 @@ class RewardModelReward(Reward):
         dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if self.device == "cuda" else "float32")
         self.tokenizer = load_tokenizer(cfg.model, field="reward.model")  # pad = EOS when it has none
         path = resolve_model_path(cfg.model)
-        quiet_transformers()
         try:
             model, info = AutoModelForSequenceClassification.from_pretrained(
                 path, dtype=getattr(torch, dtype_name), output_loading_info=True
@@ -114,7 +111,7 @@ class RewardModelReward(Reward):
 
     def encode(self, prompt: Any, completion: str) -> list[int]:
         """Token ids of one row: chat-templated prompt, completion, EOS; the last ``max_length`` kept."""
-        from oxrl_core.data.encode import encode_completion, encode_prompt
+        from oxrl_core import encode_completion, encode_prompt
 
         ids = encode_prompt(self.tokenizer, prompt) + encode_completion(self.tokenizer, completion)
         return ids[-self.config.max_length :]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from oxrl_core.interfaces import Reward
+from oxrl_core import Reward
 
 _BODY = r"(?:(?!</?think>|</?answer>).)*"  # any text that contains none of the four tags
 FORMAT = re.compile(rf"\s*<think>{_BODY}</think>\s*<answer>{_BODY}</answer>\s*", re.DOTALL)

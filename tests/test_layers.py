@@ -15,6 +15,8 @@ a layer here. Imports made through ``importlib`` (the package's lazy ``__getattr
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # L0 leaves: nothing of oxRL but each other (errors); no torch at import
     0: ("oxrl_core", "oxrl_core.errors", "oxrl_core.schema", "oxrl_core.ops", "oxrl_core.atomic",
         "oxrl_core.hookspecs", "oxrl_core.hf_env", "oxrl_core.user_code", "oxrl_core.tool_parsers",
-        "oxrl_core.chat_templates", "oxrl_core.redact"),
+        "oxrl_core.chat_templates", "oxrl_core.redact", "oxrl_core.answers"),
     # L1 the contracts: plugin interfaces, batch types, the engine protocol
     1: ("oxrl_core.interfaces",),
     # L2 the run configuration (YAML schema) and the plugin registry
@@ -313,3 +315,201 @@ def test_checker_reads_function_level_imports_from_source(tmp_path):
     assert lazy_problems(edges) == [
         "fakepkg.b:2 (function-level) imports fakepkg.a: no 'lazy:' comment saying why it is not at module level"
     ]
+
+
+# ------------------------------------------------------------------------------------------------
+# The plugin boundary: a distribution other than the core imports only the public API
+# ------------------------------------------------------------------------------------------------
+
+#: the modules of the core a plugin may import: the package (its ``__all__``) and the four kept for existing plugins
+PUBLIC_MODULES = ("oxrl_core", "oxrl_core.interfaces", "oxrl_core.ops", "oxrl_core.errors", "oxrl_core.hookspecs")
+#: what a plugin's own tree may hold that is not its source
+_NOT_SOURCE = {".git", ".venv", "venv", "build", "dist", "node_modules", "__pycache__", ".pytest_cache"}
+
+
+def distributions(root: Path = ROOT) -> list[Path]:
+    """Every distribution in the repository other than the core: a directory with a ``pyproject.toml``."""
+    return sorted(
+        p.parent
+        for p in root.rglob("pyproject.toml")
+        if p.parent != root and not _NOT_SOURCE.intersection(p.relative_to(root).parts)
+    )
+
+
+def distribution_files(dist: Path) -> list[Path]:
+    """A distribution's Python files (its packages, tests and scripts), build outputs left out."""
+    return sorted(
+        p
+        for p in dist.rglob("*.py")
+        if not _NOT_SOURCE.intersection(p.relative_to(dist).parts)
+        and not any(part.endswith(".egg-info") for part in p.relative_to(dist).parts)
+    )
+
+
+def private_imports(
+    path: Path, public_names: frozenset[str], label: str | None = None, package: str = PACKAGE
+) -> list[str]:
+    """Every import in one file (module-level and function-level) of a private module of ``package``, or of a
+    name ``from package import`` that its ``__all__`` (``public_names``) does not list; as ``file:line`` messages."""
+    label = label or str(path)
+    tree = ast.parse(path.read_text())
+    inside_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside_function.update(id(sub) for sub in ast.walk(node) if sub is not node)
+    public = {package, *(package + m[len(PACKAGE) :] for m in PUBLIC_MODULES)}
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bad = [a.name for a in node.names if a.name.startswith(package + ".") and a.name not in public]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module == package:
+            bad = [f"{package}.{a.name}" for a in node.names if a.name != "*" and a.name not in public_names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(package + "."):
+            bad = [node.module] if node.module not in public else []
+        else:
+            continue
+        kind = "function-level" if id(node) in inside_function else "module-level"
+        problems += [
+            (node.lineno, f"{label}:{node.lineno} ({kind}) imports {name}: not {package}'s public API") for name in bad
+        ]
+    return [message for _, message in sorted(problems)]
+
+
+def _public_names() -> frozenset[str]:
+    import oxrl_core
+
+    return frozenset(oxrl_core.__all__)
+
+
+DISTRIBUTIONS = distributions()
+
+
+def test_the_distributions_are_found():
+    names = {d.relative_to(ROOT).as_posix() for d in DISTRIBUTIONS}
+    assert {"oxrl_rewards", "oxrl_algs_rl", "plugins/oxrl-datasets", "plugins/oxrl-envs"} <= names, names
+
+
+@pytest.mark.parametrize("dist", DISTRIBUTIONS, ids=lambda d: d.relative_to(ROOT).as_posix())
+def test_plugins_import_only_the_public_api(dist):
+    names = _public_names()
+    problems = [
+        problem
+        for path in distribution_files(dist)
+        for problem in private_imports(path, names, label=path.relative_to(ROOT).as_posix())
+    ]
+    assert not problems, (
+        "a plugin imports only `oxrl_core` (its __all__) and oxrl_core.interfaces / .ops / .errors / .hookspecs; "
+        "export what it needs from oxrl_core/__init__.py or drop the need:\n" + "\n".join(problems)
+    )
+
+
+def test_the_scaffolded_plugins_import_only_the_public_api(tmp_path):
+    """What ``oxrl new-plugin`` writes, of every kind, imports only the public API."""
+    from oxrl_core.commands.scaffold import KINDS, create
+
+    names = _public_names()
+    problems = []
+    for kind in KINDS:
+        root = create(f"fake_{kind}", tmp_path, kind=kind)
+        problems += [
+            problem
+            for path in distribution_files(root)
+            for problem in private_imports(path, names, label=f"scaffold {kind}: {path.relative_to(root)}")
+        ]
+        assert distribution_files(root), kind
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readme_example_plugin_imports_only_the_public_api(tmp_path):
+    """The README's example plugin (``oxrl_myalg``): its imports are public and every name resolves."""
+    import re
+
+    import oxrl_core
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "oxrl_myalg/" in b.split("\n")[0]]
+    assert len(blocks) >= 2, "the README's example plugin (oxrl_myalg/__init__.py, oxrl_myalg/algorithm.py) moved"
+    names, problems = _public_names(), []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"block{i}.py"
+        path.write_text(block)
+        problems += private_imports(path, names, label=f"README oxrl_myalg block {i}")
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(PACKAGE):
+                module = importlib.import_module(node.module)
+                assert all(hasattr(module, a.name) for a in node.names), ast.unparse(node)
+    assert not problems, "\n".join(problems)
+    assert oxrl_core.Algorithm is importlib.import_module("oxrl_core.interfaces").Algorithm
+
+
+def test_the_public_api_resolves_and_stays_light():
+    """Every name in ``oxrl_core.__all__`` resolves; ``import oxrl_core`` loads no torch; ``from oxrl_core import
+    ops`` (a module) works as a name does."""
+    code = (
+        "import sys, oxrl_core\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'import oxrl_core loaded torch'\n"
+        "from oxrl_core import OxrlError, hookimpl, Algorithm, ToolEnvironment, answers\n"
+        "assert 'torch' not in sys.modules, 'the interfaces loaded torch'\n"
+        "from oxrl_core import ops, errors\n"
+        "import oxrl_core.ops, oxrl_core.interfaces, oxrl_core.errors, oxrl_core.hookspecs\n"
+        "assert ops is oxrl_core.ops and errors.OxrlError is OxrlError\n"
+        "missing = [n for n in oxrl_core.__all__ if getattr(oxrl_core, n, None) is None]\n"
+        "assert not missing, missing\n"
+        "assert sorted(set(oxrl_core.__all__)) == sorted(oxrl_core.__all__), 'a name twice in __all__'\n"
+        "assert set(oxrl_core.__all__) <= set(dir(oxrl_core))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+# the checkers on planted cases
+
+
+def test_the_plugin_checker_catches_a_private_import(tmp_path):
+    plugin = tmp_path / "oxrl-fake"
+    (plugin / "oxrl_fake").mkdir(parents=True)
+    (plugin / "pyproject.toml").write_text("[project]\nname = 'oxrl-fake'\n")
+    (plugin / "oxrl_fake" / "__init__.py").write_text(
+        "import oxrl_core.models.loading\n"  # 1: module-level, import form
+        "from oxrl_core import Algorithm, hookimpl, ops\n"  # public
+        "from oxrl_core.interfaces import StrictModel\n"  # public (kept for existing plugins)
+        "from oxrl_core.models import loading\n"  # 4: module-level, from form
+        "import oxrl_core.ops\n"  # public
+        "\n"
+        "def f():\n"
+        "    import oxrl_core.data.encode\n"  # 8: function-level, import form
+        "    from oxrl_core.rollout import hf\n"  # 9: function-level, from form
+        "    from oxrl_core import load_tokenizer, models\n"  # 10: `models` is a private sub-package, not a name
+        "    from . import sibling\n"  # relative: the plugin's own
+        "    return lambda: __import__('x')\n"
+    )
+    (plugin / "oxrl_fake" / "build").mkdir()
+    (plugin / "oxrl_fake" / "build" / "old.py").write_text("import oxrl_core.loops.rl\n")  # build output: not read
+    assert distributions(tmp_path) == [plugin]
+    files = distribution_files(plugin)
+    assert [f.name for f in files] == ["__init__.py"]
+    names = frozenset({"Algorithm", "hookimpl", "ops", "load_tokenizer"})
+    problems = private_imports(files[0], names, label="oxrl_fake/__init__.py")
+    assert problems == [
+        "oxrl_fake/__init__.py:1 (module-level) imports oxrl_core.models.loading: not oxrl_core's public API",
+        "oxrl_fake/__init__.py:4 (module-level) imports oxrl_core.models: not oxrl_core's public API",
+        "oxrl_fake/__init__.py:8 (function-level) imports oxrl_core.data.encode: not oxrl_core's public API",
+        "oxrl_fake/__init__.py:9 (function-level) imports oxrl_core.rollout: not oxrl_core's public API",
+        "oxrl_fake/__init__.py:10 (function-level) imports oxrl_core.models: not oxrl_core's public API",
+    ]
+
+
+def test_the_layer_checker_catches_a_planted_upward_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    for sub in ("data", "loops"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "loops" / "y.py").write_text("from pkg.data import x\n")  # downward: fine
+    (pkg / "data" / "x.py").write_text("def f():\n    # lazy: planted\n    from pkg.loops.y import thing\n")
+    layers = {0: ("pkg",), 5: ("pkg.data", "pkg.data.*"), 10: ("pkg.loops", "pkg.loops.*")}
+    edges = import_graph(tmp_path, "pkg")
+    assert layer_problems(edges, layers) == [
+        "pkg.data.x:3 (function-level) imports pkg.loops.y: upward import (L5 -> L10)"
+    ]
+    assert find_cycles(edges) == [["pkg.data.x", "pkg.loops.y"]]

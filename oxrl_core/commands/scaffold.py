@@ -50,8 +50,7 @@ token, ``mask`` (B, T-1), and ``logp_mean`` (B, T-1) = (1/V) Σ_v log π(v) beca
 
 from pydantic import Field
 
-from oxrl_core import Algorithm
-from oxrl_core.interfaces import StrictModel
+from oxrl_core import Algorithm, StrictModel
 
 
 class {cls}(Algorithm):
@@ -118,7 +117,7 @@ For an episode-level reward, define ``reward(self, row, messages) -> float``.
 
 from pydantic import Field
 
-from oxrl_core.interfaces import StrictModel, ToolEnvironment
+from oxrl_core import StrictModel, ToolEnvironment
 
 
 class {cls}(ToolEnvironment):
@@ -146,7 +145,7 @@ class {cls}(ToolEnvironment):
 
 ENV_TEST = """from collections import Counter
 
-from oxrl_core.tool_parsers import HermesParser, ToolCall
+from oxrl_core import HermesParser, ToolCall
 from oxrl_{name}.environment import {cls}
 
 

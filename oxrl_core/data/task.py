@@ -13,8 +13,9 @@ from __future__ import annotations
 import ast
 import operator
 import random
-import re
 from typing import Literal
+
+from oxrl_core.answers import first_integer_equals
 
 MAX_OPERAND = 19
 EVAL_SIZE = 100
@@ -59,13 +60,9 @@ def rows(split: str) -> list[dict]:
     return [_row(*p) for p in chosen]
 
 
-_INT = re.compile(r"-?\d+")
-
-
 def is_correct(completion: str, answer: str) -> bool:
     """The completion is correct when the first integer it contains equals the answer."""
-    match = _INT.search(completion)
-    return match is not None and match.group() == str(answer).strip()
+    return first_integer_equals(completion, answer)
 
 
 # ----------------------------------------------------------------------------- products, with a calculator

@@ -15,7 +15,7 @@ last number — equals ``answer`` numerically (``$1,234.00`` = ``1234``).
 
 from __future__ import annotations
 
-from oxrl_datasets.answers import gsm8k_answer, numbers_equal
+from oxrl_core import gsm8k_answer, numbers_equal
 from oxrl_datasets.sources import SourceConfig, SourceDataset, SourceRow, hub_id_field, subset_field
 
 

@@ -26,7 +26,7 @@ has one) and ``answer``, as the ``math`` reward of oxrl-rewards checks it.
 
 from __future__ import annotations
 
-from oxrl_datasets.answers import last_boxed, math_equivalent
+from oxrl_core import last_boxed, math_equivalent
 from oxrl_datasets.sources import SourceConfig, SourceDataset, SourceRow, hub_id_field, subset_field
 
 SUBJECTS = (

@@ -22,7 +22,7 @@ has one) and ``answer``, as the ``math`` reward of oxrl-rewards checks it.
 
 from __future__ import annotations
 
-from oxrl_datasets.answers import math_equivalent
+from oxrl_core import math_equivalent
 from oxrl_datasets.sources import (
     SourceConfig,
     SourceDataset,

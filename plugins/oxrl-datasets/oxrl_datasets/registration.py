@@ -5,7 +5,7 @@ The MATH module is `hendrycks_math.py`, not `math.py`: a module named like a sta
 one shadows it whenever this directory is the working directory.
 """
 
-from oxrl_core.hookspecs import hookimpl
+from oxrl_core import hookimpl
 
 
 @hookimpl

@@ -39,8 +39,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import Dataset
+from oxrl_core import Dataset, OxrlError
 
 SPLITS = ("train", "eval")
 
@@ -164,7 +163,7 @@ def pick_split(ds_dict, split_name: str, dataset: str, origin: str, split: str):
 def read_file(path: Path, dataset: str, option: str) -> Part:
     """One JSONL/JSON/Parquet file (JSON/JSONL also ``.gz``/``.bz2``/``.xz``; ``.zst`` through `datasets`),
     every row of it. A bad byte, bad JSON or an unreadable file is an `OxrlError` naming the file and line."""
-    from oxrl_core.data.sources import path_kind, read_data_file
+    from oxrl_core import path_kind, read_data_file
 
     label = f"dataset '{dataset}': {option}"
     if path_kind(str(path), label) != "file":
@@ -295,7 +294,7 @@ def read_split(dataset: str, config: SourceConfig, split: str, subsets: list[str
         if not config.hub_id:
             raise OxrlError(f"dataset '{dataset}': set `path` (a local copy) or `hub_id`")
         return [read_hub(config, dataset, split_name, s, columns) for s in subsets] if split_name else []
-    from oxrl_core.data.sources import path_kind
+    from oxrl_core import path_kind
 
     path = Path(config.path).expanduser()
     kind = path_kind(config.path, f"dataset '{dataset}': path")

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from oxrl_core.interfaces import StrictModel, ToolEnvironment
+from oxrl_core import StrictModel, ToolEnvironment
 from oxrl_rewards import sandbox as _sandbox
 from oxrl_rewards.sandbox import RUNNER, Limits, RunResult, Sandbox
 

@@ -1,6 +1,6 @@
 """One entry point per environment. Each registers an import path, so discovery imports no environment."""
 
-from oxrl_core.hookspecs import hookimpl
+from oxrl_core import hookimpl
 
 
 @hookimpl

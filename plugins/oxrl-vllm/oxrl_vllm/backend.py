@@ -56,8 +56,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, StrictModel
+from oxrl_core import Completion, OxrlError, RolloutBackend, SamplingParams, StrictModel
 
 #: engine arguments the backend sets itself (`engine_kwargs` may not override them)
 _OWNED = {
@@ -257,7 +256,7 @@ class VLLMRolloutBackend(RolloutBackend):
         if not on_gpu:
             # a chunked prefill rewinds a seeded request's generator, which the CPU generator cannot do
             engine_args.setdefault("enable_chunked_prefill", False)
-        from oxrl_core.models.lora import is_peft
+        from oxrl_core import is_peft
 
         adapter = is_peft(model) and (options.lora == "adapter" or (options.lora == "auto" and on_gpu))
         if adapter:
@@ -394,7 +393,7 @@ class VLLMRolloutBackend(RolloutBackend):
             self.policy_version = policy_version
             return
         if isinstance(state, torch.nn.Module):
-            from oxrl_core.models.lora import policy_state_dict
+            from oxrl_core import policy_state_dict
 
             state = policy_state_dict(
                 state
@@ -422,7 +421,7 @@ class VLLMRolloutBackend(RolloutBackend):
         from peft import get_peft_model_state_dict
         from vllm.lora.request import LoRARequest
 
-        from oxrl_core.models.lora import is_peft
+        from oxrl_core import is_peft
 
         if not is_peft(model):
             raise OxrlError(

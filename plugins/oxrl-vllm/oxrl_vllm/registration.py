@@ -1,6 +1,6 @@
 """One entry point, an import path: `oxrl plugins` lists the backend without importing vLLM or torch."""
 
-from oxrl_core.hookspecs import hookimpl
+from oxrl_core import hookimpl
 
 
 @hookimpl
