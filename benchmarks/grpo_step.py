@@ -159,7 +159,7 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, tag: str, pr
             "max_grad_norm": 1.0,
             "precision": "fp32",
             "seed": args.seed,
-            "save_steps": 0,
+            "save_every": 0,
         },
         rollout={
             "backend": "hf",

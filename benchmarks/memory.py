@@ -101,7 +101,7 @@ def _train_cfg(args, steps: int, chunk: int) -> dict:
         "weight_decay": 0.0,
         "max_grad_norm": 1.0,
         "seed": args.seed,
-        "save_steps": 0,
+        "save_every": 0,
         "logits_chunk_size": chunk,
     }
 

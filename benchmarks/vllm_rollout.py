@@ -109,7 +109,7 @@ def main() -> None:
         prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in task_rows("train")[: args.prompts]]
         backend, start_s = timed(
             lambda: VLLMRolloutBackend.build(
-                model, tokenizer, str(model_dir), RolloutConfig(backend="vllm", options={"lora": args.lora_mode})
+                model, tokenizer, str(model_dir), RolloutConfig(backend="vllm", lora=args.lora_mode)
             )
         )
         llm, eos = backend.llm, tokenizer.eos_token_id

@@ -24,7 +24,7 @@ from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 class DPO(Algorithm):
     name = "dpo"
-    family = "preference"
+    loop = "preference"
     data_format = "preference"
     needs_ref = True
     loss_weighting = "sequences"

@@ -23,7 +23,7 @@ from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 class IPO(Algorithm):
     name = "ipo"
-    family = "preference"
+    loop = "preference"
     data_format = "preference"
     needs_ref = True
     loss_weighting = "sequences"

@@ -28,7 +28,7 @@ from oxrl_core.interfaces import Algorithm, StrictModel, UnpairedPreferenceBatch
 
 class KTO(Algorithm):
     name = "kto"
-    family = "preference"
+    loop = "preference"
     data_format = "unpaired"
     needs_ref = True
     loss_weighting = "sequences"

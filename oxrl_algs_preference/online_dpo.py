@@ -28,10 +28,9 @@ from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, Stri
 
 class OnlineDPO(Algorithm):
     name = "online_dpo"
-    family = "preference"
+    loop = "rl"  # trained on its own generations (the RL loop)
     data_format = "prompt"
     needs_ref = True
-    needs_rollouts = True
     min_group_size = 2
     loss_on_groups = True
     loss_weighting = "sequences"

@@ -29,7 +29,7 @@ def log_odds(avg_logp: torch.Tensor) -> torch.Tensor:
 
 class ORPO(Algorithm):
     name = "orpo"
-    family = "preference"
+    loop = "preference"
     data_format = "preference"
     loss_weighting = "sequences"
 

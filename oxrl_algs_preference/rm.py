@@ -22,7 +22,7 @@ from oxrl_core.interfaces import Algorithm, ScoreBatch, StrictModel
 
 class RM(Algorithm):
     name = "rm"
-    family = "preference"
+    loop = "preference"
     data_format = "preference"
     head = "score"
     loss_weighting = "sequences"

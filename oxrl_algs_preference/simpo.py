@@ -20,7 +20,7 @@ from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 class SimPO(Algorithm):
     name = "simpo"
-    family = "preference"
+    loop = "preference"
     data_format = "preference"
     loss_weighting = "sequences"
 

@@ -27,7 +27,7 @@ from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
 
 class SPIN(Algorithm):
     name = "spin"
-    family = "preference"
+    loop = "preference"
     data_format = "prompt_response"
     needs_ref = True
     self_play = True

@@ -25,9 +25,8 @@ from oxrl_core.ops import group_advantages, masked_mean
 
 class CISPO(Algorithm):
     name = "cispo"
-    family = "rl"
+    loop = "rl"
     data_format = "prompt"
-    needs_rollouts = True
     min_group_size = 2
 
     class Config(StrictModel):

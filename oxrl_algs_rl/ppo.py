@@ -72,9 +72,8 @@ def gae(
 
 class PPO(Algorithm):
     name = "ppo"
-    family = "rl"
+    loop = "rl"
     data_format = "prompt"
-    needs_rollouts = True
     needs_critic = True
 
     class Config(StrictModel):

@@ -34,9 +34,8 @@ from oxrl_core.ops import group_advantages, k3_kl, masked_mean
 
 class SGRPO(Algorithm):
     name = "sgrpo"
-    family = "rl"
+    loop = "rl"
     data_format = "prompt"
-    needs_rollouts = True
     #: samples compared within a group (rollout.n must be at least this)
     min_group_size = 2
 

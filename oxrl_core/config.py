@@ -10,6 +10,9 @@ dotted field, so the CLI can print it without a traceback.
 from __future__ import annotations
 
 import copy
+import difflib
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -28,6 +31,98 @@ from oxrl_core.chat_templates import check_chat_template
 from oxrl_core.errors import OxrlError
 from oxrl_core.schema import StrictModel, format_validation_error, validate_options
 from oxrl_core.tool_parsers import parser_for
+
+#: Keys renamed in the config vocabulary: old dotted name -> new. Read from a YAML file, a --set, the Python API's
+#: sections and an older run's config.yaml (--resume, oxrl report), each with a one-line note naming the new key
+#: (`rename_keys`, `apply_overrides`); both names given at once is an error naming both. config.yaml is written with
+#: the new names. ``rollout.options.<key>`` (the rollout backend's options, once nested) is read as ``rollout.<key>``.
+RENAMED_KEYS = {
+    "train.save_steps": "train.save_every",
+    "train.eval_steps": "train.eval_every",
+    "train.log_steps": "train.log_every",
+    "train.save_limit": "train.save_total_limit",
+    "rollout.epochs": "rollout.passes_per_batch",
+}
+#: the old mapping of the rollout backend's own options, now written flat beside rollout.backend
+OLD_ROLLOUT_OPTIONS = "rollout.options"
+
+
+def deprecation_note(old: str, new: str) -> str:
+    """The one-line note an old key gets (printed once per key per run, prefixed ``note:``)."""
+    if old == OLD_ROLLOUT_OPTIONS:
+        return f"{old} is deprecated; write the rollout backend's options flat under rollout: ({new})"
+    return f"{old} is deprecated; use {new}"
+
+
+def _both_given(old: str, new: str) -> str:
+    return f"{old} and {new} are both set; {old} is the old name of {new}: keep only {new}"
+
+
+def _core_option(key: str) -> str:
+    """An option under the old rollout.options whose flat name is one of oxRL's own rollout keys."""
+    return (
+        f"{OLD_ROLLOUT_OPTIONS}.{key}: the rollout backend's options now sit flat under rollout:, where {key} is "
+        f"oxRL's own rollout.{key}; a backend option cannot share its name"
+    )
+
+
+def _renamed_section(data: Any, section: str) -> Any:
+    """One section's mapping with its old key names replaced by the new ones (no note: the models' own
+    validators, for a section built in Python; a YAML file goes through `rename_keys` first)."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        (sec, old_key), new_key = old.split("."), new.split(".")[1]
+        if sec == section and old_key in data:
+            if new_key in data:
+                raise ValueError(_both_given(old, new))
+            data[new_key] = data.pop(old_key)
+    if section == "rollout" and "options" in data:
+        options = data.pop("options")
+        if not isinstance(options, dict):
+            raise ValueError(
+                f"{OLD_ROLLOUT_OPTIONS} must be a mapping of the backend's options (or write them "
+                f"flat under rollout:), got {type(options).__name__}"
+            )
+        for key, value in options.items():
+            if key in RolloutConfig.model_fields:
+                raise ValueError(_core_option(key))
+            if key in data:
+                raise ValueError(_both_given(f"{OLD_ROLLOUT_OPTIONS}.{key}", f"rollout.{key}"))
+            data[key] = value
+    return data
+
+
+def rename_keys(raw: dict, source: str, notes: list[str] | None = None) -> dict:
+    """``raw`` (a YAML file's or a saved config.yaml's mapping) with the old key names of `RENAMED_KEYS` (and the
+    ``rollout.options`` mapping) moved to the new ones; a note per old key is added to ``notes``. An old and a new
+    name of the same key both given: an `OxrlError` naming both."""
+    out = dict(raw)
+    for section in {old.split(".")[0] for old in RENAMED_KEYS}:
+        before = out.get(section)
+        if not isinstance(before, dict):
+            continue
+        try:
+            out[section] = _renamed_section(before, section)
+        except ValueError as exc:
+            raise OxrlError(f"invalid config ({source}):\n  {exc}") from None
+        for old, new in RENAMED_KEYS.items():
+            if old.startswith(f"{section}.") and old.split(".")[1] in before and notes is not None:
+                notes.append(deprecation_note(old, new))
+        if section == "rollout" and isinstance(before.get("options"), dict) and notes is not None:
+            flat = ", ".join(f"rollout.{key}" for key in before["options"]) or "rollout.<option>"
+            notes.append(deprecation_note(OLD_ROLLOUT_OPTIONS, flat))
+    return out
+
+
+def _renamed_key(key: str) -> tuple[str, str | None]:
+    """A --set key in the new vocabulary, and the old name it was given by (None when it is not an old one)."""
+    if key in RENAMED_KEYS:
+        return RENAMED_KEYS[key], key
+    if key.startswith(f"{OLD_ROLLOUT_OPTIONS}."):
+        return "rollout." + key.removeprefix(f"{OLD_ROLLOUT_OPTIONS}."), OLD_ROLLOUT_OPTIONS
+    return key, None
 
 
 class ModelConfig(StrictModel):
@@ -148,7 +243,7 @@ class TrainConfig(StrictModel):
         "this many scored tokens at a time (each chunk's logits recomputed in backward), so no (tokens, vocabulary) "
         "float32 tensor is built; 0 = the model's full logits",
     )
-    save_steps: int = Field(
+    save_every: int = Field(
         500,
         ge=0,
         description="checkpoint every N steps, or every train.save_minutes, whichever comes first "
@@ -157,11 +252,7 @@ class TrainConfig(StrictModel):
     save_minutes: float = Field(
         30.0, ge=0, description="checkpoint when this many minutes passed since the last one (0 = not by time)"
     )
-    save_total_limit: int = Field(
-        2,
-        ge=0,
-        description="keep only the newest N checkpoints (0 = keep all); the old name train.save_limit is accepted",
-    )
+    save_total_limit: int = Field(2, ge=0, description="keep only the newest N checkpoints (0 = keep all)")
     seed: int = Field(
         42,
         ge=0,
@@ -184,10 +275,10 @@ class TrainConfig(StrictModel):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto = bf16 autocast on a GPU that supports it"
     )
-    log_steps: int = Field(
+    log_every: int = Field(
         10, gt=0, description="progress line every N steps when not on a terminal (metrics.jsonl gets every step)"
     )
-    eval_steps: int = Field(0, ge=0, description="evaluate every N steps (0 = before and after training only)")
+    eval_every: int = Field(0, ge=0, description="evaluate every N steps (0 = before and after training only)")
     precompute_ref_logps: bool = Field(
         False,
         description="preference: reference log-probabilities of every pair once before training, then free the reference model",
@@ -208,12 +299,23 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _old_save_limit(cls, data: Any) -> Any:
-        """``train.save_limit`` (the key's old name) still works; it wins over ``save_total_limit`` because oxRL
-        itself only ever writes the new name (a resumed run's saved config has it, a --set may bring the old)."""
-        if isinstance(data, dict) and "save_limit" in data:
-            data = {k: v for k, v in data.items() if k != "save_limit"} | {"save_total_limit": data["save_limit"]}
-        return data
+    def _old_names(cls, data: Any) -> Any:
+        """Old key names given to the model directly (``TrainConfig(save_steps=1)``) read as the new ones; a YAML
+        file or --set goes through `rename_keys` / `apply_overrides`, which also print the deprecation note."""
+        return _renamed_section(data, "train")
+
+    # Temporary read-only aliases of the old attribute names, for code not yet moved to the new ones.
+    @property
+    def save_steps(self) -> int:
+        return self.save_every
+
+    @property
+    def eval_steps(self) -> int:
+        return self.eval_every
+
+    @property
+    def log_steps(self) -> int:
+        return self.log_every
 
 
 class EngineConfig(StrictModel):
@@ -283,12 +385,20 @@ class EngineConfig(StrictModel):
 
 
 class RolloutConfig(StrictModel):
+    """``backend`` picks the rollout backend plugin; any key beyond the ones below is that backend's own option
+    (validated by its Config: vllm's tensor_parallel_size, dtype, gpu_memory_utilization, kv_cache_gb, ...; hf
+    takes none). The old ``rollout.options: {...}`` mapping is still read (flattened, with a note)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     backend: str = Field("hf", description="rollout backend plugin (`hf` ships in the core)")
     n: int = Field(4, gt=0, description="samples per prompt (the group size of group-relative methods)")
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    epochs: int = Field(1, gt=0, description="passes over each rollout batch")
+    passes_per_batch: int = Field(
+        1, gt=0, description="passes over each rollout batch (each pass: rollout.minibatches optimiser steps)"
+    )
     minibatches: int = Field(
         1, gt=0, description="optimiser steps per pass (the rollout batch is split this many ways)"
     )
@@ -299,11 +409,6 @@ class RolloutConfig(StrictModel):
         ge=0,
         description="run the backend in this many Ray actors of its own, each loading the policy and synced "
         "from the trainer (0 = inside the training process)",
-    )
-    options: dict[str, Any] = Field(
-        default_factory=dict,
-        description="the backend's own options, validated by its Config (vllm: tensor_parallel_size, dtype, "
-        "gpu_memory_utilization, kv_cache_gb, ...; hf takes none)",
     )
     sync_check: bool = Field(
         True,
@@ -342,6 +447,35 @@ class RolloutConfig(StrictModel):
         description="stop the run (checkpoints kept) after this many steps in a row over max_reward_error_share; "
         "0 = never stop",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_names(cls, data: Any) -> Any:
+        """Old names given to the model directly (``RolloutConfig(epochs=2, options={...})``); see `rename_keys`."""
+        return _renamed_section(data, "rollout")
+
+    @model_validator(mode="after")
+    def _typo_of_own_key(self) -> "RolloutConfig":
+        """A key beside the ones above is the backend's option, validated when the backend loads; one that is a
+        near miss of oxRL's own rollout keys (``temprature``) is refused here, naming the key it means."""
+        for key in self.model_extra or {}:
+            close = difflib.get_close_matches(key, [k for k in type(self).model_fields if k != key], n=1, cutoff=0.8)
+            if close:
+                raise ValueError(
+                    f"'{key}' is not a rollout key (did you mean '{close[0]}'?); keys other than oxRL's own "
+                    f"rollout keys are the rollout backend's options"
+                )
+        return self
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The backend's own options: the ``rollout:`` keys beyond the ones above (`rollout_options`)."""
+        return dict(self.model_extra or {})
+
+    # Temporary read-only alias of the old attribute name, for code not yet moved to the new one.
+    @property
+    def epochs(self) -> int:
+        return self.passes_per_batch
 
     @field_validator("tis_cap")
     @classmethod
@@ -435,6 +569,12 @@ class RunConfig(StrictModel):
     logging: LoggingConfig = LoggingConfig()
     lora: LoraConfig = LoraConfig()
     alg: dict[str, Any] = Field(default_factory=dict)
+    #: deprecation notes of the old key names the config was read with (`read_run_config`)
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        return self._notes
 
 
 #: Hyper-parameters that suit the built-in tiny model; applied under the user's
@@ -487,9 +627,13 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b=c`` strings; the value is parsed as YAML (``1e-5``, ``true``, ``[1, 2]``)."""
+def apply_overrides(raw: dict, overrides: list[str], notes: list[str] | None = None) -> dict:
+    """Apply ``a.b=c`` strings; the value is parsed as YAML (``1e-5``, ``true``, ``[1, 2]``). An old key name
+    (`RENAMED_KEYS`) sets the new key, with a note added to ``notes``; the old and the new name of one key both
+    among the overrides is an error naming both."""
     raw = copy.deepcopy(raw)
+    spelled: dict[str, str] = {}  # new key -> the name an override gave it by
+    pending: list[tuple[str, str, Any]] = []
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -499,6 +643,18 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             value = text
+        if key == OLD_ROLLOUT_OPTIONS and isinstance(value, dict):  # --set rollout.options={a: 1}: each flat
+            pending += [(item, f"{key}.{option}", option_value) for option, option_value in value.items()]
+        else:
+            pending.append((item, key, value))
+    for item, given, value in pending:
+        key, old = _renamed_key(given)
+        if key != given and key.removeprefix("rollout.") in RolloutConfig.model_fields and old == OLD_ROLLOUT_OPTIONS:
+            raise OxrlError(f"--set {item!r}: {_core_option(key.removeprefix('rollout.'))}")
+        if spelled.setdefault(key, given) != given:
+            raise OxrlError(f"--set {item!r}: {_both_given(*sorted((spelled[key], given), key=lambda k: k == key))}")
+        if old is not None and notes is not None:
+            notes.append(deprecation_note(old, key))
         node = raw
         parts = key.split(".")
         for part in parts[:-1]:
@@ -510,6 +666,43 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+@dataclass
+class RawRunConfig:
+    """A run's config as read (YAML or a saved config, old key names renamed, --set applied), not yet validated:
+    `read_run_config` makes it once per run, `validate_run_config` turns it into the `RunConfig`."""
+
+    raw: dict
+    source: str
+    #: one deprecation note per old key name read (without the ``note:`` prefix), in order, no repeats
+    notes: list[str] = dataclass_field(default_factory=list)
+
+    @property
+    def algorithm(self) -> str:
+        value = self.raw.get("algorithm")
+        return value if isinstance(value, str) else ""
+
+    def section(self, name: str) -> dict:
+        value = self.raw.get(name)
+        return value if isinstance(value, dict) else {}
+
+
+def read_run_config(
+    config_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    algorithm: str | None = None,
+    base: dict | None = None,
+) -> RawRunConfig:
+    """Read YAML (or `base`, e.g. a saved config.yaml), rename old keys (with notes), apply overrides."""
+    source = str(config_path) if config_path else "--set / defaults"
+    notes: list[str] = []
+    raw = read_yaml(config_path) if config_path else copy.deepcopy(base or {})
+    raw = rename_keys(raw, source, notes)
+    raw = apply_overrides(raw, overrides or [], notes)
+    if algorithm:
+        raw["algorithm"] = algorithm
+    return RawRunConfig(raw, source, list(dict.fromkeys(notes)))
+
+
 def load_run_config(
     config_path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -518,11 +711,13 @@ def load_run_config(
     tiny_defaults: dict | None = None,
 ) -> RunConfig:
     """Read YAML (or `base`), apply overrides, fill tiny-model defaults, validate."""
-    raw = read_yaml(config_path) if config_path else copy.deepcopy(base or {})
-    raw = apply_overrides(raw, overrides or [])
-    if algorithm:
-        raw["algorithm"] = algorithm
-    source = str(config_path) if config_path else "--set / defaults"
+    return validate_run_config(read_run_config(config_path, overrides, algorithm, base), tiny_defaults)
+
+
+def validate_run_config(read: RawRunConfig, tiny_defaults: dict | None = None) -> RunConfig:
+    """Fill tiny-model defaults (``tiny_defaults``, default `TINY_DEFAULTS`) under ``read`` and validate; the
+    deprecation notes travel in `RunConfig.notes`."""
+    raw, source = read.raw, read.source
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
     if train.get("epochs") is not None and "max_steps" in train:  # one thing said two ways (the config's own keys)
@@ -549,6 +744,7 @@ def load_run_config(
             raise OxrlError(f"invalid config ({source}):\n  {exc}") from None
     if not config.algorithm:
         raise OxrlError("no algorithm given: pass --alg NAME or set `algorithm:` in the config (see `oxrl plugins`)")
+    config._notes = list(read.notes)
     return config
 
 

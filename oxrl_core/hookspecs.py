@@ -6,7 +6,7 @@ hook                           registers                                        
 register_algorithms(register)  `oxrl_core.interfaces.Algorithm` subclasses       --alg / ``algorithm`` (``alg.*``)
 register_rewards(register)     `oxrl_core.interfaces.Reward` subclasses          ``reward.name`` (``reward.*``)
 register_datasets(register)    `oxrl_core.interfaces.Dataset` subclasses         ``data.train`` / ``data.eval``
-register_rollout_backends(..)  `oxrl_core.interfaces.RolloutBackend` subclasses  ``rollout.backend`` (``rollout.options``)
+register_rollout_backends(..)  `oxrl_core.interfaces.RolloutBackend` subclasses  ``rollout.backend`` (``rollout.*``)
 register_environments(..)      `oxrl_core.interfaces.Environment` subclasses     ``env.name`` (``env.*``)
 =============================  ================================================  =============================
 

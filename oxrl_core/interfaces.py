@@ -29,6 +29,7 @@ __all__ = [
     "Family",
     "DataFormat",
     "StrictModel",
+    "Loop",
     "SupervisedBatch",
     "RLAdvantagesBatch",
     "RLLossBatch",
@@ -46,7 +47,10 @@ __all__ = [
     "ToolEnvironment",
 ]
 
-Family = Literal["rl", "preference", "supervised"]
+#: the loop that trains an algorithm (`Algorithm.loop`)
+Loop = Literal["supervised", "preference", "rl"]
+#: the old name of `Loop` (from the deprecated ``Algorithm.family``), kept for plugins that import it
+Family = Loop
 DataFormat = Literal["prompt", "prompt_response", "text", "preference", "unpaired"]
 
 
@@ -189,14 +193,14 @@ class Engine(Protocol):
 class Algorithm(ABC):
     """The maths of one post-training method, and nothing else.
 
-    An algorithm declares what it needs (the class flags below) and turns tensors into a loss. The
-    loop for its ``family`` does the forward passes (policy, reference, teacher, critic) and hands
-    the results over in ``batch``; no distributed code, device juggling or I/O belongs in an
-    algorithm. What ``batch`` holds, by loop:
+    An algorithm declares what it needs (the class flags below) and turns tensors into a loss. Its
+    ``loop`` does the forward passes (policy, reference, teacher, critic) and hands the results over
+    in ``batch``; no distributed code, device juggling or I/O belongs in an algorithm. What ``batch``
+    holds, by loop:
 
     - supervised (`SupervisedBatch`): per-token ``logp`` of the labels, optionally ``logp_mean``
       (`uses_logp_mean`) and ``kl_teacher`` (``needs_teacher``, at τ = `distill_temperature`);
-    - RL (``needs_rollouts``): `advantages` gets an `RLAdvantagesBatch` and returns tensors to add
+    - RL (``loop = "rl"``): `advantages` gets an `RLAdvantagesBatch` and returns tensors to add
       to it (usually ``adv`` (B, T)) and metrics; `loss` then gets minibatches of all of that plus
       the current policy's terms (`RLLossBatch`); ``tis_weight`` multiplies each token's
       policy-gradient term;
@@ -210,14 +214,12 @@ class Algorithm(ABC):
     #   flag            default   meaning                                           read by
     #   --------------  --------  ------------------------------------------------  ---------------------------
     #   name            required  the registered name                               registry, logs
-    #   family          required  "rl" | "preference" | "supervised"                trainer: the loop (without
-    #                                                                               rollouts), engine checks;
-    #                                                                               launcher: the warm start
+    #   loop            required  "supervised" | "preference" | "rl": the loop      trainer: the loop, engine
+    #                             that trains it; "rl" = on its own generations     checks, tiny-model defaults;
+    #                             (RL, and RFT, online DPO whatever their kind)     launcher: the warm start
     #   data_format     required  the row format loaded (`Dataset.formats` of the   supervised, preference loops
     #                             sources must include it)
     #   needs_ref       False     the reference policy's logprobs are provided      `uses_ref()` (RL, preference)
-    #   needs_rollouts  False     trained on its own generations, whatever its      trainer, launcher
-    #                             family (RFT, online DPO): the RL loop runs it
     #   needs_teacher   False     a teacher is loaded, ``kl_teacher`` computed      supervised loop
     #   needs_critic    False     a critic V(s_t) (`critic_layout`); ``values``     RL loop
     #                             and ``values_new`` are provided
@@ -235,10 +237,14 @@ class Algorithm(ABC):
     #                             of the policy at each of `iterations()` parts
 
     name: ClassVar[str]
-    family: ClassVar[Family]
+    loop: ClassVar[Loop]
     data_format: ClassVar[DataFormat]
+    #
+    #   A plugin class that still declares the old ``family`` / ``needs_rollouts`` (needs_rollouts = True ran
+    #   the RL loop whatever the family) keeps working: `__init_subclass__` derives ``loop`` from them and
+    #   records them in ``deprecated_flags``; the run prints `deprecation_note` once.
+
     needs_ref: ClassVar[bool] = False
-    needs_rollouts: ClassVar[bool] = False
     needs_teacher: ClassVar[bool] = False
     needs_critic: ClassVar[bool] = False
     loss_weighting: ClassVar[Literal["tokens", "sequences"]] = "tokens"
@@ -251,8 +257,36 @@ class Algorithm(ABC):
     class Config(StrictModel):
         """The algorithm's own hyper-parameters (the ``alg:`` section)."""
 
+    #: the deprecated flags (``family``, ``needs_rollouts``) the class declares instead of ``loop``
+    deprecated_flags: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: "Algorithm.Config | None" = None):
         self.config = config if config is not None else self.Config()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """``loop`` from the old flags of a class that declares them instead: ``needs_rollouts = True`` ran the
+        RL loop, otherwise ``family`` named the loop (an invalid value is reported when the plugin loads)."""
+        super().__init_subclass__(**kwargs)
+        own = [flag for flag in ("family", "needs_rollouts") if flag in vars(cls)]
+        if not own:
+            return
+        cls.deprecated_flags = tuple(own)
+        if "loop" in vars(cls):
+            return
+        if getattr(cls, "needs_rollouts", False) is True:
+            cls.loop = "rl"
+        elif hasattr(cls, "family"):
+            cls.loop = cls.family
+
+    @classmethod
+    def deprecation_note(cls) -> str:
+        """One line for a class that declares the old flags (empty for one that declares ``loop``)."""
+        if not cls.deprecated_flags:
+            return ""
+        flags = " / ".join(cls.deprecated_flags)
+        loop = getattr(cls, "loop", None)
+        use = f"loop = {loop!r}" if loop is not None else "loop"
+        return f"algorithm '{getattr(cls, 'name', cls.__name__)}': {flags} is deprecated; use {use}"
 
     def uses_ref(self) -> bool:
         """Whether the loop must provide ``logp_ref`` (an algorithm may decide from its config)."""
@@ -279,7 +313,7 @@ class Algorithm(ABC):
 
     def advantages(self, batch: RLAdvantagesBatch) -> tuple[dict[str, "torch.Tensor"], dict[str, float]]:
         """RL only: per-token tensors to add to the rollout batch (usually ``adv`` (B, T)), and metrics."""
-        raise NotImplementedError(f"{type(self).__name__} needs rollouts but does not define advantages()")
+        raise NotImplementedError(f"{type(self).__name__} runs in the RL loop but does not define advantages()")
 
     @abstractmethod
     def loss(self, batch: dict[str, "torch.Tensor"]) -> tuple["torch.Tensor", dict[str, "torch.Tensor | float"]]:
@@ -368,7 +402,7 @@ class RolloutBackend(ABC):
     model: Any = None
 
     class Config(StrictModel):
-        """The backend's own options (``rollout.options``); none by default."""
+        """The backend's own options (the ``rollout:`` keys beside ``rollout.backend``); none by default."""
 
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
@@ -391,19 +425,23 @@ class RolloutBackend(ABC):
 
     @classmethod
     def parse_options(cls, config) -> "RolloutBackend.Config":
-        """``rollout.options`` validated by this backend's `Config` (an error names the field)."""
+        """The backend's options (the ``rollout:`` keys beyond oxRL's own, written flat beside ``rollout.backend``)
+        validated by this backend's `Config` (an error names the field, ``rollout.<option>``)."""
         options = dict(getattr(config, "options", None) or {})
         if options and not cls.Config.model_fields:
             raise OxrlError(
-                f"rollout.options: the '{cls.name}' rollout backend takes no options, got {sorted(options)}"
+                f"rollout.{sorted(options)[0]}: the '{cls.name}' rollout backend takes no options, got "
+                f"{sorted(options)} (the rollout keys are {', '.join(type(config).model_fields)})"
+                if hasattr(type(config), "model_fields")
+                else f"rollout: the '{cls.name}' rollout backend takes no options, got {sorted(options)}"
             )
-        return validate_options(cls.Config, options, field="rollout.options", source=f"rollout backend '{cls.name}'")
+        return validate_options(cls.Config, options, field="rollout", source=f"rollout backend '{cls.name}'")
 
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "RolloutBackend":
         """Construct the backend for a run: the trainer's ``model`` and ``tokenizer``, the path the
-        policy was loaded from, and the ``rollout:`` config section (its ``options`` are this
-        backend's, see `parse_options`)."""
+        policy was loaded from, and the ``rollout:`` config section (its keys beyond oxRL's own are this
+        backend's options, see `parse_options`)."""
         cls.parse_options(config)
         return cls(model, tokenizer)
 

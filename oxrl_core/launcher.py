@@ -126,7 +126,7 @@ def _prepare_shared(trainer) -> None:
         return
     from oxrl_core.models.loading import initial_policy_path, resolve_model_path  # lazy: torch only once a run starts
 
-    if trainer.algorithm_cls.needs_rollouts or trainer.algorithm_cls.family == "preference":
+    if trainer.algorithm_cls.loop in ("rl", "preference"):
         from oxrl_core.observability.progress import Reporter  # lazy: as above
 
         initial_policy_path("", reporter=Reporter(trainer.quiet))
@@ -263,7 +263,7 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
     resume = (
         f"The newest complete checkpoint is {last}; continue with: oxrl run --resume --output-dir {run_dir}"
         if last
-        else "No checkpoint was written yet (train.save_steps sets how often)."
+        else "No checkpoint was written yet (train.save_every sets how often)."
     )
     causes = [(rank, getattr(exc, "cause", None)) for rank, exc in failures]
     died = [f for f in failures if isinstance(f[1], ray.exceptions.RayActorError)]

@@ -11,7 +11,7 @@ name is refused until the user chooses — ``package:name`` (``--alg oxrl-algs-s
 entry-point name works in place of the package) or the ``OXRL_PLUGINS`` allow-list.
 
 A class a run asks for is checked against its interface (`check_contract`) before any model loads:
-a missing ``loss()``, ``family`` or (with rollouts) ``advantages()`` is one message naming the
+a missing ``loss()``, ``loop`` or (in the RL loop) ``advantages()`` is one message naming the
 package, not a traceback after the rollouts.
 
 Environment:
@@ -35,7 +35,7 @@ import pluggy
 
 from oxrl_core import hookspecs, interfaces
 from oxrl_core.errors import OxrlError, PluginError
-from oxrl_core.interfaces import Algorithm, DataFormat, Family, StrictModel
+from oxrl_core.interfaces import Algorithm, DataFormat, Loop, StrictModel
 from oxrl_core.schema import validate_options
 from oxrl_core.user_code import import_file
 
@@ -405,7 +405,7 @@ def reset() -> None:
 def check_contract(kind: str, obj: Any, reg: Registration) -> None:
     """Refuse a plugin class that breaks its interface (`oxrl_core.interfaces`), naming the package and every
     problem. Checked when a run loads it, before any model: otherwise a missing ``loss()`` is an abstract-class
-    TypeError, a missing ``family`` an AttributeError, and a missing ``advantages()`` surfaces only after the
+    TypeError, a missing ``loop`` an AttributeError, and a missing ``advantages()`` surfaces only after the
     models have loaded and the first rollout has run."""
     base = {
         "algorithm": interfaces.Algorithm,
@@ -452,18 +452,22 @@ def _one_of(cls: type, attr: str, allowed: tuple, required: bool = True) -> list
 
 
 def _algorithm_problems(cls: type) -> list[str]:
-    problems = _one_of(cls, "family", get_args(Family)) + _one_of(cls, "data_format", get_args(DataFormat))
-    for flag in ("needs_ref", "needs_rollouts", "needs_teacher", "needs_critic", "loss_on_groups", "self_play"):
+    # the deprecated flags a plugin may still declare instead of `loop` (Algorithm.__init_subclass__ derives it)
+    problems = _one_of(cls, "family", get_args(Loop), required=False)
+    problems += _one_of(cls, "needs_rollouts", (True, False), required=False)
+    if not problems:
+        problems += _one_of(cls, "loop", get_args(Loop))
+    problems += _one_of(cls, "data_format", get_args(DataFormat))
+    for flag in ("needs_ref", "needs_teacher", "needs_critic", "loss_on_groups", "self_play"):
         problems += _one_of(cls, flag, (True, False))
     problems += _one_of(cls, "loss_weighting", ("tokens", "sequences")) + _one_of(cls, "head", ("lm", "score"))
     if not (type(cls.min_group_size) is int and cls.min_group_size >= 1):
         problems.append(f"min_group_size = {cls.min_group_size!r} must be an integer >= 1")
     if not isinstance(cls.default_reward, str):
         problems.append(f"default_reward = {cls.default_reward!r} must be a reward name (a string)")
-    if getattr(cls, "needs_rollouts", False) is True and cls.advantages is Algorithm.advantages:
-        problems.append(
-            "needs_rollouts = True but it does not define advantages() (the RL loop calls it on every rollout batch)"
-        )
+    if getattr(cls, "loop", None) == "rl" and cls.advantages is Algorithm.advantages:
+        declared = "needs_rollouts = True" if getattr(cls, "needs_rollouts", False) is True else "loop = 'rl'"
+        problems.append(f"{declared} but it does not define advantages() (the RL loop calls it on every rollout batch)")
     return problems
 
 

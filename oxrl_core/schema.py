@@ -66,7 +66,7 @@ def format_validation_error(exc: ValidationError, model_cls, source: str, prefix
 
 def validate_options(config_cls, options: Any, *, field: str, source: str) -> Any:
     """A plugin's options validated by its ``Config``, the one validation of every plugin kind: an error
-    names each YAML field as ``field.option`` (``alg.beta``, ``reward.timeout_s``, ``rollout.options.x``,
+    names each YAML field as ``field.option`` (``alg.beta``, ``reward.timeout_s``, ``rollout.x``,
     ``data.train[0].split``) under ``invalid config (source)``."""
     try:
         return config_cls.model_validate(options)

@@ -17,19 +17,22 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from oxrl_core import plugins
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import (
     TINY_PREF_DEFAULTS,
     TINY_RL_DEFAULTS,
+    RawRunConfig,
     RunConfig,
     check_env,
     dump_yaml,
-    load_run_config,
     merge_config,
+    read_run_config,
     read_yaml,
     reward_options,
+    validate_run_config,
 )
 from oxrl_core.data.sources import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
@@ -197,18 +200,10 @@ class Trainer:
             alg = self._alias(alg)
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
-        self.config: RunConfig = load_run_config(config, sets, algorithm=alg, base=base)
-        if not alg and self._alias(self.config.algorithm) != self.config.algorithm:  # `algorithm: grpo` in a YAML
-            alg = self.config.algorithm = self._alias(self.config.algorithm, note=False)
-        self.algorithm_cls = load_algorithm(self.config.algorithm, self.registry)
-        if self.algorithm_cls.needs_rollouts:  # tiny-model defaults of the RL loop (and of its environment)
-            self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_RL_DEFAULTS)
-            if self.config.env.name:
-                env_cls = self.registry.load_checked("environment", self.config.env.name)
-                defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
-                self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=defaults)
-        elif self.algorithm_cls.family == "preference":  # ... and of the preference loop
-            self.config = load_run_config(config, sets, algorithm=alg, base=base, tiny_defaults=TINY_PREF_DEFAULTS)
+        self.config: RunConfig = self._load_config(read_run_config(config, sets, algorithm=alg, base=base), alg)
+        for note in [*self.config.notes, self.algorithm_cls.deprecation_note()]:  # old key names, old class flags
+            if note:
+                self._note(f"[yellow]note:[/yellow] {escape(note)}")
         self.algorithm = self.registry.build(
             "algorithm", self.config.algorithm, self.config.alg, field="alg", source=str(source or "--set / defaults")
         )
@@ -217,12 +212,44 @@ class Trainer:
             raise OxrlError(
                 f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"
             )
-        check_engine(self.config, self.algorithm_cls.family, self.algorithm_cls.needs_rollouts)
+        check_engine(self.config, self.algorithm_cls.loop, self.algorithm_cls.loop == "rl")
         absolute_paths(self.config)  # config.yaml's paths read the same from any working directory (--resume)
         self._preflight()
         if self.run_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.run_dir = Path("runs") / f"{_dir_name(self.config.algorithm)}-{stamp}"
+
+    def _load_config(self, read: RawRunConfig, alg: str | None) -> RunConfig:
+        """The run's config, read once (`read_run_config`) and validated once, under the tiny-model defaults of
+        the algorithm's loop (and of its environment), which ``read`` names; sets `algorithm_cls`. A config
+        error is reported before an unknown algorithm or environment, as validation comes first."""
+        if not alg and read.algorithm:  # `algorithm: grpo` in a YAML: the algorithm the alias runs
+            alias = self._alias(read.algorithm, note=False)
+            if alias != read.algorithm:
+                validate_run_config(read)  # a config error first, then the alias's note
+                self._alias(read.algorithm)
+                read.raw["algorithm"] = alias
+        if not read.algorithm:
+            validate_run_config(read)  # names the problem: a bad config, or no algorithm given
+        try:
+            self.algorithm_cls = load_algorithm(read.algorithm, self.registry)
+        except OxrlError:
+            validate_run_config(read)
+            raise
+        defaults = None
+        if self.algorithm_cls.loop == "rl":  # tiny-model defaults of the RL loop (and of its environment)
+            defaults = TINY_RL_DEFAULTS
+            env_name = read.section("env").get("name")
+            if env_name and isinstance(env_name, str):
+                try:
+                    env_cls = self.registry.load_checked("environment", env_name)
+                except OxrlError:
+                    validate_run_config(read, defaults)
+                    raise
+                defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
+        elif self.algorithm_cls.loop == "preference":  # ... and of the preference loop
+            defaults = TINY_PREF_DEFAULTS
+        return validate_run_config(read, defaults)
 
     def _in_memory(self, model, data, tokenizer, eval_data) -> tuple[Any, Any]:
         """Rows held in memory (a list of row dicts, a `datasets.Dataset`) as data / eval_data, and a loaded model
@@ -330,14 +357,14 @@ class Trainer:
                 if missing and self.registry.has("dataset", spec):  # an ambiguous or broken dataset plugin
                     self.registry.load_checked("dataset", spec)
         if cfg.env.name:
-            if not self.algorithm_cls.needs_rollouts:
+            if self.algorithm_cls.loop != "rl":
                 raise OxrlError(
                     f"env.name={cfg.env.name}: environments drive the RL loop's rollouts, and '{cfg.algorithm}' "
                     "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
                 )
         check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
-        if self.algorithm_cls.needs_rollouts:
-            self.registry.load_checked("rollout_backend", cfg.rollout.backend)  # its class checked too
+        if self.algorithm_cls.loop == "rl":  # the backend's class checked, and its options (rollout.<option>)
+            self.registry.check("rollout_backend", cfg.rollout.backend, cfg.rollout, field="rollout")
             if cfg.reward.name:  # the class and its own options (reward.*), before any warm start
                 self.registry.check("reward", cfg.reward.name, reward_options(cfg), field="reward")
 
@@ -429,7 +456,7 @@ class Trainer:
                     f"--resume: {run_dir} finished ({steps or 'all'} steps) without keeping a checkpoint, so there is no "
                     f"optimizer state to continue from (final/ holds only the weights). To train further, start a new run "
                     f"from those weights: oxrl run --alg {self.config.algorithm} --set model.name={run_dir / 'final'} "
-                    f"-o NEW_DIR (train.save_steps / train.save_minutes keep checkpoints)"
+                    f"-o NEW_DIR (train.save_every / train.save_minutes keep checkpoints)"
                 )
             if steps:
                 raise OxrlError(
@@ -487,25 +514,23 @@ class Trainer:
             Console(stderr=True, soft_wrap=True).print(message, highlight=False)
 
     def run_loop(self, ckpt: Path | None) -> RunResult:
-        """The algorithm family's loop, in this process (one rank of a data-parallel run, or the whole run);
+        """The algorithm's loop, in this process (one rank of a data-parallel run, or the whole run);
         models and tokenizers load with the run's ``model.revision`` / ``dtype`` / ``chat_template``."""
         with model_options(self.config.model):
             return self._run_loop(ckpt)
 
     def _run_loop(self, ckpt: Path | None) -> RunResult:
-        family = self.algorithm_cls.family
-        if self.algorithm_cls.needs_rollouts:
+        loop = self.algorithm_cls.loop
+        if loop == "rl":
             from oxrl_core.loops.rl import run_rl  # lazy: the loops import torch
 
             return run_rl(self, ckpt)
-        if family == "supervised":
+        if loop == "supervised":
             from oxrl_core.loops.supervised import run_supervised  # lazy: the loops import torch
 
             return run_supervised(self, ckpt)
-        if family == "preference":
+        if loop == "preference":
             from oxrl_core.loops.preference import run_preference  # lazy: the loops import torch
 
             return run_preference(self, ckpt)
-        raise OxrlError(
-            f"algorithm '{self.config.algorithm}' is a '{family}' algorithm; this oxrl core has no '{family}' loop yet"
-        )
+        raise OxrlError(f"algorithm '{self.config.algorithm}' runs in a '{loop}' loop; this oxrl core has no such loop")

@@ -237,7 +237,7 @@ def test_sft_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
         "train.max_steps=1",
         f"train.batch_size={len(SFT_ROWS)}",
         "train.lr=1e-6",
-        "train.save_steps=0",
+        "train.save_every=0",
     )
     padded = run_cli("sft", tmp_path / "padded", *common)[0]["loss"]
     packed = run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]["loss"]
@@ -262,7 +262,7 @@ def test_dpo_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
         f"train.batch_size={len(PAIRS)}",
         "train.lr=1e-6",
         f"alg.beta={beta}",
-        "train.save_steps=0",
+        "train.save_every=0",
     )
     padded = run_cli("dpo", tmp_path / "padded", *common)[0]["loss"]
     packed = run_cli("dpo", tmp_path / "packed", *common, "data.packing=true")[0]["loss"]
@@ -284,7 +284,7 @@ def _sgrpo(model_dir: Path, tmp_path: Path, name: str, *sets: str) -> dict:
         "rollout.n=3",
         "rollout.max_new_tokens=8",
         f"reward.name={reward}:LengthReward",
-        "train.save_steps=0",
+        "train.save_every=0",
         "train.precision=fp32",
         *sets,
     )[0]
@@ -322,7 +322,7 @@ def test_ppo_runs_one_step(family, arch_model, tmp_path):
         "rollout.n=2",
         "rollout.max_new_tokens=6",
         f"reward.name={reward}:LengthReward",
-        "train.save_steps=0",
+        "train.save_every=0",
         "train.precision=fp32",
     )
     assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
@@ -350,7 +350,7 @@ def test_packed_sft_subprocess_on_a_sliding_window_model(arch_model, tmp_path):
         "--set",
         "data.packing=true",
         "--set",
-        "train.save_steps=0",
+        "train.save_every=0",
         "-q",
         "-o",
         str(run),
@@ -390,7 +390,7 @@ def test_gemma2_soft_capping_is_what_transformers_sdpa_computes(arch_model, tmp_
         f"data.train={data}",
         "train.max_steps=1",
         f"train.batch_size={len(SFT_ROWS)}",
-        "train.save_steps=0",
+        "train.save_every=0",
         "model.attn_implementation=eager",
     )
     assert run_cli("sft", tmp_path / "padded", *common)[0]["loss"] == pytest.approx(expected, abs=1e-5)
@@ -422,7 +422,7 @@ def test_packing_falls_back_when_shared_prompts_do_not_apply(arch_model, tmp_pat
         "train.max_steps=1",
         f"train.batch_size={len(PAIRS)}",
         "alg.beta=2.0",
-        "train.save_steps=0",
+        "train.save_every=0",
         "data.packing=true",
     )[0]["loss"]
     assert loss == pytest.approx(plain_dpo_loss(policy, ref, PAIRS, 2.0), abs=1e-4)

@@ -154,7 +154,7 @@ def test_existing_run_dir_is_refused_without_resume(tmp_path, tiny_model_dir, sf
         "run",
         "-q",
     ]
-    first = oxrl(*args, "--set", "train.save_steps=1", cwd=tmp_path)
+    first = oxrl(*args, "--set", "train.save_every=1", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     run_dir = tmp_path / "run"
     assert (run_dir / "checkpoints" / "step-1" / "trainer_state.json").is_file()

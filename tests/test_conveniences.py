@@ -48,7 +48,7 @@ def _sft(tmp_path: Path, model_dir: Path, *args: str) -> subprocess.CompletedPro
         "--set",
         "train.batch_size=8",
         "--set",
-        "train.save_steps=0",
+        "train.save_every=0",
         "--set",
         "train.save_minutes=0",
         *args,
@@ -405,7 +405,7 @@ def test_api_takes_rows_a_dataset_and_a_loaded_model(tmp_path, tiny_model_dir):
         tokenizer=tokenizer,
         data=SFT_ROWS,
         eval_data=datasets.Dataset.from_list(SFT_ROWS[:5]),
-        train={"max_steps": 2, "batch_size": 8, "save_steps": 1},
+        train={"max_steps": 2, "batch_size": 8, "save_every": 1},
         output_dir=run,
         quiet=True,
     )
@@ -437,7 +437,7 @@ def test_api_resume_with_other_rows_is_refused(tmp_path, tiny_model_dir):
 
     run = tmp_path / "run"
     common = dict(model=str(tiny_model_dir), output_dir=run, quiet=True)
-    Trainer(alg="sft", data=SFT_ROWS, train={"max_steps": 2, "batch_size": 8, "save_steps": 1}, **common).train()
+    Trainer(alg="sft", data=SFT_ROWS, train={"max_steps": 2, "batch_size": 8, "save_every": 1}, **common).train()
     with pytest.raises(OxrlError, match=r"--resume: the 36 in-memory train rows differ from those .* trained on"):
         Trainer(alg="sft", data=SFT_ROWS[::-1], train={"max_steps": 3}, resume=True, **common).train()
     result = Trainer(alg="sft", data=SFT_ROWS, train={"max_steps": 3}, resume=True, **common).train()
@@ -529,9 +529,8 @@ def test_grpo_in_a_yaml_config_and_a_plugin_that_registers_grpo_wins(tmp_path):
 
     class Grpo(Algorithm):  # a plugin of that name: no alias then
         name = "grpo"
-        family = "rl"
+        loop = "rl"
         data_format = "prompt"
-        needs_rollouts = True
 
         def loss(self, batch):  # pragma: no cover - never trained here
             raise NotImplementedError

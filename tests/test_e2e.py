@@ -54,7 +54,7 @@ def test_run_directory_contract(tmp_path, tiny_model_dir, sft_jsonl):
             "--set",
             "train.max_steps=4",
             "--set",
-            "train.save_steps=2",
+            "train.save_every=2",
             "--set",
             "train.batch_size=4",
             "-o",
@@ -85,7 +85,7 @@ def test_run_directory_contract(tmp_path, tiny_model_dir, sft_jsonl):
 def test_examples_run(alg, tmp_path, tiny_model_dir, teacher_model_dir):
     """Each example YAML runs a couple of steps (tiny model swapped in to keep it quick; no warm-up: the examples'
     own is longer than two steps, which a run refuses)."""
-    sets = ["--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=2", "--set", "train.save_steps=1"]
+    sets = ["--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=2", "--set", "train.save_every=1"]
     sets += ["--set", "train.warmup_steps=0"]
     if alg == "kd":
         sets += ["--set", f"model.teacher={teacher_model_dir}"]
@@ -199,9 +199,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
         "--set",
         "train.max_steps=80",
         "--set",
-        "train.save_steps=10",
+        "train.save_every=10",
         "--set",
-        "train.save_limit=2",
+        "train.save_total_limit=2",
         "--set",
         "train.lr=1e-3",
         "--set",
@@ -230,7 +230,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert "resuming from" in resumed.stderr
     steps = [m["step"] for m in read_metrics(killed)]
     assert steps == list(range(1, 81))  # nothing lost, nothing logged twice
-    assert len(list((killed / "checkpoints").iterdir())) == 2  # save_limit
+    assert len(list((killed / "checkpoints").iterdir())) == 2  # save_total_limit
     _assert_same_weights(full / "final", killed / "final", atol=1e-5)
     full_losses = [m["loss"] for m in read_metrics(full)]
     resumed_losses = [m["loss"] for m in read_metrics(killed)]
@@ -310,7 +310,7 @@ def test_non_finite_loss_stops_with_a_clear_message_and_keeps_checkpoints(tmp_pa
         "--set",
         "train.max_steps=20",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
         "--set",
         "train.lr=1e30",
         "--set",
@@ -371,7 +371,7 @@ def test_default_offline_run_raises_heldout_accuracy(tmp_path):
 
 def test_resume_without_output_dir_continues_the_newest_run(tmp_path, tiny_model_dir, sft_jsonl):
     """`oxrl run --alg sft --resume` finds runs/sft-* on its own and extends it (here from 4 to 6 steps)."""
-    sets = ["--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}", "--set", "train.save_steps=2"]
+    sets = ["--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}", "--set", "train.save_every=2"]
     _ok(oxrl("run", "--alg", "sft", *sets, "--set", "train.max_steps=5", cwd=tmp_path))
     [run] = list((tmp_path / "runs").glob("sft-*"))
     assert (run / "checkpoints" / "step-4").is_dir()

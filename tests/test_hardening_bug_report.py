@@ -155,7 +155,7 @@ def test_a_tracking_uri_mlflow_rejects_is_one_message_and_its_bug_report_has_no_
     run = tmp_path / "run"
     proc = oxrl(
         "run", "--alg", "sft", "-q", "-o", str(run), "--set", f"model.name={tiny_model_dir}",
-        "--set", "train.max_steps=2", "--set", "train.eval_steps=0", "--set", "logging.mlflow=true",
+        "--set", "train.max_steps=2", "--set", "train.eval_every=0", "--set", "logging.mlflow=true",
         "--set", f"logging.mlflow_tracking_uri={DB_URI}",
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr

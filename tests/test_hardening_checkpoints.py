@@ -20,7 +20,7 @@ from conftest import oxrl, read_metrics
 from oxrl_core.errors import OxrlError
 from oxrl_core.run_io.checkpoint import MANIFEST, checkpoint_problem, latest_checkpoint, list_checkpoints
 
-FAST = ["--set", "train.save_steps=1", "--set", "train.save_total_limit=0"]
+FAST = ["--set", "train.save_every=1", "--set", "train.save_total_limit=0"]
 
 
 def cli(*args: str):

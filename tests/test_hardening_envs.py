@@ -55,7 +55,7 @@ def sets(tmp_path, **extra) -> list[str]:
     values = {
         "model.name": warm_start_dir(), "data.train": rows, "env.max_turns": 3, "env.max_tokens": 48,
         "train.batch_size": 4, "rollout.n": 4, "rollout.max_new_tokens": 8, "reward.name": "arith",
-        "train.eval_steps": 0, **extra,
+        "train.eval_every": 0, **extra,
     }  # fmt: skip
     return [x for k, v in values.items() for x in ("--set", f"{k}={v}")]
 
@@ -201,7 +201,7 @@ def test_an_environment_failing_in_every_episode_stops_the_run_naming_it_and_its
     env_file.write_text(source)
     line = source.splitlines().index('            raise RuntimeError("the simulator crashed")') + 1
     run = tmp_path / "run"
-    args = sets(tmp_path, **{"env.name": f"{env_file}:Failing", "train.max_steps": 4, "train.save_steps": 1})
+    args = sets(tmp_path, **{"env.name": f"{env_file}:Failing", "train.max_steps": 4, "train.save_every": 1})
     proc = oxrl("run", "--alg", "sgrpo", *args, "--set", "env.error_steps=2", "-o", str(run))
     last = latest_checkpoint(run)
     assert last is not None and last.name == "step-1", proc.stderr  # the step before the stop is kept

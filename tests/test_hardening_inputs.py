@@ -129,7 +129,7 @@ def test_an_api_run_with_in_memory_inputs_resumes_from_any_directory(tmp_path, t
         output_dir="out",
         quiet=True,
         overrides=["data.eval=held.jsonl"],
-        train={"max_steps": 2, "batch_size": 8, "save_steps": 1},
+        train={"max_steps": 2, "batch_size": 8, "save_every": 1},
     ).train()
     run = started / "out"
     saved = yaml.safe_load((run / "config.yaml").read_text())

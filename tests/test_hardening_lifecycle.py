@@ -164,7 +164,7 @@ def uninterrupted(work) -> Path:
     from oxrl_core import Trainer
 
     run = work["root"] / "full"
-    overrides = [item for item in work["base"] if item != "--set"] + ["train.max_steps=12", "train.save_steps=0"]
+    overrides = [item for item in work["base"] if item != "--set"] + ["train.max_steps=12", "train.save_every=0"]
     Trainer(alg=work["held"], overrides=overrides, output_dir=run, quiet=True).train()
     return run
 
@@ -176,7 +176,7 @@ def test_second_run_in_the_same_dir_is_refused_then_sigterm_saves_and_resume_equ
     """Item 11 (the lock), 12 and 20 (SIGTERM: a checkpoint, exit 143; --resume = an uninterrupted run)."""
     run = work["root"] / "cut"
     first, hold = start_held(
-        work, run, "--set", "train.max_steps=12", "--set", "train.save_steps=0", "--set", "train.save_minutes=0"
+        work, run, "--set", "train.max_steps=12", "--set", "train.save_every=0", "--set", "train.save_minutes=0"
     )
     wait_for_steps(first, run, 2)  # ... and now it waits inside step 3
     before = (run / "config.yaml").read_text()
@@ -212,7 +212,7 @@ def test_second_run_in_the_same_dir_is_refused_then_sigterm_saves_and_resume_equ
 def test_ctrl_c_saves_a_checkpoint_and_a_second_ctrl_c_stops_at_once(work, monkeypatch, capsys):
     """Item 20: SIGINT -> checkpoint + 130; SIGINT twice -> out at once, 130, nothing published half-written."""
     run = work["root"] / "ctrl-c"
-    proc, hold = start_held(work, run, "--set", "train.max_steps=50", "--set", "train.save_steps=0")
+    proc, hold = start_held(work, run, "--set", "train.max_steps=50", "--set", "train.save_every=0")
     wait_for_steps(proc, run, 2)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.2)
@@ -222,7 +222,7 @@ def test_ctrl_c_saves_a_checkpoint_and_a_second_ctrl_c_stops_at_once(work, monke
     assert "interrupted at step 3; checkpoint step-3 saved" in stderr and len(read_metrics(run)) == 3
 
     twice = work["root"] / "twice"
-    proc, hold = start_held(work, twice, "--set", "train.max_steps=50", "--set", "train.save_steps=2")
+    proc, hold = start_held(work, twice, "--set", "train.max_steps=50", "--set", "train.save_every=2")
     wait_for_steps(proc, twice, 2)
     while not (twice / "checkpoints" / "step-2").is_dir():  # published by a rename: complete once it exists
         time.sleep(0.02)
@@ -304,7 +304,7 @@ def _raise_sigint(run_dir):
 
 def test_resume_of_a_finished_run_without_checkpoint_refuses_and_keeps_everything(work, monkeypatch, capsys):
     run = work["root"] / "finished"
-    args = ["run", "--alg", "sft", *work["base"], "--set", "train.save_steps=0", "-q", "-o", str(run)]
+    args = ["run", "--alg", "sft", *work["base"], "--set", "train.save_every=0", "-q", "-o", str(run)]
     status, output = cli_main(monkeypatch, capsys, *args, "--set", "train.max_steps=2")
     assert status == 0, output
     before = snapshot(run)
@@ -331,7 +331,7 @@ def checkpointed(work) -> Path:
     from oxrl_core import Trainer
 
     run = work["root"] / "ckpt-run"
-    overrides = [item for item in work["base"] if item != "--set"] + ["train.max_steps=3", "train.save_steps=2"]
+    overrides = [item for item in work["base"] if item != "--set"] + ["train.max_steps=3", "train.save_every=2"]
     Trainer(alg="sft", overrides=overrides, output_dir=run, quiet=True).train()
     return run
 
@@ -432,7 +432,7 @@ def test_checkpoints_by_default_by_steps_or_minutes_newest_kept(work, tmp_path, 
     from oxrl_core.config import TrainConfig
 
     defaults = TrainConfig()
-    assert (defaults.save_steps, defaults.save_minutes, defaults.save_total_limit) == (500, 30.0, 2)
+    assert (defaults.save_every, defaults.save_minutes, defaults.save_total_limit) == (500, 30.0, 2)
     assert TrainConfig(save_limit=5).save_total_limit == 5  # the old name still works
 
     run = tmp_path / "minutes"  # save_minutes tiny: every step is due by time, and only the newest 2 stay
@@ -446,7 +446,7 @@ def test_checkpoints_by_default_by_steps_or_minutes_newest_kept(work, tmp_path, 
         "--set",
         "train.max_steps=5",
         "--set",
-        "train.save_steps=0",
+        "train.save_every=0",
         "--set",
         "train.save_minutes=1e-9",
         "-o",
@@ -467,7 +467,7 @@ def test_checkpoints_by_default_by_steps_or_minutes_newest_kept(work, tmp_path, 
         "--set",
         "train.max_steps=5",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
         "--set",
         "train.save_limit=1",
         "-o",

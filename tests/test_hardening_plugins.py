@@ -68,7 +68,7 @@ def _rl(tmp_path, model_dir, *args):
         "--set",
         "rollout.max_new_tokens=4",
         "--set",
-        "train.eval_steps=0",
+        "train.eval_every=0",
         *args,
         cwd=tmp_path,
         env=CLEAN,
@@ -92,7 +92,7 @@ def test_reward_failing_on_every_row_stops_the_run_naming_reward_exception_row_a
         "--set",
         "train.max_steps=8",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
         "-o",
         str(run),
     )
@@ -441,7 +441,7 @@ class NoRows(Dataset):
     ("cls", "fragments"),
     [
         ("NoLoss", ["it does not define loss()"]),
-        ("NoFamily", ["it has no `family` (one of 'rl', 'preference', 'supervised')"]),
+        ("NoFamily", ["it has no `loop` (one of 'supervised', 'preference', 'rl')"]),
         ("NoAdvantages", ["needs_rollouts = True but it does not define advantages()"]),
         (
             "WrongTypes",

@@ -78,7 +78,7 @@ def test_a_non_finite_float_in_an_algorithm_plugin_section_is_refused(value):
 
 
 @pytest.mark.parametrize(
-    "field", ["train.max_steps", "train.save_steps", "engine.world_size", "rollout.n", "data.max_length"]
+    "field", ["train.max_steps", "train.save_every", "engine.world_size", "rollout.n", "data.max_length"]
 )
 def test_an_integer_beyond_64_bits_is_refused_naming_the_field(field):
     with pytest.raises(OxrlError, match=rf"{field}: must fit in a signed 64-bit integer"):
@@ -228,7 +228,7 @@ def test_lr_logged_is_the_rate_the_step_used(tmp_path, tiny_model_dir, alg):
             "train.lr_scheduler=linear",
             "train.warmup_steps=0",
             "train.batch_size=4",
-            "train.eval_steps=0",
+            "train.eval_every=0",
             *extra,
         ],
     ).train()

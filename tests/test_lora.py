@@ -153,7 +153,7 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
         "--set",
         "train.lr=1e-2",
         "--set",
-        "train.save_steps=3",
+        "train.save_every=3",
         "--set",
         "train.max_steps=6",
     ]

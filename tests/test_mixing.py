@@ -151,7 +151,7 @@ def test_mixed_run_draws_3_to_1_and_resumes_at_the_same_position_after_sigkill(t
         "--set",
         "train.lr=1e-3",
         "--set",
-        "train.save_steps=10",
+        "train.save_every=10",
     ]
     full = tmp_path / "full"
     _ok(oxrl("run", "--alg", "sft", *sets, "-o", str(full), "--quiet", cwd=tmp_path))
@@ -303,7 +303,7 @@ def test_training_evaluates_every_n_steps_into_metrics(tmp_path, tiny_model_dir)
             "--set",
             "train.max_steps=4",
             "--set",
-            "train.eval_steps=2",
+            "train.eval_every=2",
             "--set",
             "train.batch_size=4",
             "--set",

@@ -27,7 +27,7 @@ def multiturn(tmp_path_factory):
         [{"prompt": f"What is {a}*{b}?", "answer": str(a * b)} for a in range(2, 9) for b in range(2, 9)],
     )
     sets = {
-        "model.name": warm_start_dir(), "data.train": rows, "train.eval_steps": 0, "env.name": "calculator",
+        "model.name": warm_start_dir(), "data.train": rows, "train.eval_every": 0, "env.name": "calculator",
         "env.tool_parser": f"{root / 'always_calls.py'}:AlwaysCalls", "env.max_turns": 3, "env.max_tokens": 48,
         "train.batch_size": 4, "rollout.n": 4, "rollout.max_new_tokens": 8, "train.lr": 1e-3, "reward.name": "arith",
         "train.max_steps": 3, "engine.rollout_shards": 2, "train.lr_scheduler": "constant",

@@ -94,7 +94,7 @@ def _multiturn_sets(tmp_path: Path, model: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_resume_after_sigkill_in_multi_turn_training_equals_an_uninterrupted_run(tmp_path):
-    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=8", "--set", "train.save_steps=2"]
+    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=8", "--set", "train.save_every=2"]
     full = tmp_path / "full"
     _ok(oxrl("run", "--alg", "sgrpo", *sets, "-o", str(full)))
     assert all(m["env/tool_calls"] > 0 for m in read_metrics(full))
@@ -178,7 +178,7 @@ def test_every_rollout_algorithm_trains_on_multi_turn_episodes(tmp_path, alg):
     of 16 is right) it gets a gradient from episodes with tool turns, and its logprobs match the backend's
     over the model's tokens. (RLAIF is RLHF's loop with a judge as the reward: with ``reward.name`` set the
     two runs are the same, so RLAIF is not run again.)"""
-    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=1", "--set", "train.eval_steps=0"]
+    sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=1", "--set", "train.eval_every=0"]
     run_dir = tmp_path / alg
     _ok(oxrl("run", "--alg", alg, *sets, "-o", str(run_dir), "-q"))
     (first,) = read_metrics(run_dir)

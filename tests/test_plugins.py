@@ -316,7 +316,7 @@ def odd_site(tmp_path) -> Path:
 
             class NotAnAlgorithm:
                 name = "notalg"
-                family = "supervised"
+                loop = "supervised"
 
 
             @hookimpl

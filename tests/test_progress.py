@@ -155,7 +155,7 @@ def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_pat
     env = {"OXRL_CACHE": str(tmp_path / "fresh-cache")}
     proc = oxrl(
         "run", "--alg", "sgrpo", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2",
-        "--set", "train.eval_steps=0", "--set", "alg.kl_coeff=0.05", "--set", "train.log_steps=1",
+        "--set", "train.eval_every=0", "--set", "alg.kl_coeff=0.05", "--set", "train.log_every=1",
         env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

@@ -76,7 +76,7 @@ def test_lora_default_targets_save_a_loadable_final(family, arch_model, tmp_path
         "train.lr=1e-2",
         "lora.enabled=true",
         "lora.r=4",
-        "train.save_steps=0",
+        "train.save_every=0",
         "train.precision=fp32",
     )
     _check_lora_final(run / "final", model_dir)
@@ -146,7 +146,7 @@ def test_hf_name_strips_every_peft_infix_and_a_bad_save_is_an_error(arch_model, 
 def test_ppo_on_gemma3_multimodal_layout(layout, arch_model, tmp_path):
     model_dir = arch_model("gemma3_mm")
     run = tmp_path / "ppo"
-    metrics = run_cli("ppo", run, *_rl_sets(tmp_path, model_dir), f"alg.critic={layout}", "train.save_steps=0")
+    metrics = run_cli("ppo", run, *_rl_sets(tmp_path, model_dir), f"alg.critic={layout}", "train.save_every=0")
     assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
     assert (run / "final" / "config.json").is_file()
 
@@ -154,7 +154,7 @@ def test_ppo_on_gemma3_multimodal_layout(layout, arch_model, tmp_path):
 @pytest.mark.slow
 def test_ppo_separate_critic_on_gemma3_multimodal_subprocess(arch_model, tmp_path):
     """The console script: the separate critic's backbone is the language model of the nested config."""
-    sets = _rl_sets(tmp_path, arch_model("gemma3_mm")) + ["alg.critic=separate", "train.save_steps=1"]
+    sets = _rl_sets(tmp_path, arch_model("gemma3_mm")) + ["alg.critic=separate", "train.save_every=1"]
     run = tmp_path / "run"
     proc = oxrl("run", "--alg", "ppo", *[a for s in sets for a in ("--set", s)], "-q", "-o", str(run), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -230,7 +230,7 @@ def test_mismatch_alarm_stops_the_run_and_keeps_the_checkpoint(arch_model, tmp_p
     backend.write_text(OFFSET_BACKEND)
     sets = _rl_sets(tmp_path, arch_model("qwen3")) + [
         "train.max_steps=2",
-        "train.save_steps=1",
+        "train.save_every=1",
         f"rollout.backend={backend}:OffsetBackend",
     ]
     run = tmp_path / "run"

@@ -24,10 +24,10 @@ from oxrl_core.observability.health import check_run
 from oxrl_core.observability.report import thin
 from oxrl_core.rollout.log import MAX_TOKENS, PROMPTS, SAMPLES
 
-RL = ["train.batch_size=4", "rollout.n=4", "train.max_steps=4", "train.eval_steps=2", "logging.rollout_samples_every=2"]
+RL = ["train.batch_size=4", "rollout.n=4", "train.max_steps=4", "train.eval_every=2", "logging.rollout_samples_every=2"]
 RUNS = {
-    "sft": ("sft", ["train.max_steps=4", "train.batch_size=8", "train.eval_steps=2"]),
-    "dpo": ("dpo", ["train.max_steps=4", "train.batch_size=8", "train.eval_steps=2"]),
+    "sft": ("sft", ["train.max_steps=4", "train.batch_size=8", "train.eval_every=2"]),
+    "dpo": ("dpo", ["train.max_steps=4", "train.batch_size=8", "train.eval_every=2"]),
     "sgrpo": ("sgrpo", RL),
     "ppo": ("ppo", RL),
     # lr 1e30 without clipping: the loss turns non-finite within a few steps and the run stops
@@ -436,8 +436,8 @@ def test_rollouts_jsonl_on_resume_is_cut_back_to_the_checkpoint_and_equals_an_un
 ):
     from oxrl_core import Trainer
 
-    sets = [f"model.name={tiny_model_dir}", "train.batch_size=4", "rollout.n=2", "train.eval_steps=0"]
-    sets += ["logging.rollout_samples_every=1", "train.save_steps=2"]
+    sets = [f"model.name={tiny_model_dir}", "train.batch_size=4", "rollout.n=2", "train.eval_every=0"]
+    sets += ["logging.rollout_samples_every=1", "train.save_every=2"]
     run = tmp_path / "run"
     Trainer(alg="sgrpo", overrides=[*sets, "train.max_steps=3"], output_dir=run, quiet=True).train()
     uninterrupted = (run / "rollouts.jsonl").read_text().splitlines()

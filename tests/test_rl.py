@@ -159,9 +159,9 @@ def test_example_configs_run(alg, tmp_path, tiny_model_dir):
             "--set",
             "train.batch_size=4",
             "--set",
-            "train.eval_steps=0",
+            "train.eval_every=0",
             "--set",
-            "train.save_steps=1",
+            "train.save_every=1",
             *extra,
             "-q",
             "-o",
@@ -237,7 +237,7 @@ def _rl(tmp_path, model_dir, *args):
         "--set",
         "rollout.max_new_tokens=4",
         "--set",
-        "train.eval_steps=0",
+        "train.eval_every=0",
         *args,
         cwd=tmp_path,
     )
@@ -296,7 +296,7 @@ def test_non_finite_values_stop_the_run_naming_the_tensor_and_keep_checkpoints(t
         "--set",
         "train.max_steps=5",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
         "-o",
         str(run),
     )
@@ -362,7 +362,7 @@ def test_strict_on_policy_refuses_samples_from_a_stale_policy(tmp_path, tiny_mod
 @pytest.mark.slow
 def test_rl_resume_continues_exactly(tmp_path, tiny_model_dir):
     """Resume from a checkpoint (RNG, optimiser, critic, policy version) = the uninterrupted run."""
-    args = ("--alg", "ppo", "--set", "train.max_steps=4", "--set", "train.save_steps=2", "--set", "rollout.epochs=2")
+    args = ("--alg", "ppo", "--set", "train.max_steps=4", "--set", "train.save_every=2", "--set", "rollout.passes_per_batch=2")
     full = tmp_path / "full"
     _ok(_rl(tmp_path, tiny_model_dir, *args, "-o", str(full)))
     part = tmp_path / "part"

@@ -21,7 +21,7 @@ COMMON = [
     "--set",
     "engine.rollout_shards=2",
     "--set",
-    "train.eval_steps=0",
+    "train.eval_every=0",
     "--set",
     "train.lr=1e-2",
     "--set",
@@ -136,7 +136,7 @@ def test_a_dying_rollout_actor_stops_the_run_clearly_and_keeps_the_checkpoint(tm
         "--set",
         f"rollout.backend={tmp_path / 'dying.py'}:DiesAtVersion2",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr

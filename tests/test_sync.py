@@ -256,15 +256,15 @@ class _WithOptions(_NoScore):
 
 def test_backend_options_are_validated_by_the_backends_config():
     assert HFRolloutBackend.can_score() and not _NoScore.can_score()
-    with pytest.raises(OxrlError, match=r"rollout.options: the 'hf' rollout backend takes no options, got \['tp'\]"):
-        HFRolloutBackend.parse_options(RolloutConfig(options={"tp": 2}))
-    assert _WithOptions.parse_options(RolloutConfig(options={"tensor_parallel_size": 2})).tensor_parallel_size == 2
+    with pytest.raises(OxrlError, match=r"rollout.tp: the 'hf' rollout backend takes no options, got \['tp'\]"):
+        HFRolloutBackend.parse_options(RolloutConfig(tp=2))
+    assert _WithOptions.parse_options(RolloutConfig(tensor_parallel_size=2)).tensor_parallel_size == 2
     with pytest.raises(
-        OxrlError, match="rollout.options.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"
+        OxrlError, match="rollout.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"
     ):
-        _WithOptions.parse_options(RolloutConfig(options={"tensor_paralel_size": 2}))
-    with pytest.raises(OxrlError, match="rollout.options.tensor_parallel_size"):
-        _WithOptions.parse_options(RolloutConfig(options={"tensor_parallel_size": "two"}))
+        _WithOptions.parse_options(RolloutConfig(tensor_paralel_size=2))
+    with pytest.raises(OxrlError, match="rollout.tensor_parallel_size"):
+        _WithOptions.parse_options(RolloutConfig(tensor_parallel_size="two"))
 
 
 def test_rollout_config_errors(tmp_path, tiny_model_dir):
@@ -279,10 +279,10 @@ def test_rollout_config_errors(tmp_path, tiny_model_dir):
         "--set",
         f"model.name={tiny_model_dir}",
         "--set",
-        "rollout.options.batch=2",
+        "rollout.batch=2",
         cwd=tmp_path,
     )
-    assert proc.returncode == 2 and "rollout.options" in proc.stderr and "takes no options" in proc.stderr
+    assert proc.returncode == 2 and "rollout.batch" in proc.stderr and "takes no options" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -357,7 +357,7 @@ def rl_run(tmp_path: Path, model_dir, *args):
         "--set",
         "rollout.max_new_tokens=6",
         "--set",
-        "train.eval_steps=0",
+        "train.eval_every=0",
         "--set",
         "train.lr=1e-2",
         "--set",
@@ -443,7 +443,7 @@ def test_a_skipped_weight_sync_stops_the_run_and_keeps_the_last_checkpoint(tmp_p
         "--set",
         "train.max_steps=4",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
         "-o",
         str(run),
     )

@@ -206,15 +206,11 @@ def test_update_weights_in_place_then_the_probe_matches(engine, model, hf, token
 
 def test_options_are_validated_before_the_engine_starts(tiny_model_dir, model, tokenizer):
     with pytest.raises(
-        OxrlError, match="rollout.options.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"
+        OxrlError, match="rollout.tensor_paralel_size: unknown field.*did you mean 'tensor_parallel_size'"
     ):
-        VLLMRolloutBackend.build(
-            model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"tensor_paralel_size": 1})
-        )
-    with pytest.raises(OxrlError, match=r"rollout.options.engine_kwargs: \['seed'\] are set by the backend"):
-        VLLMRolloutBackend.build(
-            model, tokenizer, str(tiny_model_dir), RolloutConfig(options={"engine_kwargs": {"seed": 1}})
-        )
+        VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(tensor_paralel_size=1))
+    with pytest.raises(OxrlError, match=r"rollout.engine_kwargs: \['seed'\] are set by the backend"):
+        VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(engine_kwargs={"seed": 1}))
 
 
 @pytest.mark.slow
@@ -278,7 +274,7 @@ def vllm_run(tmp_path: Path, model_dir, *args):
         "--set",
         "rollout.max_new_tokens=6",
         "--set",
-        "train.eval_steps=0",
+        "train.eval_every=0",
         "--set",
         "train.lr=1e-2",
         "--set",
@@ -328,7 +324,7 @@ def test_cli_skipped_sync_is_caught_by_the_probe(tmp_path, tiny_model_dir):
         "--set",
         "train.max_steps=4",
         "--set",
-        "train.save_steps=1",
+        "train.save_every=1",
         "-o",
         str(run),
     )
@@ -350,11 +346,11 @@ def test_cli_bad_vllm_option_is_a_clear_error(tmp_path, tiny_model_dir):
         "--set",
         "rollout.backend=vllm",
         "--set",
-        "rollout.options.gpu_memory_utilisation=0.5",
+        "rollout.gpu_memory_utilisation=0.5",
         cwd=tmp_path,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "rollout.options.gpu_memory_utilisation" in proc.stderr and "gpu_memory_utilization" in proc.stderr
+    assert "rollout.gpu_memory_utilisation" in proc.stderr and "gpu_memory_utilization" in proc.stderr
 
 
 @pytest.mark.slow

@@ -51,7 +51,7 @@ def model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def engine(model, tokenizer, tiny_model_dir):
     backend = VLLMRolloutBackend.build(
-        model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"})
+        model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora="adapter")
     )
     yield backend
     backend.close()
@@ -136,7 +136,7 @@ def test_lora_auto_merges_on_cpu(tiny_model_dir, tokenizer, model, monkeypatch):
         seen.clear()
         with pytest.raises(OxrlError, match="did not start"):
             VLLMRolloutBackend.build(
-                model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": mode})
+                model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora=mode)
             )
         assert seen.get("enable_lora", False) is lora_enabled, mode
     assert seen["max_lora_rank"] == 8 and seen["max_loras"] == 1  # rank 4 served in vLLM's smallest bucket >= 4
@@ -151,7 +151,7 @@ def test_a_rank_vllm_cannot_serve_is_refused_before_the_engine_starts(tiny_model
     big = apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(enabled=True, r=1024, alpha=8))
     with pytest.raises(OxrlError, match="lora.r: vLLM serves adapters up to rank 512, got 1024"):
         VLLMRolloutBackend.build(
-            big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", options={"lora": "adapter"})
+            big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora="adapter")
         )
 
 
@@ -227,7 +227,7 @@ def test_cli_lora_sgrpo_with_vllm_verifies_every_sync(tmp_path, tiny_model_dir, 
         "--set",
         "rollout.backend=vllm",
         "--set",
-        f"rollout.options.lora={mode}",
+        f"rollout.lora={mode}",
         *LORA,
         "--set",
         "train.lr=5e-2",
@@ -283,8 +283,8 @@ def test_cli_bad_lora_mode_is_a_clear_error(tmp_path, tiny_model_dir):
         "rollout.backend=vllm",
         *LORA,
         "--set",
-        "rollout.options.lora=fused",
+        "rollout.lora=fused",
         cwd=tmp_path,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "rollout.options.lora" in proc.stderr and "adapter" in proc.stderr
+    assert "rollout.lora" in proc.stderr and "adapter" in proc.stderr

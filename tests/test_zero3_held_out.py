@@ -166,7 +166,7 @@ def test_a_rank_that_skips_a_head_call_stops_the_run_with_the_guards_message(wor
     collective meets rank 1's next one, and both stop naming them; the step-1 checkpoint resumes."""
     run = work / "skip-head"
     args = ["run", "--alg", f"{work / 'skip_head.py'}:SkipHeadSGRPO", *CASES["sgrpo"], "--set", "train.max_steps=3"]
-    args += ["--set", "train.save_steps=1", *DP2, "-o", str(run)]
+    args += ["--set", "train.save_every=1", *DP2, "-o", str(run)]
     proc = oxrl(*args, cwd=work, env={**ENV, "OXRL_TEST_SKIP_HEAD_AT": "2"})
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr

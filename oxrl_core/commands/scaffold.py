@@ -55,7 +55,7 @@ from oxrl_core import Algorithm, StrictModel
 
 class {cls}(Algorithm):
     name = "{name}"
-    family = "supervised"
+    loop = "supervised"
     data_format = "prompt_response"
 
     class Config(StrictModel):

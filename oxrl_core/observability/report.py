@@ -555,7 +555,7 @@ class Plot:
 PLOTS = (
     Plot("loss", "Loss", ("loss", "loss/"), "the training loss and its parts"),
     Plot("reward", "Reward (mean ± std over the rollout batch)", ("reward/mean",), band="reward/std"),
-    Plot("heldout", "Held-out metrics", ("eval/",), "every evaluation (train.eval_steps) and the last step"),
+    Plot("heldout", "Held-out metrics", ("eval/",), "every evaluation (train.eval_every) and the last step"),
     Plot("rewards_pref", "Implicit rewards (preference)", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
     Plot("pair_acc", "Pair accuracy (chosen scored above rejected)", ("rewards/accuracies",)),
     Plot("logps", "Log-probabilities of chosen / rejected", ("logps/",)),

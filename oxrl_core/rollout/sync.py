@@ -81,7 +81,7 @@ def check_logprob_diff(
         f"step {step}: rollout/logprob_diff = {diff:.3g} nats (mean |trainer − rollout| logprob of the sampled "
         f"tokens) exceeds rollout.max_logprob_diff = {threshold:g} ({precision} trainer): the samples do not come "
         f"from the policy being trained. Likely causes: the rollout backend '{backend_name}' or its precision "
-        f"(rollout.options.dtype) differs from the trainer's; an attention path that computes something else "
+        f"(rollout.dtype) differs from the trainer's; an attention path that computes something else "
         f"(packing / shared prefixes with a sliding window or custom mask: try data.packing=false); stale "
         f"weights in the backend after a weight sync. The run stops before updating the model; last complete "
         f"checkpoint: {last_checkpoint or 'none'}. (rollout.max_logprob_diff raises the threshold; 0 turns "

@@ -10,7 +10,7 @@ Three things every loop shares, kept in one place:
   the owner's pid, host, start time and command, so a refused run can say who holds the directory.
   Ranks of a data-parallel run never take it: the driver holds it for them.
 
-- **The save policy** (`Checkpointer`). A checkpoint is written every ``train.save_steps`` steps or
+- **The save policy** (`Checkpointer`). A checkpoint is written every ``train.save_every`` steps or
   every ``train.save_minutes`` minutes, whichever comes first, and at once when a stop is requested;
   the newest ``train.save_total_limit`` are kept. The last step is never a checkpoint: it is ``final/``.
   Each checkpoint carries the run's ``config.yaml``, so ``--resume`` knows what it continues even if
@@ -295,7 +295,7 @@ def handle_signals(handler=_handler):
 
 
 class Checkpointer:
-    """One loop's checkpoints: `after_step` saves when `train.save_steps` / `train.save_minutes` is due or a
+    """One loop's checkpoints: `after_step` saves when `train.save_every` / `train.save_minutes` is due or a
     stop was requested, and raises `Interrupted` after the save in the latter case.
 
     ``extra(tmp_dir)`` adds the loop's own files (a critic, a self-play reference) to each checkpoint.
@@ -305,7 +305,7 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, cfg, model, tokenizer, engine, extra=None):
         self.run_dir = Path(run_dir)
-        self.save_steps, self.save_minutes = cfg.train.save_steps, cfg.train.save_minutes
+        self.save_steps, self.save_minutes = cfg.train.save_every, cfg.train.save_minutes
         self.keep, self.max_steps = cfg.train.save_total_limit, cfg.train.max_steps
         self.config_yaml = dump_yaml(cfg)
         self.model, self.tokenizer, self.engine, self.extra = model, tokenizer, engine, extra
@@ -321,7 +321,7 @@ class Checkpointer:
         kept = f", newest {self.keep} kept" if self.keep else ""
         where = self.run_dir / "checkpoints"
         if not every:
-            return f"checkpoints only on Ctrl-C/SIGTERM → {where} (train.save_steps and train.save_minutes are 0)"
+            return f"checkpoints only on Ctrl-C/SIGTERM → {where} (train.save_every and train.save_minutes are 0)"
         return f"checkpoints every {' or '.join(every)} → {where}{kept}"
 
     def start(self, step: int) -> None:

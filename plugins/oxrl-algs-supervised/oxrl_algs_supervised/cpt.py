@@ -12,7 +12,7 @@ from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
 
 class CPT(Algorithm):
     name = "cpt"
-    family = "supervised"
+    loop = "supervised"
     data_format = "text"
 
     class Config(StrictModel):

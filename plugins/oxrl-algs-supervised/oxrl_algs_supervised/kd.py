@@ -19,7 +19,7 @@ from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
 
 class KD(Algorithm):
     name = "kd"
-    family = "supervised"
+    loop = "supervised"
     data_format = "prompt_response"
     needs_teacher = True
 

@@ -8,7 +8,7 @@ kept set with SFT's loss:
     L      = −(1/N) Σ_i keep_i Σ_t log π_θ(o_{i,t} | x_i, o_{i,<t}),    N = Σ_i keep_i |o_i|
 
 In oxRL one RL-loop step is one round: ``train.batch_size`` prompts × ``rollout.n`` (= k)
-samples, then ``rollout.epochs`` passes of ``rollout.minibatches`` optimiser steps over the
+samples, then ``rollout.passes_per_batch`` passes of ``rollout.minibatches`` optimiser steps over the
 round's samples (only the kept ones carry loss); ``train.max_steps`` is the number of rounds R.
 Deviation from offline RFT: rounds are small and frequent (fresh samples from the current
 model every round) rather than one large sampling pass per round over the whole dataset; a
@@ -26,9 +26,8 @@ from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, Stri
 
 class RFT(Algorithm):
     name = "rft"
-    family = "supervised"
+    loop = "rl"  # trained on its own generations (the RL loop)
     data_format = "prompt"
-    needs_rollouts = True
 
     class Config(StrictModel):
         threshold: float = Field(1.0, description="τ: keep samples whose reward is at least this")

@@ -15,7 +15,7 @@ from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
 
 class SFT(Algorithm):
     name = "sft"
-    family = "supervised"
+    loop = "supervised"
     data_format = "prompt_response"
 
     class Config(StrictModel):
