@@ -3,8 +3,12 @@
 Top-level keys: ``algorithm`` (the name; ``--alg`` wins), ``model``, ``data``,
 ``train``, ``engine``, ``rollout``, ``reward``, ``env``, ``logging``, ``lora`` and ``alg`` (the
 algorithm's own hyper-parameters, validated by that algorithm's ``Config``).
+A plugin's own options sit flat beside the key that names it: ``reward:`` (beside
+``reward.name``), ``env:`` (``env.name``), ``rollout:`` (``rollout.backend``) and each
+``{source, ratio, ...}`` data source; each is validated by that plugin's ``Config``.
 Every validation problem becomes an `OxrlError` that names the file and the
-dotted field, so the CLI can print it without a traceback.
+dotted field, so the CLI can print it without a traceback. Renamed keys
+(`RENAMED_KEYS`) are still read, with a one-line note naming the new key.
 """
 
 from __future__ import annotations

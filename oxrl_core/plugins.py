@@ -86,7 +86,7 @@ class Registration:
             obj = import_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
             for part in filter(None, attr.split(".")):
                 obj = getattr(obj, part)
-        except Exception as exc:  # noqa: BLE001 - any failure in plugin code is reported, not raised raw
+        except Exception as exc:  # any failure in plugin code is reported, not raised raw
             raise PluginError(
                 f"{self.kind} '{self.name}' from {self.package} {self.version} failed to load "
                 f"{self.target!r}: {type(exc).__name__}: {exc}"

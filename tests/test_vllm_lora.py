@@ -135,9 +135,7 @@ def test_lora_auto_merges_on_cpu(tiny_model_dir, tokenizer, model, monkeypatch):
     for mode, lora_enabled in [("auto", False), ("merged", False), ("adapter", True)]:
         seen.clear()
         with pytest.raises(OxrlError, match="did not start"):
-            VLLMRolloutBackend.build(
-                model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora=mode)
-            )
+            VLLMRolloutBackend.build(model, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora=mode))
         assert seen.get("enable_lora", False) is lora_enabled, mode
     assert seen["max_lora_rank"] == 8 and seen["max_loras"] == 1  # rank 4 served in vLLM's smallest bucket >= 4
 
@@ -150,9 +148,7 @@ def test_adapter_mode_needs_the_peft_model(engine, model):
 def test_a_rank_vllm_cannot_serve_is_refused_before_the_engine_starts(tiny_model_dir, tokenizer):
     big = apply_lora(load_causal_lm(str(tiny_model_dir)), LoraConfig(enabled=True, r=1024, alpha=8))
     with pytest.raises(OxrlError, match="lora.r: vLLM serves adapters up to rank 512, got 1024"):
-        VLLMRolloutBackend.build(
-            big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora="adapter")
-        )
+        VLLMRolloutBackend.build(big, tokenizer, str(tiny_model_dir), RolloutConfig(backend="vllm", lora="adapter"))
 
 
 # ----------------------------------------------------------------------------- the real CLI and final/ in vLLM
