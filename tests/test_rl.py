@@ -362,7 +362,16 @@ def test_strict_on_policy_refuses_samples_from_a_stale_policy(tmp_path, tiny_mod
 @pytest.mark.slow
 def test_rl_resume_continues_exactly(tmp_path, tiny_model_dir):
     """Resume from a checkpoint (RNG, optimiser, critic, policy version) = the uninterrupted run."""
-    args = ("--alg", "ppo", "--set", "train.max_steps=4", "--set", "train.save_every=2", "--set", "rollout.passes_per_batch=2")
+    args = (
+        "--alg",
+        "ppo",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.save_every=2",
+        "--set",
+        "rollout.passes_per_batch=2",
+    )
     full = tmp_path / "full"
     _ok(_rl(tmp_path, tiny_model_dir, *args, "-o", str(full)))
     part = tmp_path / "part"
