@@ -32,6 +32,7 @@ from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
+from oxrl_core.loops.setup import Setup
 from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
 from oxrl_core.models.lora import is_peft, policy_state_dict
 from oxrl_core.models.packed_attention import (
@@ -156,11 +157,11 @@ def pair_batch(examples: list[dict], rejected, pad_id: int, packing) -> dict:
     return collate_sequences(_pair_seqs(examples, rejected), pad_id, bool(packing))
 
 
-def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected=None) -> dict:
+def build_batch(algorithm, model, ref, examples, engine, pad_id, packing, rejected=None) -> dict:
     """The algorithm's input for one micro-batch (the policy's tensors carry gradients)."""
     B = len(examples)
     wants_ref = ref is not None
-    if spec.data_format == "unpaired":
+    if algorithm.data_format == "unpaired":
         matched = [(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
         batch = {"label": torch.tensor([float(ex["label"]) for ex in examples], device=engine.device)}
         packing = bool(packing)
@@ -177,7 +178,7 @@ def build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, 
             batch["ref_logp"], batch["ref_kl_logp"] = ref_logp[:B], ref_logp[B:]
         return batch
     seqs = engine.to_device(pair_batch(examples, rejected, pad_id, packing))
-    if spec.head == "score":
+    if algorithm.head == "score":
         rewards = sequence_scores(model, seqs)  # (2B,)
         return {"rewards_chosen": rewards[:B], "rewards_rejected": rewards[B:]}
     logp, n_tokens = sequence_logps(model, seqs)  # (2B,), (2B,)
@@ -237,7 +238,7 @@ def precompute_ref(ref, examples: list[dict], engine, pad_id: int, packing: bool
 
 
 @torch.no_grad()
-def pair_metrics(algorithm, spec, model, ref, examples, engine, pad_id, packing, batch_size) -> dict:
+def pair_metrics(algorithm, model, ref, examples, engine, pad_id, packing, batch_size) -> dict:
     """The algorithm's loss and metrics on held-out rows, averaged over rows (``eval/`` names)."""
     was_training = model.training
     model.eval()
@@ -245,10 +246,10 @@ def pair_metrics(algorithm, spec, model, ref, examples, engine, pad_id, packing,
     try:
         for start in range(0, len(examples), batch_size):
             part = examples[start : start + batch_size]
-            if spec.data_format == "unpaired" and len(part) < 2:
+            if algorithm.data_format == "unpaired" and len(part) < 2:
                 continue
             with engine.autocast():
-                loss, metrics = algorithm.loss(build_batch(algorithm, spec, model, ref, part, engine, pad_id, packing))
+                loss, metrics = algorithm.loss(build_batch(algorithm, model, ref, part, engine, pad_id, packing))
             share = len(part) / len(examples)
             sums["eval/loss"] += float(loss) * share
             for key, value in metrics.items():
@@ -262,56 +263,56 @@ def pair_metrics(algorithm, spec, model, ref, examples, engine, pad_id, packing,
 
 
 def run_preference(trainer, ckpt: Path | None) -> RunResult:
-    run = Run(trainer, ckpt)
-    cfg, algorithm, spec = run.cfg, run.algorithm, run.spec
-    fmt, self_play, packing = spec.data_format, spec.self_play, cfg.data.packing
+    setup = Setup(trainer, ckpt)
+    cfg, algorithm = setup.cfg, setup.algorithm
+    fmt, self_play, packing = algorithm.data_format, algorithm.self_play, cfg.data.packing
 
     # ---- data (before any model loads, so bad data fails fast)
-    policy_path = initial_policy_path(cfg.model.name, reporter=run.reporter)
+    policy_path = initial_policy_path(cfg.model.name, reporter=setup.reporter)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
-    train_source = load_data(cfg.data.train, "train", run.registry)
+    train_source = load_data(cfg.data.train, "train", setup.registry)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
     for note in train.notes(cfg.data.max_length):  # too-long prompts, pairs with chosen == rejected
-        run.info(f"[yellow]note:[/yellow] {note}")
-    held_out = eval_source(cfg.data, run.registry, train_source)
+        setup.info(f"[yellow]note:[/yellow] {note}")
+    held_out = eval_source(cfg.data, setup.registry, train_source)
     eval_examples, eval_rows, eval_dataset = [], [], None
     if held_out is not None:
         if not self_play:  # self-play pairs need generations; held-out accuracy still applies
             eval_examples = prepare_examples(held_out, fmt, tokenizer, cfg.data.max_length).examples
         eval_dataset = held_out.dataset
-        if spec.head == "lm" and can_verify(eval_dataset):
+        if algorithm.head == "lm" and can_verify(eval_dataset):
             eval_rows = [r for r in held_out.rows if "prompt" in r]
     _check_options(cfg, algorithm, fmt)
-    run.steps_from_epochs(len(train.examples), "rows")  # train.epochs: the steps follow from the data
+    setup.steps_from_epochs(len(train.examples), "rows")  # train.epochs: the steps follow from the data
 
     # ---- models; the fast path (packing, shared prompts) is chosen here, once
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
     if packing and attn == PACKED_SDPA and fmt != "unpaired":
         packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
-    start = run.start_from(policy_path)
-    if spec.head == "score":
+    start = setup.start_from(policy_path)
+    if algorithm.head == "score":
         model = load_score_model(
             start,
             pad_token_id=pad_id,
             attn_implementation=attn,
             trust_remote_code=cfg.model.trust_remote_code,
-            log=run.info,
-            reporter=run.reporter,
+            log=setup.info,
+            reporter=setup.reporter,
         )
     else:
         model = load_causal_lm(
-            start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code, reporter=run.reporter
+            start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code, reporter=setup.reporter
         )
     if packing == "shared" and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
         packing = True  # decided once: ordinary packing (row by row), each prompt computed twice
-        run.info(
+        setup.info(
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them"
         )
-    model = run.policy(model, spec.head)
-    ref = run.reference(policy_path, attn) if algorithm.uses_ref() else None
-    engine = run.build_engine(model)
-    if run.resume() and self_play:
+    model = setup.policy(model, algorithm.head)
+    ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    engine = setup.build_engine(model)
+    if ckpt is not None and self_play:
         ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
     if cfg.train.precompute_ref_logps:
         precompute_ref(ref, train.examples, engine, pad_id, packing, cfg.train.batch_size)
@@ -327,23 +328,18 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
         for ex in train.examples
     ]
-    plan = run.plan(train_source, [ex["_source"] for ex in train.examples], lengths)
+    plan = setup.plan(train_source, [ex["_source"] for ex in train.examples], lengths)
 
     def extra_files(tmp: Path) -> None:  # self-play checkpoints keep the reference of the current iteration
         if self_play:
             torch.save(ref.state_dict(), tmp / REF_FILE)
-
-    run.checkpointer(model, tokenizer, extra=extra_files)
-    run.banner(model, "built-in tiny llama (warm start)", f"{train_source.origin} ({len(train.examples)} rows)")
 
     def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         metrics = {}
         with engine.full_weights():
             if eval_examples and is_main():
                 metrics.update(
-                    pair_metrics(
-                        algorithm, spec, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size
-                    )
+                    pair_metrics(algorithm, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size)
                 )
             if eval_rows and is_main():
                 metrics.update(
@@ -361,7 +357,8 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
                 )
         return metrics
 
-    run.evaluate_before(run_eval, bool(eval_examples or eval_rows))
+    run = Run(setup, model, tokenizer, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
+    run.banner("built-in tiny llama (warm start)", f"{train_source.origin} ({len(train.examples)} rows)")
 
     def step(step: int) -> dict:
         t0 = time.perf_counter()
@@ -388,7 +385,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
                 gen_seconds += time.perf_counter() - t_gen
             # 3. sequence log-probabilities (policy, reference), then the loss; each micro-batch weighted by its rows
             with engine.autocast():
-                batch = build_batch(algorithm, spec, model, ref, examples, engine, pad_id, packing, rejected)
+                batch = build_batch(algorithm, model, ref, examples, engine, pad_id, packing, rejected)
                 loss, metrics = algorithm.loss(batch)  # ALGO: the algorithm's loss
             check_loss(loss, step, run.run_dir)
             tokens += 0 if padding else policy_tokens(examples, rejected, packing == "shared")
@@ -410,9 +407,9 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             record["time/generate_s"] = gen_seconds
         return record
 
-    records = run.train(model, step)
+    records = run.train(step)
     held_out = (("eval/rewards/accuracies", "held-out pair accuracy"), *ACCURACY)
-    return run.finish(model, tokenizer, records, held_out)
+    return run.finish(records, held_out)
 
 
 def _check_options(cfg, algorithm, fmt: str) -> None:

@@ -21,6 +21,7 @@ from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import all_reduce_sum, is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
 from oxrl_core.loops.run import MODEL_INPUTS, Run, RunResult, backward_share, check_loss
+from oxrl_core.loops.setup import Setup
 from oxrl_core.models.loading import load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import packed_attn_implementation
 from oxrl_core.models.token_head import on_grid, token_stats
@@ -64,37 +65,36 @@ def _eval_data(cfg, registry, train_source, fmt, tokenizer):
 
 
 def run_supervised(trainer, ckpt: Path | None) -> RunResult:
-    run = Run(trainer, ckpt)
-    cfg, algorithm, spec, packing = run.cfg, run.algorithm, run.spec, run.cfg.data.packing
+    setup = Setup(trainer, ckpt)
+    cfg, algorithm, packing = setup.cfg, setup.algorithm, setup.cfg.data.packing
 
     # ---- data (the tokenizer is loaded with the data, so bad data fails before any model loads)
     tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
-    train_source = load_data(cfg.data.train, "train", run.registry)
-    train = prepare_examples(train_source, spec.data_format, tokenizer, cfg.data.max_length)
-    eval_examples, eval_rows, eval_dataset = _eval_data(cfg, run.registry, train_source, spec.data_format, tokenizer)
+    train_source = load_data(cfg.data.train, "train", setup.registry)
+    train = prepare_examples(train_source, algorithm.data_format, tokenizer, cfg.data.max_length)
+    eval_examples, eval_rows, eval_dataset = _eval_data(
+        cfg, setup.registry, train_source, algorithm.data_format, tokenizer
+    )
     lengths = [len(e["input_ids"]) for e in train.examples]
-    plan = run.plan(train_source, [e["_source"] for e in train.examples], lengths)
-    run.steps_from_epochs(len(train.examples), "examples")  # train.epochs: the steps follow from the data
+    plan = setup.plan(train_source, [e["_source"] for e in train.examples], lengths)
+    setup.steps_from_epochs(len(train.examples), "examples")  # train.epochs: the steps follow from the data
     for note in train.notes(cfg.data.max_length):  # too-long prompts, conversations split per assistant turn
-        run.info(f"[yellow]note:[/yellow] {note}")
+        setup.info(f"[yellow]note:[/yellow] {note}")
 
     # ---- models: packed micro-batches attend row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
-    model = run.policy(
+    model = setup.policy(
         load_causal_lm(
-            run.start_from(cfg.model.name),
+            setup.start_from(cfg.model.name),
             attn_implementation=attn,
             trust_remote_code=cfg.model.trust_remote_code,
-            reporter=run.reporter,
+            reporter=setup.reporter,
         )
     )
     teacher = None
-    if spec.needs_teacher:
-        teacher = run.frozen(cfg.model.teacher, "model.teacher", attn, check=lambda t: _check_vocab(t, model))
-    engine = run.build_engine(model)
-    run.resume()
-    run.checkpointer(model, tokenizer)
-    run.banner(model, "built-in tiny llama", f"{train_source.origin} ({len(train.examples)} examples)")
+    if algorithm.needs_teacher:
+        teacher = setup.frozen(cfg.model.teacher, "model.teacher", attn, check=lambda t: _check_vocab(t, model))
+    engine = setup.build_engine(model)
 
     def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         with engine.full_weights():
@@ -112,7 +112,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
                 progress=progress,
             )
 
-    run.evaluate_before(run_eval, bool(eval_examples or eval_rows))
+    run = Run(setup, model, tokenizer, engine, run_eval if eval_examples or eval_rows else None)
+    run.banner("built-in tiny llama", f"{train_source.origin} ({len(train.examples)} examples)")
 
     def step(step: int) -> dict:
         t0 = time.perf_counter()
@@ -122,7 +123,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
         micro = [collate([train.examples[i] for i in rows], tokenizer.pad_token_id, packing) for rows, _ in shares]
         # 2. each micro-batch weighted by its share of the loss tokens of every rank's batch
         weights = [
-            0.0 if padding else micro_batch_weight(mb, spec.loss_weighting) for mb, (_, padding) in zip(micro, shares)
+            0.0 if padding else micro_batch_weight(mb, algorithm.loss_weighting)
+            for mb, (_, padding) in zip(micro, shares)
         ]
         total_weight = all_reduce_sum([sum(weights)])[0] or 1.0
         lr = engine.lr
@@ -146,8 +148,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
         perf = {"perf/tokens": tokens, "perf/micro_batches": len(picks), "perf/sequences": sequences}
         return run.record(sums, lr, grad_norm, plan, picks, perf, time.perf_counter() - t0)
 
-    records = run.train(model, step)
-    return run.finish(model, tokenizer, records, eval_if_idle=True)
+    records = run.train(step)
+    return run.finish(records, eval_if_idle=True)
 
 
 def _check_vocab(teacher, model) -> None:

@@ -1,0 +1,182 @@
+"""Everything an RL run builds before its first step, in one function (`build_rl`) returning the parts
+(`RLParts`) that `loops.rl.run_rl` steps with.
+
+The order is the point: data and reward first (bad input fails before any model loads), then the models and
+the fast path (chosen here, once), the engine, the rollout backend and the strategy (completions or
+episodes), then the `Run` (which resumes a checkpoint) and the verified weight sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from oxrl_core.config import env_options
+from oxrl_core.data.sources import eval_source, load_data
+from oxrl_core.engines.distributed import is_main, world_size
+from oxrl_core.errors import OxrlError
+from oxrl_core.loops.episodes import Episodes
+from oxrl_core.loops.rollouts import prepare_prompts, sync_weights
+from oxrl_core.loops.run import Run
+from oxrl_core.loops.setup import Setup
+from oxrl_core.loops.strategies import Completions, EpisodeRollouts, RolloutStrategy
+from oxrl_core.models.critic import build_critic
+from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_tokenizer
+from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
+from oxrl_core.rollout.hf import check_generation_length
+from oxrl_core.rollout.log import RolloutLog
+from oxrl_core.rollout.sync import SyncCheck
+from oxrl_core.scoring.rewards import build_reward
+
+
+@dataclass
+class RLParts:
+    """The parts of an RL run, complete before step 1."""
+
+    run: Run
+    tokenizer: object
+    plan: object  # `data.batching.BatchPlan` over the prompts: train.batch_size of them a step, seeded
+    model: torch.nn.Module
+    ref: torch.nn.Module | None  # the frozen reference (when the algorithm uses one)
+    critic: torch.nn.Module | None
+    shared: bool  # the fast path: the samples of a prompt share one copy of it in a packed row
+    backend: object | None  # the rollout backend (None on ranks other than 0 with rollout actors)
+    strategy: RolloutStrategy  # completions or multi-turn episodes, chosen once
+    verify_sync: SyncCheck  # the trainer and the backend score a fixed probe alike
+    rollout_log: RolloutLog  # rollouts.jsonl: a bounded sample of the rollouts (the report's viewer)
+    extra_files: Callable[[Path], None]  # the loop's own checkpoint files (the critic)
+
+    def sync(self, version: int) -> dict:
+        """Push the policy's weights to the backend as ``version`` and verify them (the probe's metrics)."""
+        with self.run.engine.full_weights():  # ZeRO-3: the backend may read the weights
+            sync_weights(self.backend, self.model, version)
+        return self.verify_sync(version)
+
+    def close(self) -> None:
+        self.rollout_log.close()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def build_rl(trainer, ckpt: Path | None) -> RLParts:
+    setup = Setup(trainer, ckpt)
+    cfg, algorithm, ro = setup.cfg, setup.algorithm, setup.cfg.rollout
+
+    # ---- data and reward (before any model loads, so bad input fails fast)
+    policy_path = initial_policy_path(cfg.model.name, tools=bool(cfg.env.name), reporter=setup.reporter)
+    tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    train_source = load_data(cfg.data.train, "train", setup.registry)
+    rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
+    if dropped:
+        setup.info(
+            f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
+        )
+    setup.steps_from_epochs(len(rows), "prompts", accum=1)  # train.epochs: one pass = every prompt once
+    held_out = eval_source(cfg.data, setup.registry, train_source)
+    eval_rows, eval_ids = (
+        ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
+    )
+    reward = build_reward(cfg, setup.registry, algorithm.default_reward, train_source.dataset)
+    if ro.n < algorithm.min_group_size:
+        raise OxrlError(
+            f"rollout.n: '{cfg.algorithm}' compares samples within a group and needs n >= "
+            f"{algorithm.min_group_size}, got {ro.n}"
+        )
+    backend_cls, _ = setup.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
+    env = None
+    if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here
+        env = setup.registry.build("environment", cfg.env.name, env_options(cfg), field="env")
+
+    # ---- models; the fast path is chosen here, once. data.packing: the training forward packs a
+    # micro-batch into one row in which the samples of a prompt share one copy of it (not with a
+    # critic, whose values are read at every position)
+    attn = cfg.model.attn_implementation
+    if cfg.data.packing and not algorithm.needs_critic:
+        attn = packed_attn_implementation(attn)
+    shared = attn == PACKED_SDPA
+    if shared and env is not None:  # an episode's prompt can change mid-episode (fallback): padded rows
+        shared = False
+        setup.info("[yellow]note:[/yellow] data.packing: shared prompts do not apply to multi-turn episodes (env.name)")
+    start = setup.start_from(policy_path)
+    model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code,
+                           reporter=setup.reporter)  # fmt: skip
+    if shared and not (fast := attention_fast_paths(model.config))["shared_prefix"][0]:
+        shared = False  # decided once: padded rows
+        setup.info(
+            f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); "
+            "training on padded rows"
+        )
+    model = setup.policy(model)
+    ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    critic = None
+    if algorithm.needs_critic:
+        critic = build_critic(
+            model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path, reporter=setup.reporter)
+        )
+        if ckpt is not None:
+            critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
+    # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
+    # the message names the setting that is too long
+    longest, setting = (cfg.env.max_tokens, "env.max_tokens") if env else (ro.max_new_tokens, "rollout.max_new_tokens")
+    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), longest, setting)
+    total_steps = cfg.train.max_steps * ro.passes_per_batch * ro.minibatches
+    engine = setup.build_engine(model, extra_modules=[critic] if critic else [], total_steps=total_steps)
+
+    # ---- the rollout backend and the strategy (completions or episodes)
+    if ro.actors:  # rollout.actors: the backend in Ray actors of its own; rank 0 drives them
+        from oxrl_core.rollout.actors import RolloutActors  # lazy: Ray starts only when rollout.actors is set
+
+        args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
+        backend = RolloutActors.start(*args) if is_main() else None
+    else:
+        backend = setup.registry.build(
+            "rollout_backend", ro.backend, ro, field="rollout", args=(model, tokenizer, policy_path)
+        )
+    shards = cfg.engine.rollout_shards or world_size()
+    common = dict(
+        reward=reward, rows=rows, ro=ro, run_dir=setup.run_dir, eval_rows=eval_rows,
+        eval_dataset=held_out.dataset if held_out is not None else None, seed=cfg.train.seed,
+    )  # fmt: skip
+    if env is not None:
+        episodes = Episodes(type(env), env.config, cfg, tokenizer, backend)
+        strategy = EpisodeRollouts(episodes, engine, cfg.env, shards, **common)
+    else:
+        strategy = Completions(backend, engine, tokenizer, prompt_ids, eval_ids, shards, **common)
+
+    def evaluate(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
+        with engine.full_weights():
+            return strategy.evaluate(progress) if is_main() else {}
+
+    def extra_files(tmp: Path) -> None:
+        if critic is not None:
+            torch.save(critic.state_dict(), tmp / "critic.pt")
+
+    # ---- the run (resumes a checkpoint), then the verified weight sync
+    run = Run(setup, model, tokenizer, engine, evaluate if eval_rows else None, extra=extra_files, every_metric=True)
+    # verified weight sync (oxrl_core.rollout.sync): the backend and the trainer score a fixed probe
+    can_score = ro.sync_check and backend_cls.can_score()
+    verify_sync = SyncCheck(
+        backend, can_score, model, engine, tokenizer, prompt_ids[0], ro, run.start_step, run.run_dir, run.info
+    )
+    try:
+        if run.resumed:
+            with engine.full_weights():  # ZeRO-3: the backend may read the weights
+                sync_weights(backend, model, run.start_step)
+        verify_sync(run.start_step)  # before training: a backend that loaded the wrong weights stops here
+    except OxrlError:
+        if backend is not None:
+            backend.close()
+        raise
+    sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids]
+    plan = setup.plan(train_source, sources, lengths, group_by_length=False)  # prompts in seeded order
+    samples = f"{cfg.train.batch_size}×{ro.n} samples/step"
+    run.banner("built-in tiny llama (warm start)", f"{train_source.origin} ({len(rows)} prompts) · "
+               f"reward {strategy.reward_name} · {samples}")  # fmt: skip
+    rollout_log = RolloutLog(
+        run.run_dir, cfg.logging.rollout_samples_every, cfg.train.max_steps, tokenizer, run.start_step if ckpt else None
+    )
+    return RLParts(run, tokenizer, plan, model, ref, critic, shared, backend, strategy, verify_sync, rollout_log,
+                   extra_files)  # fmt: skip

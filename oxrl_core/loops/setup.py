@@ -1,0 +1,102 @@
+"""What a run builds before its first step: the `Setup` every loop starts from (the seed, the progress
+reporter, and the helpers that load the policy, the frozen models and the engine). `loops.run.Run` takes over
+once they exist.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from oxrl_core.config import fit_warmup
+from oxrl_core.data.batching import make_plan
+from oxrl_core.engines import build_engine
+from oxrl_core.loops.run import seed_everything
+from oxrl_core.models.loading import load_causal_lm
+from oxrl_core.models.lora import apply_lora, start_path, trainable_summary
+from oxrl_core.models.token_head import choose_path
+from oxrl_core.observability.progress import Reporter
+
+
+class Setup:
+    """A run before its first step, while the loop builds it: the config, the seed and the progress reporter,
+    and the helpers that load the policy, the frozen models and the engine. `Run` takes over once they exist."""
+
+    def __init__(self, trainer, ckpt: Path | None):
+        self.cfg, self.ckpt, self.algorithm = trainer.config, ckpt, trainer.algorithm
+        self.run_dir, self.registry = trainer.run_dir, trainer.registry
+        self.reporter = Reporter(trainer.quiet, self.cfg.train.log_every)
+        self.info = self.reporter.info
+        seed_everything(self.cfg.train.seed)
+        self.adapter_ckpt: Path | None = None  # under LoRA: the adapter of the checkpoint being resumed
+        self._frozen: list = []  # moved to the engine's device by `build_engine`
+
+    def start_from(self, policy_path: str) -> str:
+        """Where the policy's weights load from: the checkpoint being resumed, or ``policy_path``
+        (under LoRA the base model, the adapter coming from the checkpoint)."""
+        load_from, self.adapter_ckpt = start_path(policy_path, self.ckpt, self.cfg.lora)
+        return load_from
+
+    def policy(self, model, head: str = "lm"):
+        """The loaded policy made trainable: LoRA (``lora.*``) and the chunked LM head."""
+        model = apply_lora(model, self.cfg.lora, head, resume_from=self.adapter_ckpt)
+        if self.cfg.lora.enabled:
+            self.info(trainable_summary(model))
+        if head == "lm":
+            choose_path(model, self.cfg.train.logits_chunk_size, self.info)  # chunked LM head (or full logits)
+        return model
+
+    def frozen(self, path: str, field: str, attn: str, check=None):
+        """A model that is read, never trained (reference, teacher): no gradients, eval mode; moved to
+        the engine's device by `build_engine`. ``check(model)`` runs on it first."""
+        model = load_causal_lm(path, field=field, attn_implementation=attn, reporter=self.reporter)
+        if check is not None:
+            check(model)
+        model.requires_grad_(False).eval()
+        choose_path(model, self.cfg.train.logits_chunk_size, self.info)
+        self._frozen.append(model)
+        return model
+
+    def reference(self, policy_path: str, attn: str):
+        """The reference: ``model.ref``, else the initial policy (never the checkpoint being resumed)."""
+        cfg = self.cfg.model
+        return self.frozen(cfg.ref or policy_path, "model.ref" if cfg.ref else "model.name", attn)
+
+    def build_engine(self, model, **options):
+        """The training engine (``engine.*``: torch or DeepSpeed); frozen models join it on its device."""
+        cfg = self.cfg
+        engine = build_engine(
+            model, cfg.train, cfg.engine, cfg.model.gradient_checkpointing, run_dir=self.run_dir, **options
+        )
+        for module in self._frozen:
+            module.to(engine.device)
+        self._frozen = []
+        return engine
+
+    def plan(self, source, sources: list[int], lengths: list[int], group_by_length: bool = True):
+        """The order rows are dealt in (`data.batching.make_plan`): train.batch_size rows a micro-batch, seeded,
+        grouped by length when data.group_by_length (and the loop allows it)."""
+        cfg = self.cfg
+        group = cfg.data.group_by_length and group_by_length
+        return make_plan(source, sources, lengths, cfg.train.batch_size, cfg.train.seed, group)
+
+    def steps_from_epochs(self, rows: int, what: str, accum: int | None = None) -> None:
+        """With train.epochs, train.max_steps from the data: ⌈epochs × ⌈rows / batch_size⌉ / accum⌉ steps (a micro-
+        batch is train.batch_size rows, a step ``accum`` of them: train.grad_accum_steps, 1 for RL's prompts).
+        Then the warm-up is fitted to the run's length (`config.fit_warmup`: the built-in default cut, a warm-up
+        the user set as long as the run refused). Called once the data has loaded and before the engine, whose
+        learning-rate schedule spans the steps."""
+        train = self.cfg.train
+        length = f"train.max_steps={train.max_steps}"
+        if train.epochs is not None:
+            accum = train.grad_accum_steps if accum is None else accum
+            per_epoch = -(-rows // train.batch_size) / accum  # optimiser steps per pass over the data
+            train.max_steps = max(1, math.ceil(train.epochs * per_epoch - 1e-9))
+            self.info(
+                f"train.epochs={train.epochs:g}: {train.max_steps} steps ({rows} {what}, {train.batch_size * accum} "
+                "a step)"
+            )
+            length = f"{train.max_steps} steps from train.epochs={train.epochs:g} on {rows} {what}"
+        note = fit_warmup(train, length)
+        if note:
+            self.info(f"[yellow]note:[/yellow] {note}")
