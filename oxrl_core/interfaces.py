@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from oxrl_core.schema import StrictModel, validate_options
 
 if TYPE_CHECKING:  # torch stays out of discovery
     import torch
+
+    from oxrl_core.tool_parsers import ToolParser
 
 __all__ = [
     "Loop",
@@ -462,10 +465,8 @@ class Environment(ABC):
 
     The loop never re-renders what the model sampled: the trained sequence is the sampled tokens plus
     the chat template's rendering of the messages `step` returns (``docs/architecture.md``, multi-turn).
-    Before `reset`, the loop sets two attributes on the instance: ``tool_parser`` (the
-    `oxrl_core.tool_parsers.ToolParser` chosen for the model's chat template, ``env.tool_parser``) and
-    ``stats`` (a `collections.Counter` the environment may count ``tool_calls`` / ``bad_tool_calls`` in;
-    the loop logs them as ``env/...``). Every call is limited to `timeout_s`; one that raises or hangs
+    Before `reset`, the loop sets the instance's `tool_parser` and a fresh `stats`, and it reads `stats` after
+    every call (the two attributes below). Every call is limited to `timeout_s`; one that raises or hangs
     ends its episode with reward 0 and is counted (``env/errors``, ``env/timeouts``), and a run whose
     environment keeps failing stops (``env.max_error_share``, ``env.error_steps``).
 
@@ -487,12 +488,25 @@ class Environment(ABC):
     #: settings when ``model.name`` is empty, as the RL loop's tiny-model defaults are
     tiny_defaults: ClassVar[dict] = {}
 
+    # What the loop sets on each instance (`oxrl_core.rollout.env_worker`, in the episode's worker process), right
+    # after building it and before `reset`; `__init__` gives both a default for an instance built by hand (a test).
+    #: the `ToolParser` for the model's chat template (``env.tool_parser``: ``auto`` picks it from the template):
+    #: `ToolEnvironment.step` parses every model turn with it; a step-style environment may use it too
+    #: (``tool_parser.parse(text)`` -> the turn's tool calls and malformed calls). None until the loop sets it.
+    tool_parser: ToolParser | None
+    #: the episode's counts, a fresh `collections.Counter`: the environment adds to ``tool_calls`` and
+    #: ``bad_tool_calls`` (`ToolEnvironment` does); the loop reads it with the reply to every call and logs, per
+    #: step, ``env/tool_calls`` (the mean per episode) and ``env/bad_tool_calls`` (the sum). Other keys are ignored.
+    stats: Counter
+
     class Config(StrictModel):
         """The environment's own options (the ``env:`` keys beyond name, max_turns, max_tokens, tool_parser,
         max_error_share, error_steps)."""
 
     def __init__(self, config: "Environment.Config | None" = None):
         self.config = config if config is not None else self.Config()
+        self.tool_parser = None
+        self.stats = Counter()
 
     def reset(self, row: dict) -> str | None:
         """Start an episode on a dataset row: the text of the first user turn, or None for the row's prompt."""

@@ -33,6 +33,27 @@ def test_tools_come_from_the_public_typed_methods():
     assert "arithmetic" in schema["function"]["description"]
 
 
+def test_the_interface_declares_what_the_loop_sets_and_reads():
+    """``tool_parser`` and ``stats`` are members of the interface (the loop sets them before `reset` and reads
+    ``stats`` after every call), with defaults on an instance built by hand; they are never tools."""
+    from collections import Counter
+
+    import oxrl_core
+    from oxrl_core.tool_parsers import HermesParser, ToolCall
+
+    hints = Environment.__annotations__
+    assert {"tool_parser", "stats"} <= set(hints), hints
+    assert oxrl_core.Environment is Environment and oxrl_core.ToolEnvironment is ToolEnvironment
+    env = CalculatorEnv()
+    assert env.tool_parser is None and env.stats == Counter() and env.stats is not CalculatorEnv().stats
+    env.tool_parser = HermesParser()
+    added, _, done = env.step(
+        [{"role": "assistant", "content": HermesParser().format([ToolCall("calc", {"expr": "6*7"})])}]
+    )
+    assert added[0]["content"] == "42" and not done and env.stats == Counter(tool_calls=1)
+    assert not {"tool_parser", "stats"} & set(CalculatorEnv.tool_names())
+
+
 def test_products_rows_are_disjoint_and_their_transcripts_call_the_tool():
     train, held_out = product_rows("train"), product_rows("eval")
     assert len(held_out) == 100 and len(train) == 90 * 90 - 100

@@ -544,7 +544,7 @@ class Episodes:
         n = len(episodes)
         stats = Counter()
         for e in episodes:
-            stats.update(e.env.stats)
+            stats.update(e.env.stats)  # the instance's `Environment.stats`, as of its last call
         return {
             "env/turns": sum(e.turns for e in episodes) / n,
             "env/tool_calls": stats["tool_calls"] / n,

@@ -96,7 +96,7 @@ def class_tools(env_cls: type) -> list[dict] | None:
 
 class EnvWorker:
     """The trainer's handle on one episode's environment: its worker process, the instance's ``timeout_s`` and
-    ``scores_final_answer``, and its ``stats`` as of the last call (the loop's ``env/...`` counts)."""
+    ``scores_final_answer``, and its `Environment.stats` as of the last call (the loop's ``env/...`` counts)."""
 
     def __init__(self, conn: Connection, pid: int, env_cls: type):
         self.conn, self.pid = conn, pid
@@ -345,6 +345,14 @@ def _import(name: str, file: str | None):
     return module
 
 
+def _build(env_cls: type, config: Any, parser: Any) -> Any:
+    """An instance as an episode gets it: ``env_cls(config)``, then the two attributes the `Environment` interface
+    declares for the loop to set: its `~Environment.tool_parser` (the run's) and a fresh `~Environment.stats`."""
+    env = env_cls(config)
+    env.tool_parser, env.stats = parser, Counter()
+    return env
+
+
 def _load(modules, module_name: str, qualname: str, state: bytes) -> tuple:
     for name, file in modules:
         _import(name, file)
@@ -352,8 +360,7 @@ def _load(modules, module_name: str, qualname: str, state: bytes) -> tuple:
     for part in qualname.split("."):
         env_cls = getattr(env_cls, part)
     config, parser = pickle.loads(state)
-    env = env_cls(config)  # the first instance: per-process work done once, before any worker forks
-    env.tool_parser, env.stats = parser, Counter()
+    env = _build(env_cls, config, parser)  # the first instance: per-process work done once, before any worker forks
     if env_cls.tools not in (Environment.tools, ToolEnvironment.tools):
         env.tools()  # its own tools(): what it imports on first use (transformers for schemas, ...) imported once, here
     return env_cls, config, parser
@@ -404,8 +411,7 @@ def _worker(conn: Connection, template: tuple) -> None:
     """One episode's environment: build it, say how that went, answer calls until closed."""
     env_cls, config, parser = template
     try:
-        env = env_cls(config)
-        env.tool_parser, env.stats = parser, Counter()
+        env = _build(env_cls, config, parser)
         failure = ""
     except BaseException as exc:  # noqa: BLE001 - the episode's failure, reported to the trainer
         env, failure = None, describe_failure("hello", exc)
