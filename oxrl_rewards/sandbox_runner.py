@@ -151,7 +151,7 @@ def enter_namespaces(spec: dict, stdlib: list[str], libc, check) -> str:
     import resource
 
     def mount(source, target, fstype, flags: int, data=None) -> None:
-        encode = lambda s: None if s is None else os.fsencode(s)  # noqa: E731
+        encode = lambda s: None if s is None else os.fsencode(s)
         check(
             libc.mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data)),
             f"mount {target}",

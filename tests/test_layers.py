@@ -10,6 +10,11 @@ it (or above the run of import lines it belongs to).
 
 Within a layer, imports are allowed as long as the graph stays acyclic. A new module must be given
 a layer here. Imports made through ``importlib`` (the package's lazy ``__getattr__``) are not read.
+
+The plugin boundary: every other distribution in the repository (a directory with a ``pyproject.toml``: the
+algorithm, reward, dataset, backend and environment packages), the scaffold's templates and the README's example
+plugin import only the public API: ``oxrl_core`` itself (the names of its ``__all__``) and, for existing plugins,
+``oxrl_core.interfaces``, ``.ops``, ``.errors`` and ``.hookspecs``; never another ``oxrl_core.<module>``.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def _engine_errors(call: str):
         yield
     except OxrlError:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever the engine raised, the user gets one clear line
+    except Exception as exc:  # whatever the engine raised, the user gets one clear line
         raise OxrlError(f"rollout backend 'vllm': {call} failed inside vLLM: {type(exc).__name__}: {exc}") from exc
 
 
@@ -275,7 +275,7 @@ class VLLMRolloutBackend(RolloutBackend):
         set_num_threads, rng = torch.set_num_threads, _rng_state(torch)
         try:
             llm = LLM(**engine_args)
-        except Exception as exc:  # noqa: BLE001 - an engine that cannot start is a configuration problem
+        except Exception as exc:  # an engine that cannot start is a configuration problem
             torch.set_num_threads = set_num_threads
             raise OxrlError(
                 f"rollout backend 'vllm': the engine did not start on '{model_path}': {type(exc).__name__}: {exc}"
@@ -441,7 +441,7 @@ class VLLMRolloutBackend(RolloutBackend):
         try:
             with torch.no_grad():
                 self._llm().collective_rpc(_install_adapter, args=(lora_id, tensors, config, previous))
-        except Exception as exc:  # noqa: BLE001 - e.g. an adapter vLLM cannot serve
+        except Exception as exc:  # e.g. an adapter vLLM cannot serve
             raise OxrlError(
                 f"rollout backend 'vllm': the LoRA adapter could not be loaded: {type(exc).__name__}: {exc} "
                 "(rollout.options.lora=merged syncs merged weights instead)"
