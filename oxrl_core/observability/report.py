@@ -16,7 +16,7 @@ early) and, for RL runs, ``rollouts.jsonl`` (a sample of rollouts, `rollout_log`
 Nothing in the file points outside it: it opens from disk, offline.
 
 Every file of a run directory is treated as hostile (a tampered or damaged run directory, a name chosen by
-anyone): every value read from it reaches the page escaped (`_esc`; in the viewer's JSON block `<`, `>`, `&`
+anyone): every value read from it reaches the page escaped (`esc`; in the viewer's JSON block `<`, `>`, `&`
 are escaped, `_json_for_script`; the viewer's script puts data into the page as text only), and the page's
 Content-Security-Policy (`CSP`) runs no script but the viewer's own, identified by its hash. A file of the
 wrong shape (a step that is not a number, a config that is a list, a summary that is not an object) is a
@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import html
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.errors import OxrlError
-from oxrl_core.observability.health import HEADLINE, Finding, check_run, error_superseded, is_finite, series
+from oxrl_core.observability.charts import Line, esc, heatmap, line_chart
+from oxrl_core.observability.health import HEADLINE, Finding, check_run, is_finite, series
 from oxrl_core.observability.health import versions as current_versions
+from oxrl_core.observability.run_files import RunData, load_run
 from oxrl_core.redact import redact, secret_values
 
 __all__ = ["RunData", "load_run", "render_report", "write_report"]
@@ -50,493 +51,6 @@ MAX_VIEWER_STEPS = 20
 
 #: colours of the series (one per run when several runs overlay, else one per metric)
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#7f7f7f")
-
-
-# ---------------------------------------------------------------------------------------------- reading a run
-
-
-@dataclass
-class RunData:
-    path: Path
-    name: str
-    config: dict
-    records: list[dict]
-    summary: dict | None
-    rollouts: list[dict] = field(default_factory=list)
-    error_log: str = ""  # error.log: the traceback of a run that failed (lifecycle.error_log writes it)
-    #: the run finished after the failure error.log holds (`health.error_superseded`): history, not its failure
-    error_superseded: bool = False
-    #: what was damaged in the run directory and how the report read around it (shown at the top of the run)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def error(self) -> str:
-        """The one-line error a failed run stopped with (error.log's ``error:`` line), or ''."""
-        if self.error_superseded:
-            return ""
-        for line in self.error_log.splitlines():
-            if line.startswith("error: "):
-                return line.removeprefix("error: ").split(": ", 1)[-1].strip()
-        return ""
-
-    @property
-    def family(self) -> str:
-        keys = {k for r in self.records for k in r}
-        if "reward/mean" in keys:
-            return "rl"
-        if any(k.startswith(("rewards/", "logps/")) for k in keys):
-            return "preference"
-        return "supervised"
-
-    def section(self, name: str) -> dict:
-        """A section of the config (``train``, ``rollout``, ...); {} when it is absent or not a mapping (the
-        damage is in `notes`)."""
-        value = self.config.get(name)
-        return value if isinstance(value, dict) else {}
-
-    @property
-    def max_steps(self) -> int | None:
-        steps = self.section("train").get("max_steps")
-        return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
-
-
-# ---------------------------------------------------------------------------------------------- reading, defensively
-# Every file of a run directory may be damaged (a disk that filled, a hand edit, a tool that wrote a wrong
-# shape): what cannot be read is left out of the report with a note naming the file, the line and the field,
-# and the rest is shown. Nothing read here is trusted to be of the type oxRL writes.
-
-#: the config sections the report reads; any other shape than a mapping is a note
-SECTIONS = ("model", "train", "data", "rollout", "reward")
-#: a value beyond this is drawn as not finite: no axis could span it (the float range ends at 1.8e308)
-HUGE = 1e300
-#: the most notes one file gets (the rest are counted)
-MAX_NOTES = 5
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _step(value) -> int | None:
-    """A record's step: a whole number (an int, or an integral float) within range; None otherwise."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**15:
-        return value
-    return None
-
-
-def _clip(value):
-    """A metric value the charts can draw: an int beyond the float range (JSON allows 1e400 written as an
-    int) becomes ±inf, a float beyond ±`HUGE` likewise; anything else is kept as it is."""
-    if _is_number(value) and value == value and abs(value) > HUGE:  # (value == value: not NaN; an int has none)
-        return math.inf if value > 0 else -math.inf
-    return value
-
-
-def _describe(value) -> str:
-    """A value as a note quotes it: its JSON form, short."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-class _Notes:
-    """The notes of one run: per file, the first `MAX_NOTES` problems and how many more there were."""
-
-    def __init__(self):
-        self.by_file: dict[str, list[str]] = {}
-
-    def add(self, file: str, problem: str) -> None:
-        self.by_file.setdefault(file, []).append(problem)
-
-    def lines(self) -> list[str]:
-        out = []
-        for file, problems in self.by_file.items():
-            shown = "; ".join(problems[:MAX_NOTES])
-            more = f" (and {len(problems) - MAX_NOTES} more)" if len(problems) > MAX_NOTES else ""
-            out.append(f"{file}: {shown}{more}")
-        return out
-
-
-def _read_text(path: Path, notes: _Notes) -> str | None:
-    """A file's text (undecodable bytes replaced); None when it is absent or cannot be read (a note)."""
-    if not path.exists():
-        return None
-    try:
-        return path.read_text(errors="replace")
-    except OSError as exc:
-        notes.add(path.name, f"cannot be read ({exc.strerror or exc}); left out")
-        return None
-
-
-def _read_jsonl(path: Path, notes: _Notes) -> list[dict]:
-    """Every line that is a JSON object with a whole-number ``step``; any other line is skipped with a note
-    (a torn last line too: the run was killed in the middle of an append). Values beyond the float range
-    are read as ±inf (`_clip`)."""
-    text = _read_text(path, notes)
-    out = []
-    for number, line in enumerate((text or "").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            notes.add(path.name, f"line {number} is not JSON (a write cut short?); skipped")
-            continue
-        if not isinstance(record, dict):
-            notes.add(path.name, f"line {number} is a JSON {type(record).__name__}, not an object; skipped")
-            continue
-        step = _step(record.get("step"))
-        if step is None:
-            what = "has no step" if "step" not in record else f"has step {_describe(record['step'])}"
-            notes.add(path.name, f"line {number} {what}, not a whole number; skipped")
-            continue
-        out.append({**{k: _clip(v) for k, v in record.items()}, "step": step})
-    return out
-
-
-def _read_config(path: Path, notes: _Notes) -> dict:
-    """config.yaml as a mapping ({} when it is absent or not one); a section of another shape is a note."""
-    text = _read_text(path, notes)
-    if text is None:
-        return {}
-    try:
-        config = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        notes.add(path.name, f"not readable YAML ({reason}); the config is not shown")
-        return {}
-    if config is None:
-        return {}
-    if not isinstance(config, dict):
-        notes.add(path.name, f"holds a {type(config).__name__}, not a mapping of settings; the config is not shown")
-        return {}
-    for name in SECTIONS:
-        value = config.get(name)
-        if value is not None and not isinstance(value, dict):
-            notes.add(path.name, f"{name} is {_describe(value)}, not a mapping; its settings are not shown")
-    return config
-
-
-def _held_out(summary: dict, when: str, notes: _Notes) -> dict[str, float]:
-    """summary.json's ``eval_before`` / ``eval_after`` as metric -> float (a non-finite one is NaN / inf)."""
-    values = summary.get(when)
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        notes.add("summary.json", f"{when} is {_describe(values)}, not a mapping; left out")
-        return {}
-    out = {}
-    for key, value in values.items():
-        if isinstance(value, str) and not is_finite(value):
-            out[key] = float(value.strip().lower().replace("infinity", "inf"))
-        elif _is_number(value):
-            out[key] = float(_clip(value))
-        else:
-            notes.add("summary.json", f"{when}.{key} is {_describe(value)}, not a number; left out")
-    return out
-
-
-def _read_summary(path: Path, notes: _Notes) -> dict | None:
-    """summary.json (a finished run's) with its fields checked: None when it is absent or unreadable; a
-    field of the wrong type is left out with a note."""
-    text = _read_text(path, notes)
-    if text is None:
-        return None
-    try:
-        summary = json.loads(text)
-    except (ValueError, RecursionError):
-        notes.add(path.name, "not JSON; the held-out results and versions are not shown")
-        return None
-    if not isinstance(summary, dict):
-        notes.add(path.name, f"holds a JSON {type(summary).__name__}, not an object; not shown")
-        return None
-    summary = {**summary, "eval_before": _held_out(summary, "eval_before", notes)}
-    summary["eval_after"] = _held_out(summary, "eval_after", notes)
-    if "train_seconds" in summary and not (
-        _is_number(summary["train_seconds"]) and abs(summary["train_seconds"]) < HUGE
-    ):
-        notes.add(path.name, f"train_seconds is {_describe(summary['train_seconds'])}, not a number; left out")
-        del summary["train_seconds"]
-    environment = summary.get("environment")
-    if environment is not None and not isinstance(environment, dict):
-        notes.add(path.name, f"environment is {_describe(environment)}, not a mapping; versions at report time shown")
-        del summary["environment"]
-    return summary
-
-
-def _number_or_none(value):
-    return _clip(value) if _is_number(value) else None
-
-
-#: per-token lists of a logged sample (rollout_log): numbers, one per token
-TOKEN_VALUES = ("ids", "logp", "logp_rollout", "entropy", "adv", "mask", "logp_ref")
-
-
-def _clean_sample(sample, where: str, notes: _Notes) -> dict | None:
-    """A logged sample the viewer can show: the fields rollout_log writes, each of its type (a field of another
-    type is replaced: a number by null, text by its JSON form, a list by the values that fit); a sample that is
-    not an object is None. A well-formed sample is returned unchanged."""
-    if not isinstance(sample, dict):
-        notes.add("rollouts.jsonl", f"{where} is {_describe(sample)}, not an object; skipped")
-        return None
-    out, bad = dict(sample), []
-    tokens = sample.get("tokens")
-    if not isinstance(tokens, list):
-        bad.append("tokens")
-        tokens = []
-    out["tokens"] = [t if isinstance(t, str) else _describe(t) for t in tokens]
-    if any(not isinstance(t, str) for t in tokens):
-        bad.append("tokens")
-    for key in TOKEN_VALUES:
-        values = sample.get(key)
-        if values is None and key in ("adv", "mask", "entropy", "logp_ref"):
-            continue  # optional (an older run, no reference model)
-        if not isinstance(values, list) or any(v is not None and not _is_number(v) for v in values):
-            bad.append(key)
-            values = values if isinstance(values, list) else []
-            out[key] = [_number_or_none(v) for v in values]
-    for key in ("group", "sample", "length"):
-        if not (isinstance(sample.get(key), int) and not isinstance(sample.get(key), bool)):
-            bad.append(key)
-            out[key] = len(out["tokens"]) if key == "length" else None
-    for key in ("reward", "advantage"):
-        if sample.get(key) is not None and not _is_number(sample.get(key)):
-            bad.append(key)
-            out[key] = None
-    for key in ("prompt", "finish_reason"):
-        if not isinstance(sample.get(key, ""), str):
-            bad.append(key)
-            out[key] = _describe(sample.get(key))
-    out.setdefault("prompt", "")
-    out.setdefault("finish_reason", "")
-    if bad:
-        fields = ", ".join(dict.fromkeys(bad))
-        notes.add("rollouts.jsonl", f"{where}: {fields} not of the type oxRL writes; shown as far as readable")
-    return out
-
-
-def _read_rollouts(path: Path, notes: _Notes) -> list[dict]:
-    """rollouts.jsonl's lines with ``rewards`` a list of numbers (others null) and ``samples`` a list of
-    cleaned samples (`_clean_sample`)."""
-    out = []
-    for record in _read_jsonl(path, notes):
-        where = f"step {record['step']}"
-        rewards = record.get("rewards")
-        if rewards is not None and not isinstance(rewards, list):
-            notes.add(path.name, f"{where}: rewards is {_describe(rewards)}, not a list; left out")
-            rewards = None
-        if rewards and any(v is not None and not _is_number(v) for v in rewards):
-            count = sum(v is not None and not _is_number(v) for v in rewards)
-            notes.add(path.name, f"{where}: {count} of the rewards are not numbers; left out of the distribution")
-        samples = record.get("samples")
-        if samples is not None and not isinstance(samples, list):
-            notes.add(path.name, f"{where}: samples is {_describe(samples)}, not a list; left out")
-            samples = None
-        cleaned = [_clean_sample(s, f"{where}, sample {i + 1}", notes) for i, s in enumerate(samples or [])]
-        out.append(
-            {
-                **record,
-                "rewards": None if rewards is None else [_number_or_none(v) for v in rewards],
-                "samples": [s for s in cleaned if s is not None],
-            }
-        )
-    return out
-
-
-def load_run(path: Path) -> RunData:
-    """A run directory's files; a clear `OxrlError` when it is not one or has no readable metrics. A damaged
-    file is a note (`RunData.notes`), never a failure: the report shows what it can."""
-    path = Path(path)
-    if not path.is_dir():
-        raise OxrlError(f"{path}: not a directory (oxrl report reads run directories, e.g. runs/sgrpo-20261125-101500)")
-    if not (path / "config.yaml").is_file() and not (path / "metrics.jsonl").is_file():
-        raise OxrlError(f"{path}: not an oxRL run directory (no config.yaml, no metrics.jsonl)")
-    notes = _Notes()
-    records = _read_jsonl(path / "metrics.jsonl", notes)
-    if not records:
-        damaged = f" ({'; '.join(notes.lines())})" if notes.by_file.get("metrics.jsonl") else ""
-        raise OxrlError(
-            f"{path}: no metrics (metrics.jsonl is missing, empty or holds no readable step{damaged}: the run "
-            "stopped before its first step)"
-        )
-    config = _read_config(path / "config.yaml", notes)
-    summary = _read_summary(path / "summary.json", notes)
-    error_log = _read_text(path / "error.log", notes) or ""
-    rollouts = _read_rollouts(path / "rollouts.jsonl", notes)
-    superseded = bool(error_log) and error_superseded(path)
-    return RunData(path, path.resolve().name, config, records, summary, rollouts, error_log, superseded, notes.lines())
-
-
-# ---------------------------------------------------------------------------------------------- SVG charts
-
-
-def _esc(text) -> str:
-    """Text from a run directory as HTML (element text or a quoted attribute): every value the page shows
-    goes through here, whatever its type (a step, a metric's name, a config value, a directory's name)."""
-    return html.escape(str(text), quote=True)
-
-
-def _ticks(lo: float, hi: float, count: int = 5) -> list[float]:
-    """Round tick values covering [lo, hi]."""
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / count
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
-def _fmt(v: float) -> str:
-    if v == 0:
-        return "0"
-    if abs(v) >= 1e4 or abs(v) < 1e-3:
-        return f"{v:.1e}"
-    return f"{v:.4g}"
-
-
-@dataclass
-class Line:
-    label: str
-    color: str
-    points: list[tuple[float, float]]  # (step, value); NaN = non-finite
-    dash: str = ""
-    markers: bool = False
-    band: list[tuple[float, float, float]] | None = None  # (step, low, high): e.g. mean ± std
-
-
-W, H, ML, MR, MT, MB = 420, 230, 58, 12, 10, 34
-
-
-def line_chart(lines: list[Line], ylog: bool = False, xlabel: str = "step") -> str:
-    """Lines (and bands) on shared axes as an <svg>; a non-finite value is a red × at the top edge."""
-    xs = [x for ln in lines for x, _ in ln.points]
-    ys = [y for ln in lines for _, y in ln.points if math.isfinite(y)]
-    ys += [v for ln in lines for _, lo, hi in ln.band or () for v in (lo, hi) if math.isfinite(v)]
-    if ylog:
-        ys = [y for y in ys if y > 0]
-    if not xs:
-        return ""
-    x0, x1 = min(xs), max(xs)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    y0, y1 = (min(ys), max(ys)) if ys else ((1.0, 10.0) if ylog else (0.0, 1.0))  # no finite point: any axis
-    tf = (lambda v: math.log10(v)) if ylog else (lambda v: v)
-    y0, y1 = tf(y0), tf(y1)
-    if y1 - y0 < 1e-12:
-        y0, y1 = y0 - (abs(y0) * 0.1 or 1), y1 + (abs(y1) * 0.1 or 1)
-    pad = (y1 - y0) * 0.05
-    y0, y1 = y0 - pad, y1 + pad
-    pw, ph = W - ML - MR, H - MT - MB
-
-    def px(x: float) -> float:
-        return ML + (x - x0) / (x1 - x0) * pw
-
-    def py(y: float) -> float:
-        return MT + (1 - (tf(y) - y0) / (y1 - y0)) * ph
-
-    out = [f'<svg width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img">']
-    out.append(f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="#fff" stroke="#ccc"/>')
-    yticks = [10**t for t in _ticks(y0, y1, 4)] if ylog else _ticks(y0, y1, 4)
-    for t in yticks:
-        y = py(t)
-        out.append(f'<line x1="{ML}" x2="{ML + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>')
-        out.append(f'<text x="{ML - 4}" y="{y + 4:.1f}" text-anchor="end" font-size="10">{_fmt(t)}</text>')
-    for t in _ticks(x0, x1, 5):
-        x = px(t)
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{MT + ph}" y2="{MT + ph + 4}" stroke="#999"/>')
-        out.append(f'<text x="{x:.1f}" y="{MT + ph + 15}" text-anchor="middle" font-size="10">{_fmt(t)}</text>')
-    out.append(
-        f'<text x="{ML + pw / 2}" y="{H - 4}" text-anchor="middle" font-size="10" fill="#555">{_esc(xlabel)}</text>'
-    )
-    for ln in lines:
-        if ln.band:
-            pts = [(x, lo, hi) for x, lo, hi in ln.band if math.isfinite(lo) and math.isfinite(hi)]
-            if ylog:
-                pts = [(x, lo, hi) for x, lo, hi in pts if lo > 0]
-            if pts:
-                upper = " ".join(f"{px(x):.1f},{py(hi):.1f}" for x, _, hi in pts)
-                lower = " ".join(f"{px(x):.1f},{py(lo):.1f}" for x, lo, _ in reversed(pts))
-                out.append(f'<polygon points="{upper} {lower}" fill="{ln.color}" fill-opacity="0.15" stroke="none"/>')
-    for ln in lines:
-        segment: list[str] = []
-        segments = [segment]
-        for x, y in ln.points:
-            if math.isfinite(y) and (not ylog or y > 0):
-                segment.append(f"{px(x):.1f},{py(y):.1f}")
-            else:
-                segment = []
-                segments.append(segment)
-                out.append(
-                    f'<text x="{px(x):.1f}" y="{MT + 10}" text-anchor="middle" font-size="12" fill="#d00" '
-                    f'class="nonfinite"><title>{_esc(ln.label)}: not finite at step {x:g}</title>×</text>'
-                )
-        dash = f' stroke-dasharray="{ln.dash}"' if ln.dash else ""
-        for seg in segments:
-            if len(seg) > 1:
-                out.append(
-                    f'<polyline points="{" ".join(seg)}" fill="none" stroke="{ln.color}" stroke-width="1.6"{dash}/>'
-                )
-            if len(seg) == 1 or ln.markers:
-                for p in seg:
-                    cx, cy = p.split(",")
-                    out.append(f'<circle cx="{cx}" cy="{cy}" r="2.6" fill="{ln.color}"/>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def heatmap(columns: list[tuple[int, list[float]]]) -> str:
-    """The distribution of values at each logged step: one column per step, one row per value bin, the
-    cell's shade the share of samples in it (a reward with few distinct values gets one row per value)."""
-    values = sorted({v for _, col in columns for v in col if v is not None and math.isfinite(v)})
-    if not values:
-        return ""
-    if len(values) <= 12:
-        bins = [(v, v) for v in values]
-    else:
-        lo, hi = values[0], values[-1]
-        edges = [lo + (hi - lo) * i / 10 for i in range(11)]
-        bins = list(zip(edges[:-1], edges[1:]))
-
-    def which(v: float) -> int:
-        for k, (a, b) in enumerate(bins):
-            if (a == b and v == a) or (a <= v <= b if k == len(bins) - 1 else a <= v < b):
-                return k
-        return len(bins) - 1
-
-    pw, ph = W - ML - MR, H - MT - MB
-    cw, ch = pw / len(columns), ph / len(bins)
-    out = [f'<svg width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img">']
-    for c, (step, col) in enumerate(columns):
-        finite = [v for v in col if v is not None and math.isfinite(v)]
-        counts = [0] * len(bins)
-        for v in finite:
-            counts[which(v)] += 1
-        for k, count in enumerate(counts):
-            share = count / len(finite) if finite else 0
-            x, y = ML + c * cw, MT + (len(bins) - 1 - k) * ch
-            out.append(
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{cw + 0.5:.1f}" height="{ch + 0.5:.1f}" '
-                f'fill="rgb(31,119,180)" fill-opacity="{share:.3f}"><title>step {_esc(step)}: {share:.0%} of '
-                f"{len(finite)} samples in {_fmt(bins[k][0])}–{_fmt(bins[k][1])}</title></rect>"
-            )
-        if len(columns) <= 12 or c % max(1, len(columns) // 8) == 0:
-            out.append(
-                f'<text x="{ML + (c + 0.5) * cw:.1f}" y="{MT + ph + 15}" text-anchor="middle" font-size="10">{_esc(step)}</text>'
-            )
-    for k, (a, b) in enumerate(bins):
-        label = _fmt(a) if a == b else f"{_fmt(a)}–{_fmt(b)}"
-        y = MT + (len(bins) - 1 - k + 0.5) * ch + 4
-        if len(bins) <= 12:
-            out.append(f'<text x="{ML - 4}" y="{y:.1f}" text-anchor="end" font-size="10">{label}</text>')
-    out.append(f'<rect x="{ML}" y="{MT}" width="{pw}" height="{ph}" fill="none" stroke="#ccc"/>')
-    out.append(f'<text x="{ML + pw / 2}" y="{H - 4}" text-anchor="middle" font-size="10" fill="#555">step</text>')
-    out.append("</svg>")
-    return "".join(out)
 
 
 # ---------------------------------------------------------------------------------------------- which curves
@@ -640,13 +154,13 @@ def _colour_class(colour: str) -> str:
 def _figure(title: str, svg: str, lines: list[Line], note: str = "", fid: str = "", eid: str = "") -> str:
     """One plot: ``fid`` names its kind (``data-plot``), ``eid`` (default ``fid``) its element id."""
     legend = "".join(
-        f'<span class="key"><span class="swatch {_colour_class(ln.color)}"></span>{_esc(ln.label)}'
+        f'<span class="key"><span class="swatch {_colour_class(ln.color)}"></span>{esc(ln.label)}'
         f"{' (dashed)' if ln.dash else ''}</span>"
         for ln in lines
     )
-    note = f'<div class="note">{_esc(note)}</div>' if note else ""
+    note = f'<div class="note">{esc(note)}</div>' if note else ""
     return (
-        f'<figure class="plot" id="plot-{_esc(eid or fid)}" data-plot="{_esc(fid)}"><figcaption>{_esc(title)}</figcaption>'
+        f'<figure class="plot" id="plot-{esc(eid or fid)}" data-plot="{esc(fid)}"><figcaption>{esc(title)}</figcaption>'
         f'{svg}<div class="legend">{legend}</div>{note}</figure>'
     )
 
@@ -762,7 +276,7 @@ def _overview(run: RunData) -> str:
     if run.summary and "train_seconds" in run.summary:  # (a number: `_read_summary` checked it)
         rows.append(("training time", f"{run.summary['train_seconds']:.1f} s"))
     rows.append((f"versions ({where})", " · ".join(f"{k} {v}" for k, v in versions.items())))
-    body = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in rows)
+    body = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in rows)
     return f'<table class="kv">{body}</table>'
 
 
@@ -776,9 +290,9 @@ def _held_out_table(run: RunData) -> str:
 
     def cell(d: dict, k: str) -> str:
         v = d.get(k)
-        return "–" if v is None else (f"{v:.4f}" if isinstance(v, (int, float)) else _esc(v))
+        return "–" if v is None else (f"{v:.4f}" if isinstance(v, (int, float)) else esc(v))
 
-    body = "".join(f"<tr><td>{_esc(k)}</td><td>{cell(before, k)}</td><td>{cell(after, k)}</td></tr>" for k in keys)
+    body = "".join(f"<tr><td>{esc(k)}</td><td>{cell(before, k)}</td><td>{cell(after, k)}</td></tr>" for k in keys)
     return '<table class="heldout"><tr><th>held-out metric</th><th>before</th><th>after</th></tr>' + body + "</table>"
 
 
@@ -795,7 +309,7 @@ def _error_log(run: RunData) -> str:
     )
     return (
         f'<details class="error-log"><summary>error.log ({what})</summary>'
-        f"<pre class='config'>{_esc(tail)}</pre></details>"
+        f"<pre class='config'>{esc(tail)}</pre></details>"
     )
 
 
@@ -803,7 +317,7 @@ def _notes(run: RunData) -> str:
     """What was damaged in the run directory (`RunData.notes`): the report shows the rest."""
     if not run.notes:
         return ""
-    items = "".join(f'<li class="warning damaged">{_esc(note)}</li>' for note in run.notes)
+    items = "".join(f'<li class="warning damaged">{esc(note)}</li>' for note in run.notes)
     return (
         '<h3>Damaged files</h3><p class="note">These parts of the run directory could not be read as oxRL writes '
         f'them; the report shows everything else.</p><ul class="findings notes">{items}</ul>'
@@ -823,7 +337,7 @@ def _findings(findings: list[Finding]) -> str:
     if not findings:
         return '<p class="ok">No warnings: nothing in the metrics looks wrong.</p>'
     items = "".join(
-        f'<li class="{_esc(f.level)}" data-code="{_esc(f.code)}"><b>{_esc(f.level)}</b> {_esc(f.message)}</li>'
+        f'<li class="{esc(f.level)}" data-code="{esc(f.code)}"><b>{esc(f.level)}</b> {esc(f.message)}</li>'
         for f in findings
     )
     return f'<ul class="findings">{items}</ul>'
@@ -960,9 +474,9 @@ def _viewer(run: RunData, index: int, several: bool) -> str:
     if not data:
         return ""
     source = f"rollouts-{index}"
-    steps = "".join(f'<option value="{_esc(d["step"])}">step {_esc(d["step"])}</option>' for d in data)
+    steps = "".join(f'<option value="{esc(d["step"])}">step {esc(d["step"])}</option>' for d in data)
     return (
-        f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + _esc(run.name) if several else ""}</h3>'
+        f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + esc(run.name) if several else ""}</h3>'
         '<p class="note">Prompts and completions rollouts.jsonl logged (logging.rollout_samples_every): each token '
         "coloured by the quantity chosen below; hover a token for all its values.</p>"
         f'<label>step <select class="step">{steps}</select></label> '
@@ -1022,12 +536,12 @@ def render_report(runs: list[RunData]) -> str:
         findings = check_run(run.records, run.summary, run.max_steps, run.error)
         title = f"{run.name}" if len(runs) > 1 else "The run"
         sections.append(
-            f'<section class="run" id="run-{i}"><h2>{_esc(title)}</h2>{_overview(run)}'
+            f'<section class="run" id="run-{i}"><h2>{esc(title)}</h2>{_overview(run)}'
             f"{_notes(run)}<h3>Warnings</h3>{_findings(findings)}"
             f"{_held_out_table(run)}"
             f"{_error_log(run)}"
             f"<details><summary>Resolved config (config.yaml)</summary><pre class='config'>"
-            f"{_esc(_config_text(run))}</pre></details></section>"
+            f"{esc(_config_text(run))}</pre></details></section>"
         )
     plots, _ = _plots(runs)
     viewers = "".join(_viewer(run, i, len(runs) > 1) for i, run in enumerate(runs))
@@ -1036,9 +550,9 @@ def render_report(runs: list[RunData]) -> str:
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
-        f'<meta http-equiv="Content-Security-Policy" content="{_esc(CSP)}">'
-        f"<title>oxRL report: {_esc(names)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>oxRL report: {_esc(names)}</h1>"
+        f'<meta http-equiv="Content-Security-Policy" content="{esc(CSP)}">'
+        f"<title>oxRL report: {esc(names)}</title><style>{STYLE}</style></head><body>"
+        f"<h1>oxRL report: {esc(names)}</h1>"
         + "".join(sections)
         + f"<h2>Curves{overlay}</h2>{plots}"
         + viewer_part
