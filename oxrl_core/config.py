@@ -308,19 +308,6 @@ class TrainConfig(StrictModel):
         file or --set goes through `rename_keys` / `apply_overrides`, which also print the deprecation note."""
         return _renamed_section(data, "train")
 
-    # Temporary read-only aliases of the old attribute names, for code not yet moved to the new ones.
-    @property
-    def save_steps(self) -> int:
-        return self.save_every
-
-    @property
-    def eval_steps(self) -> int:
-        return self.eval_every
-
-    @property
-    def log_steps(self) -> int:
-        return self.log_every
-
 
 class EngineConfig(StrictModel):
     """Where the model trains. ``torch``: one process, CPU or one GPU (the default). ``deepspeed``: ZeRO,
@@ -475,11 +462,6 @@ class RolloutConfig(StrictModel):
     def options(self) -> dict[str, Any]:
         """The backend's own options: the ``rollout:`` keys beyond the ones above (`rollout_options`)."""
         return dict(self.model_extra or {})
-
-    # Temporary read-only alias of the old attribute name, for code not yet moved to the new one.
-    @property
-    def epochs(self) -> int:
-        return self.passes_per_batch
 
     @field_validator("tis_cap")
     @classmethod
