@@ -615,3 +615,58 @@ def test_new_plugin_refuses_to_overwrite(tmp_path):
     proc = oxrl("new-plugin", "my_alg", "--dir", str(tmp_path), env=CLEAN)
     assert_clean_failure(proc, "already exists")
     assert init.read_text() == "# my edits\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's example plugin, exactly as printed there
+# ---------------------------------------------------------------------------------------------
+
+
+def _readme_plugin_blocks() -> tuple[dict[str, str], dict[str, str]]:
+    """The README's example plugin: its files (each ```python block headed ``# oxrl_myalg/...``) and its
+    entry points (the ```toml block)."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Writing and publishing a plugin", 1)[1].split("\n## ", 1)[0]
+    files, entry_points = {}, {}
+    for lang, body in re.findall(r"```(python|toml)\n(.*?)```", section, flags=re.S):
+        first = body.splitlines()[0]
+        if lang == "python" and first.startswith("# oxrl_myalg/"):
+            files[first[2:].split(" ")[0]] = body
+        elif lang == "toml" and "[project.entry-points.oxrl]" in body:
+            entry_points.update(re.findall(r'^(\w+) = "([\w.]+)"$', body, flags=re.M))
+    return files, entry_points
+
+
+def test_the_readme_example_plugin_installs_lists_and_trains(tmp_path, tiny_model_dir, sft_jsonl):
+    """The README's example plugin, unchanged, is a distribution `oxrl plugins` lists and `oxrl run` trains
+    with; and the same plugin written in the old vocabulary (``family`` instead of ``loop``) still trains,
+    with a deprecation note naming ``loop``."""
+    files, entry_points = _readme_plugin_blocks()
+    assert set(files) == {"oxrl_myalg/__init__.py", "oxrl_myalg/algorithm.py"} and entry_points == {
+        "myalg": "oxrl_myalg"
+    }
+    site = make_dist(tmp_path / "site", "oxrl-myalg", "0.1.0", files, entry_points)
+    (row,) = [r for r in plugins_json(env_with(site))["plugins"] if r["name"] == "myalg"]
+    assert (row["kind"], row["package"]) == ("algorithm", "oxrl-myalg")
+    old = {
+        **files,
+        "oxrl_myalg/algorithm.py": files["oxrl_myalg/algorithm.py"].replace(
+            'loop = "supervised"', 'family = "supervised"'
+        ),
+    }
+    assert old != files
+    old_site = make_dist(tmp_path / "old", "oxrl-myalg", "0.1.0", old, entry_points)
+    for where, site_dir in (("new", site), ("old", old_site)):
+        run_dir = tmp_path / f"run-{where}"
+        proc = oxrl("run", "--alg", "myalg", "--set", f"model.name={tiny_model_dir}", "--set", f"data.train={sft_jsonl}",
+                    "--set", "train.max_steps=2", "--set", "alg.my_coeff=0.5", "-o", str(run_dir), env=env_with(site_dir))  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        records = read_metrics(run_dir)
+        assert [m["step"] for m in records] == [1, 2]
+        # the loss is (1 + my_coeff) × the NLL it logs: the plugin's own loss and its alg: option were used
+        assert records[0]["loss"] == pytest.approx(1.5 * records[0]["loss/nll"], rel=1e-5)
+        assert ("deprecated" in flat(proc.stdout + proc.stderr)) == (where == "old")
+        if where == "old":
+            assert "loop" in flat(proc.stdout + proc.stderr)
