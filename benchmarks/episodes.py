@@ -53,10 +53,10 @@ def main() -> None:
     greedy = SamplingParams(n=1, max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0)
 
     def batched():
-        return runner.play(rows, greedy, version=0)
+        return runner.play(rows, greedy)
 
     def one_by_one():
-        return [e for row in rows for e in runner.play([row], greedy, version=0)]
+        return [e for row in rows for e in runner.play([row], greedy)]
 
     a, b = batched(), one_by_one()  # warm-up, and the check that both do the same work
     assert [e.messages for e in a] == [e.messages for e in b], "the two sides played different episodes"

@@ -167,9 +167,7 @@ def launch(trainer, ckpt: Path | None):
         gpus, cpus, threads = _placement(ray, engine)
         actor_cls = ray.remote(TrainActor).options(num_gpus=gpus, num_cpus=cpus, max_restarts=0)
         actors = [actor_cls.remote(rank, engine.world_size) for rank in range(engine.world_size)]
-        infos = _get(
-            ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors", infos
-        )
+        infos = _get(ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors")
         (run_dir / "ranks.json").write_text(
             json.dumps([{k: i[k] for k in ("rank", "pid", "ip")} for i in infos], indent=2) + "\n"
         )
@@ -209,7 +207,7 @@ def _flush_actor_output() -> None:
     sys.stderr.flush()
 
 
-def _get(ray, refs, timeout_s: float, what: str, infos):
+def _get(ray, refs, timeout_s: float, what: str):
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

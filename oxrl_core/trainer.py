@@ -212,7 +212,7 @@ class Trainer:
             raise OxrlError(
                 f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"
             )
-        check_engine(self.config, self.algorithm_cls.loop, self.algorithm_cls.loop == "rl")
+        check_engine(self.config, self.algorithm_cls.loop == "rl")
         absolute_paths(self.config)  # config.yaml's paths read the same from any working directory (--resume)
         self._preflight()
         if self.run_dir is None:

@@ -217,10 +217,10 @@ def test_rollout_shards_must_deal_evenly_to_the_ranks():
         OxrlError,
         match=r"engine.rollout_shards=3 rollout shards cannot be dealt evenly to engine.world_size=2 ranks \(3 / 2 = 1.5\)",
     ):
-        check_engine(config, "rl", needs_rollouts=True)
+        check_engine(config, needs_rollouts=True)
     config = load_run_config(overrides=["engine.rollout_shards=3", "train.batch_size=4"], algorithm="sgrpo")
     with pytest.raises(OxrlError, match=r"train.batch_size=4 prompts cannot be cut into 3 equal rollout shards"):
-        check_engine(config, "rl", needs_rollouts=True)
+        check_engine(config, needs_rollouts=True)
 
 
 def test_world_size_beyond_the_gpus_is_refused(monkeypatch):

@@ -83,7 +83,7 @@ def play(tokenizer, model, turns, env_cls=ToolEcho, rows=None, **env):
     backend = ScriptedBackend(model, tokenizer, turns)
     runner = Episodes(env_cls, env_cls.Config(), config(**env), tokenizer, backend)
     rows = rows or [{"prompt": "What is 2*3?", "answer": "6"}]
-    episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=64), version=0)
+    episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=64))
     return runner, backend, episodes
 
 
@@ -362,14 +362,14 @@ def test_a_shard_plays_the_same_episodes_wherever_it_is_played():
         return Episodes(ToolEcho, ToolEcho.Config(), config(max_turns=3), tok, backend)
 
     local = runner(HFRolloutBackend(model, tok))
-    alone = local.play_shards([(0, rows[:2])], sampling, 0) + local.play_shards([(1, rows[2:])], sampling, 0)
-    together = local.play_shards([(0, rows[:2]), (1, rows[2:])], sampling, 0)
+    alone = local.play_shards([(0, rows[:2])], sampling) + local.play_shards([(1, rows[2:])], sampling)
+    together = local.play_shards([(0, rows[:2]), (1, rows[2:])], sampling)
     remote_backend = Remote(model, tok)
-    remote = runner(remote_backend).play_sharded(rows, sampling, 0, shards=2, engine=None)
+    remote = runner(remote_backend).play_sharded(rows, sampling, shards=2, engine=None)
     assert remote_backend.shard_calls == 3  # one call per turn
     as_ids = lambda eps: [(e.prompt_ids, e.token_ids, e.sampled) for e in eps]
     assert as_ids(alone) == as_ids(together) == as_ids(remote)
-    assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12), 0))
+    assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12)))
     failures = EnvFailures("tool_echo")
     prompts, completions, scores, metrics = local.collect(together, Right(), RewardFailures("right"), failures)
     assert prompts == [e.prompt_ids for e in together] and [c.token_ids for c in completions] == [

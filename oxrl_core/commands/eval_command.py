@@ -122,7 +122,7 @@ def evaluate_model(
                 runner = Episodes(type(environment), environment.config, config, tokenizer, generator)
                 played = []
                 for start in range(0, len(rows), batch_size):
-                    played += runner.play(rows[start : start + batch_size], sampling, 0)
+                    played += runner.play(rows[start : start + batch_size], sampling)
                     update(len(played))
             else:
                 for start in range(0, len(rows), batch_size):

@@ -338,4 +338,3 @@ def _nothing_left(origin: str, out: Tokenised, max_length: int) -> OxrlError:
         f"{origin}: no usable preference pair: {'; '.join(reasons)}. Check the chosen/rejected fields "
         f"(a pair needs two different answers), or raise data.max_length if they differ only past it"
     )
-

@@ -171,4 +171,3 @@ def normalise_row(row: dict, fmt: str, origin: str) -> dict:
         if not row[field].strip():
             raise OxrlError(f"{where}: field '{field}' is empty (a completion needs at least one token besides EOS)")
     return row
-

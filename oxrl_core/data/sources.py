@@ -402,7 +402,7 @@ def load_data(value, split: str, registry=None, field: str = "data.train") -> So
     return Source(rows, origin, MixedDataset.of(datasets), parts)
 
 
-def eval_source(data_cfg, registry, train_source: Source) -> Source | None:
+def eval_source(data_cfg, registry) -> Source | None:
     """Held-out rows: ``data.eval`` when set, else the eval splits of the dataset plugins in
     ``data.train`` (those that have one), else none."""
     if data_cfg.eval:

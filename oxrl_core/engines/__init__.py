@@ -40,7 +40,7 @@ def build_engine(
     return TorchEngine(model, train_cfg, engine_cfg, gradient_checkpointing, extra_modules, total_steps)
 
 
-def check_engine(config, family: str, needs_rollouts: bool) -> None:
+def check_engine(config, needs_rollouts: bool) -> None:
     """Cross-section checks of the engine settings (``engine`` alone is checked by its pydantic model),
     each message naming the fields and the arithmetic. Data parallelism keeps the single-process
     batch: every optimiser step sees the same rows; each rank takes a share of every micro-batch."""

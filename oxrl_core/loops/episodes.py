@@ -294,13 +294,11 @@ class Episodes:
 
     # ---- one rollout batch
 
-    def play(self, rows: list[dict], sampling: SamplingParams, version: int) -> list[Episode]:
+    def play(self, rows: list[dict], sampling: SamplingParams) -> list[Episode]:
         """``sampling.n`` episodes for each row (the n of a row contiguous), played to their end."""
-        return self.play_shards([(0, rows)], sampling, version)
+        return self.play_shards([(0, rows)], sampling)
 
-    def play_shards(
-        self, shards: list[tuple[int, list[dict]]], sampling: SamplingParams, version: int
-    ) -> list[Episode]:
+    def play_shards(self, shards: list[tuple[int, list[dict]]], sampling: SamplingParams) -> list[Episode]:
         """The episodes of several shards ``(k, rows)`` of a rollout batch, in shard order. Shard k samples
         with seed + k·SHARD_SEED_STRIDE (as single-turn shards do), so its episodes do not depend on which
         process plays it or beside which other shards; each turn is one backend call per shard, or one
@@ -329,7 +327,7 @@ class Episodes:
             self.env_turns(waiting)  # the environments of every shard answer at once, each in its own process
         return [e for _, episodes, _ in played for e in episodes]
 
-    def play_sharded(self, rows: list[dict], sampling: SamplingParams, version: int, shards: int, engine):
+    def play_sharded(self, rows: list[dict], sampling: SamplingParams, shards: int, engine):
         """This process's episodes of a rollout batch cut into ``shards`` shards of whole prompts, dealt as
         single-turn rollouts are (`generate_sharded`): with rollout actors rank 0 plays every shard and the
         actors generate them in parallel; else each rank plays its contiguous block of shards on whole
@@ -337,10 +335,10 @@ class Episodes:
         size = len(rows) // shards
         blocks = [(k, rows[k * size : (k + 1) * size]) for k in range(shards)]
         if self.backend is None or self.backend.remote:
-            return self.play_shards(blocks, sampling, version) if is_main() else []
+            return self.play_shards(blocks, sampling) if is_main() else []
         per_rank = shards // world_size()
         with engine.full_weights():  # ZeRO-3: every rank generates on whole weights
-            return self.play_shards(blocks[rank() * per_rank : (rank() + 1) * per_rank], sampling, version)
+            return self.play_shards(blocks[rank() * per_rank : (rank() + 1) * per_rank], sampling)
 
     def collect(self, played: list[Episode], reward, failures: RewardFailures, env_failures: EnvFailures):
         """Every process's episodes of the step on every process: ``(prompt ids, completions, scores,
@@ -560,7 +558,7 @@ class Episodes:
 
     # ---- held-out evaluation
 
-    def evaluate(self, rows: list[dict], reward, dataset, ro, seed: int, batch: int = 64, progress=None) -> dict:
+    def evaluate(self, rows: list[dict], reward, dataset, ro, batch: int = 64, progress=None) -> dict:
         """Held-out episodes, greedy: ``eval/reward``, ``eval/accuracy`` of the final answers when the data can
         check them, ``eval/turns``, ``eval/tool_calls``. (Unlike single-turn evaluation, no sampled pass: n
         episodes per prompt of several turns each would cost more than the training steps between evaluations.)
@@ -574,7 +572,7 @@ class Episodes:
         for suffix, sampling in modes.items():
             scores, episodes, metrics = [], [], Counter()
             for start in range(0, len(rows), batch):
-                played = self.play(rows[start : start + batch], sampling, version=0)
+                played = self.play(rows[start : start + batch], sampling)
                 got, _ = self.rewards(played, reward, RewardFailures(getattr(reward, "name", "reward")))
                 m = self.metrics(played)
                 scores += got

@@ -275,7 +275,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
     for note in train.notes(cfg.data.max_length):  # too-long prompts, pairs with chosen == rejected
         setup.info(f"[yellow]note:[/yellow] {note}")
-    held_out = eval_source(cfg.data, setup.registry, train_source)
+    held_out = eval_source(cfg.data, setup.registry)
     eval_examples, eval_rows, eval_dataset = [], [], None
     if held_out is not None:
         if not self_play:  # self-play pairs need generations; held-out accuracy still applies

@@ -52,7 +52,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         sampling = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, cfg.train.seed * 1_000_003 + step)
         # 1. play: n samples for each of batch_size prompts (completions, or multi-turn episodes)
         with clock("gen"):
-            played = parts.strategy.play(picks, sampling, version)
+            played = parts.strategy.play(picks, sampling)
         # 2. score them; every sample must come from the policy version being trained
         with clock("reward"):
             scored = parts.strategy.score(played, step)

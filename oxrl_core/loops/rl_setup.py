@@ -75,7 +75,7 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
         )
     setup.steps_from_epochs(len(rows), "prompts", accum=1)  # train.epochs: one pass = every prompt once
-    held_out = eval_source(cfg.data, setup.registry, train_source)
+    held_out = eval_source(cfg.data, setup.registry)
     eval_rows, eval_ids = (
         ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
     )

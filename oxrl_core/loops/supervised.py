@@ -54,9 +54,9 @@ def supervised_tokens(model, teacher, mb: dict, algorithm) -> dict:
     return {"mask": mask, **{name: on_grid(value, rows, pos, mask.shape) for name, value in stats.items()}}
 
 
-def _eval_data(cfg, registry, train_source, fmt, tokenizer):
+def _eval_data(cfg, registry, fmt, tokenizer):
     """Eval examples (for eval/loss) and rows (for accuracy): data.eval, else the plugin's eval split."""
-    source = eval_source(cfg.data, registry, train_source)
+    source = eval_source(cfg.data, registry)
     if source is None:
         return [], [], None
     examples = prepare_examples(source, fmt, tokenizer, cfg.data.max_length).examples
@@ -72,9 +72,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
     train_source = load_data(cfg.data.train, "train", setup.registry)
     train = prepare_examples(train_source, algorithm.data_format, tokenizer, cfg.data.max_length)
-    eval_examples, eval_rows, eval_dataset = _eval_data(
-        cfg, setup.registry, train_source, algorithm.data_format, tokenizer
-    )
+    eval_examples, eval_rows, eval_dataset = _eval_data(cfg, setup.registry, algorithm.data_format, tokenizer)
     lengths = [len(e["input_ids"]) for e in train.examples]
     plan = setup.plan(train_source, [e["_source"] for e in train.examples], lengths)
     setup.steps_from_epochs(len(train.examples), "examples")  # train.epochs: the steps follow from the data

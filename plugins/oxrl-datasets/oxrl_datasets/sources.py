@@ -189,7 +189,7 @@ def read_saved(path: Path, dataset: str, split: str, split_name: str, columns) -
 
     try:
         ds = datasets.load_from_disk(str(path))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - load_from_disk fails in several types for a directory it cannot read
         raise OxrlError(
             f"dataset '{dataset}': cannot read the saved dataset {path}: {type(exc).__name__}: {exc}"
         ) from None
