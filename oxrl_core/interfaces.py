@@ -1,6 +1,7 @@
 """The contracts between oxRL's parts: the five interfaces a plugin implements (`Algorithm`,
-`Reward`, `Dataset`, `RolloutBackend`, `Environment`), the batches the loops hand an algorithm (one `TypedDict`
-per kind, one key per line with its shape) and the `Engine` the loops train through.
+`Reward`, `Dataset`, `RolloutBackend`, `Environment`). The batches the loops hand an algorithm (one `TypedDict`
+per kind, one key per line with its shape) are in `oxrl_core.batches` and importable from here; the `Engine`
+the loops train through is in `oxrl_core.engines`.
 
 Each plugin interface carries a pydantic ``Config`` (a `StrictModel`: ``extra="forbid"``) so that a
 typo in the YAML is an error that names the field. Only contracts live here; the loops, engines and
@@ -15,11 +16,17 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections import Counter
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from oxrl_core.batches import (
+    PairedPreferenceBatch,
+    RLAdvantagesBatch,
+    RLLossBatch,
+    ScoreBatch,
+    SupervisedBatch,
+    UnpairedPreferenceBatch,
+)
 from oxrl_core.errors import OxrlError
 from oxrl_core.schema import StrictModel, validate_options
 
@@ -39,7 +46,6 @@ __all__ = [
     "PairedPreferenceBatch",
     "UnpairedPreferenceBatch",
     "ScoreBatch",
-    "Engine",
     "Algorithm",
     "Reward",
     "Dataset",
@@ -55,137 +61,6 @@ Loop = Literal["supervised", "preference", "rl"]
 #: the old name of `Loop` (from the deprecated ``Algorithm.family``), kept for plugins that import it
 Family = Loop
 DataFormat = Literal["prompt", "prompt_response", "text", "preference", "unpaired"]
-
-
-# ---------------------------------------------------------------------------------------------------
-# The batches an algorithm receives. Per-token tensors are over next-token positions (position t
-# scores token t+1); the loop does every forward pass, an algorithm only turns these into a loss.
-# ---------------------------------------------------------------------------------------------------
-
-
-class _SupervisedBatch(TypedDict):
-    input_ids: torch.Tensor  # (B, T) token ids
-    labels: torch.Tensor  # (B, T) token ids, -100 where no loss is taken
-    mask: torch.Tensor  # (B, T-1) bool, True where labels[:, 1:] is scored
-    logp: torch.Tensor  # (B, T-1) log π_θ(labels[:, t+1] | ≤ t), with gradients; 0 where not scored
-
-
-class SupervisedBatch(_SupervisedBatch, total=False):
-    """What a supervised algorithm's `Algorithm.loss` gets (SFT, CPT, KD). Never a (B, T, V)
-    tensor: the loop computes the per-token quantities chunk by chunk."""
-
-    logp_mean: torch.Tensor  # (B, T-1) (1/V) Σ_v log π_θ(v | ≤ t); only when `uses_logp_mean()` (label smoothing)
-    kl_teacher: torch.Tensor  # (B, T-1) KL(p_T^τ ‖ p_S^τ), p^τ = softmax(logits / τ), τ = `distill_temperature()`;
-    #                           the teacher has no gradient; only when ``needs_teacher``
-
-
-class _RLAdvantagesBatch(TypedDict):
-    rewards: torch.Tensor  # (B,) one scalar reward per sample
-    mask: torch.Tensor  # (B, T) 1 on completion tokens, 0 on prompt and padding
-    logp_old: torch.Tensor  # (B, T) the trainer's log π of the sampled tokens when they were sampled
-    group_size: int  # n, samples per prompt (rows i·n … i·n+n−1 share a prompt)
-
-
-class RLAdvantagesBatch(_RLAdvantagesBatch, total=False):
-    """What `Algorithm.advantages` gets on the RL loop: one rollout batch, no gradients."""
-
-    logp_ref: torch.Tensor  # (B, T) log π_ref of the sampled tokens; only when `uses_ref()`
-    values: torch.Tensor  # (B, T) the critic's V(s_t) at sampling time; only when ``needs_critic``
-
-
-class _RLLossBatch(RLAdvantagesBatch):
-    logp: torch.Tensor  # (B, T) log π_θ of the sampled tokens, with gradients (0 where mask is 0)
-    entropy: torch.Tensor  # (B, T) entropy of π_θ at each position, with gradients (0 where mask is 0)
-    tis_weight: torch.Tensor  # (B, T) min(π_old / π_rollout, C), detached; ones when rollout.tis_cap is 0
-
-
-class RLLossBatch(_RLLossBatch, total=False):
-    """What `Algorithm.loss` gets on the RL loop: a minibatch (rows of the rollout batch) of
-    `RLAdvantagesBatch`, plus every tensor `advantages` returned (``adv`` (B, T), ``returns``,
-    ``role``, ...; algorithm-specific, hence not listed), plus the current policy's terms."""
-
-    values_new: torch.Tensor  # (B, T) the critic's V(s_t) now, with gradients; only when ``needs_critic``
-
-
-class _PairedPreferenceBatch(TypedDict):
-    logp_chosen: torch.Tensor  # (B,) log π_θ(y_w | x), summed over completion tokens, with gradients
-    logp_rejected: torch.Tensor  # (B,) log π_θ(y_l | x), summed over completion tokens, with gradients
-    n_chosen: torch.Tensor  # (B,) |y_w|, completion lengths
-    n_rejected: torch.Tensor  # (B,) |y_l|
-
-
-class PairedPreferenceBatch(_PairedPreferenceBatch, total=False):
-    """What a preference algorithm's `Algorithm.loss` gets on ``preference`` rows, or on
-    ``prompt_response`` rows with ``self_play`` (the rejected response is generated). The prompt
-    is never scored."""
-
-    ref_logp_chosen: torch.Tensor  # (B,) log π_ref(y_w | x), no gradient; only when `uses_ref()`
-    ref_logp_rejected: torch.Tensor  # (B,) log π_ref(y_l | x), no gradient; only when `uses_ref()`
-
-
-class _UnpairedPreferenceBatch(TypedDict):
-    logp: torch.Tensor  # (B,) log π_θ(y | x), summed over completion tokens, with gradients
-    n_tokens: torch.Tensor  # (B,) |y|
-    label: torch.Tensor  # (B,) 1. desirable, 0. undesirable
-
-
-class UnpairedPreferenceBatch(_UnpairedPreferenceBatch, total=False):
-    """What a preference algorithm's `Algorithm.loss` gets on ``unpaired`` rows (KTO). The
-    mismatched pairs are prompt i with completion i−1 (cyclically) of the same batch."""
-
-    ref_logp: torch.Tensor  # (B,) log π_ref(y | x), no gradient; only when `uses_ref()`
-    kl_logp: torch.Tensor  # (B,) log π_θ of the mismatched pairs, no gradient; only when `uses_ref()`
-    ref_kl_logp: torch.Tensor  # (B,) log π_ref of the mismatched pairs; only when `uses_ref()`
-
-
-class ScoreBatch(TypedDict):
-    """What an algorithm with ``head = "score"`` (a scalar head, e.g. a reward model) gets on
-    ``preference`` rows: the head's output at each sequence's last token (its EOS)."""
-
-    rewards_chosen: torch.Tensor  # (B,) r(x, y_w), with gradients
-    rewards_rejected: torch.Tensor  # (B,) r(x, y_l), with gradients
-
-
-# ---------------------------------------------------------------------------------------------------
-# The engine: what the loops use of `oxrl_core.engines.build_engine`'s result (TorchEngine,
-# DeepSpeedEngine). It owns the device, precision, optimiser and scheduler.
-# ---------------------------------------------------------------------------------------------------
-
-
-class Engine(Protocol):
-    """The training engine as the loops see it."""
-
-    device: torch.device  # where the batches and the trained model live
-    autocast_dtype: torch.dtype | None  # mixed precision of the forward passes (None: full precision)
-
-    def autocast(self) -> AbstractContextManager:
-        """The forward passes' precision context."""
-
-    def to_device(self, batch: dict) -> dict:
-        """``batch`` with every tensor moved to `device` (other values unchanged)."""
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradients of ``loss``."""
-
-    def step(self) -> float:
-        """Clip, step the optimiser and the scheduler, zero the gradients; the pre-clip gradient norm."""
-
-    @property
-    def lr(self) -> float:
-        """The learning rate of the step just taken (what is logged)."""
-
-    def full_weights(self) -> AbstractContextManager:
-        """Whole parameters inside the context, for code outside the training step (generation,
-        evaluation, saving); a no-op except for ZeRO-3."""
-
-    def describe(self) -> dict:
-        """What a checkpoint records about the engine that wrote it (resume checks it)."""
-
-    def save_state(self, directory: Path) -> None:
-        """Optimiser and scheduler state into a checkpoint directory."""
-
-    def load_state(self, directory: Path) -> None:
-        """Optimiser and scheduler state from a checkpoint directory."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -242,7 +117,7 @@ class Algorithm(ABC):
     #
     #   A plugin class that still declares the old ``family`` / ``needs_rollouts`` (needs_rollouts = True ran
     #   the RL loop whatever the family) keeps working: `__init_subclass__` derives ``loop`` from them and
-    #   records them in ``deprecated_flags``; the run prints `deprecation_note` once.
+    #   records them in ``_deprecated_flags``; the run prints `plugins.deprecation_note` once.
 
     name: ClassVar[str]
     loop: ClassVar[Loop]
@@ -258,7 +133,7 @@ class Algorithm(ABC):
     self_play: ClassVar[bool] = False
 
     #: the deprecated flags (``family``, ``needs_rollouts``) the class declares instead of ``loop``
-    deprecated_flags: ClassVar[tuple[str, ...]] = ()
+    _deprecated_flags: ClassVar[tuple[str, ...]] = ()
 
     class Config(StrictModel):
         """The algorithm's own hyper-parameters (the ``alg:`` section)."""
@@ -270,23 +145,13 @@ class Algorithm(ABC):
         own = [flag for flag in ("family", "needs_rollouts") if flag in vars(cls)]
         if not own:
             return
-        cls.deprecated_flags = tuple(own)
+        cls._deprecated_flags = tuple(own)
         if "loop" in vars(cls):
             return
         if getattr(cls, "needs_rollouts", False) is True:
             cls.loop = "rl"
         elif hasattr(cls, "family"):
             cls.loop = cls.family
-
-    @classmethod
-    def deprecation_note(cls) -> str:
-        """One line for a class that declares the old flags (empty for one that declares ``loop``)."""
-        if not cls.deprecated_flags:
-            return ""
-        flags = " / ".join(cls.deprecated_flags)
-        loop = getattr(cls, "loop", None)
-        use = f"loop = {loop!r}" if loop is not None else "loop"
-        return f"algorithm '{getattr(cls, 'name', cls.__name__)}': {flags} is deprecated; use {use}"
 
     def __init__(self, config: "Algorithm.Config | None" = None):
         self.config = config if config is not None else self.Config()

@@ -501,3 +501,13 @@ _CHECKS = {
     "rollout_backend": lambda cls: [],
     "environment": _environment_problems,
 }
+
+
+def deprecation_note(cls) -> str:
+    """One line for an algorithm class that declares the old flags instead of ``loop`` (empty otherwise)."""
+    flags = getattr(cls, "_deprecated_flags", ())
+    if not flags:
+        return ""
+    loop = getattr(cls, "loop", None)
+    use = f"loop = {loop!r}" if loop is not None else "loop"
+    return f"algorithm '{getattr(cls, 'name', cls.__name__)}': {' / '.join(flags)} is deprecated; use {use}"

@@ -201,7 +201,10 @@ class Trainer:
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
         self.config: RunConfig = self._load_config(read_run_config(config, sets, algorithm=alg, base=base), alg)
-        for note in [*self.config.notes, self.algorithm_cls.deprecation_note()]:  # old key names, old class flags
+        for note in [
+            *self.config.notes,
+            plugins.deprecation_note(self.algorithm_cls),
+        ]:  # old key names, old class flags
             if note:
                 self._note(f"[yellow]note:[/yellow] {escape(note)}")
         self.algorithm = self.registry.build(

@@ -15,6 +15,7 @@ from conftest import oxrl
 from oxrl_core.config import RENAMED_KEYS, RolloutConfig, TrainConfig, dump_yaml, load_run_config
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
+from oxrl_core.plugins import deprecation_note
 
 #: old dotted key -> (new dotted key, a valid value)
 RENAMED = {
@@ -183,7 +184,7 @@ def test_a_class_with_the_old_flags_routes_to_the_same_loop(flags, loop):
 
     cls = _legacy("legacy_alg", **flags)
     assert cls.loop == loop and _algorithm_problems(cls) == []
-    assert cls.deprecation_note() == (f"algorithm 'legacy_alg': {' / '.join(flags)} is deprecated; use loop = '{loop}'")
+    assert deprecation_note(cls) == (f"algorithm 'legacy_alg': {' / '.join(flags)} is deprecated; use loop = '{loop}'")
 
 
 def test_every_algorithm_in_the_repo_declares_loop():
@@ -209,7 +210,7 @@ def test_every_algorithm_in_the_repo_declares_loop():
     registry = plugins.registry()
     for name, loop in expected.items():
         cls = registry.load_checked("algorithm", name)
-        assert (cls.loop, cls.deprecated_flags, cls.deprecation_note()) == (loop, (), ""), name
+        assert (cls.loop, cls._deprecated_flags, deprecation_note(cls)) == (loop, (), ""), name
         assert "family" not in vars(cls) and "needs_rollouts" not in vars(cls), name
 
 

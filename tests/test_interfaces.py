@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from oxrl_core import interfaces
+from oxrl_core.engines import Engine
 from oxrl_core.interfaces import (
     Algorithm,
-    Engine,
     PairedPreferenceBatch,
     RLLossBatch,
     RolloutBackend,
@@ -116,5 +116,5 @@ def test_algorithm_flags_are_all_in_the_table():
     source = inspect.getsource(Algorithm)
     table = [line.split()[1] for line in source.splitlines() if line.strip().startswith("#   ") and "  " in line]
     flags = [n for n, v in vars(Algorithm).items() if not n.startswith("_") and not callable(v) and n != "Config"]
-    flags += [n for n in Algorithm.__annotations__ if n not in flags]
+    flags += [n for n in Algorithm.__annotations__ if n not in flags and not n.startswith("_")]
     assert set(flags) <= set(table), sorted(set(flags) - set(table))

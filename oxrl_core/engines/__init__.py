@@ -12,9 +12,51 @@ May import: the leaves, `interfaces`, `config`.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from oxrl_core.errors import OxrlError
+
+if TYPE_CHECKING:
+    import torch
+
+
+# what the loops use of `build_engine`'s result (`TorchEngine`, `DeepSpeedEngine`)
+class Engine(Protocol):
+    """The training engine as the loops see it."""
+
+    device: torch.device  # where the batches and the trained model live
+    autocast_dtype: torch.dtype | None  # mixed precision of the forward passes (None: full precision)
+
+    def autocast(self) -> AbstractContextManager:
+        """The forward passes' precision context."""
+
+    def to_device(self, batch: dict) -> dict:
+        """``batch`` with every tensor moved to `device` (other values unchanged)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of ``loss``."""
+
+    def step(self) -> float:
+        """Clip, step the optimiser and the scheduler, zero the gradients; the pre-clip gradient norm."""
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the step just taken (what is logged)."""
+
+    def full_weights(self) -> AbstractContextManager:
+        """Whole parameters inside the context, for code outside the training step (generation,
+        evaluation, saving); a no-op except for ZeRO-3."""
+
+    def describe(self) -> dict:
+        """What a checkpoint records about the engine that wrote it (resume checks it)."""
+
+    def save_state(self, directory: Path) -> None:
+        """Optimiser and scheduler state into a checkpoint directory."""
+
+    def load_state(self, directory: Path) -> None:
+        """Optimiser and scheduler state from a checkpoint directory."""
 
 
 def build_engine(
