@@ -30,7 +30,7 @@ Sampling matches the `hf` backend's contract (`oxrl_core.rollout.hf`):
 
 `score` reads vLLM's prompt logprobs (raw logits), for the loop's verified weight sync.
 
-Under ``lora.enabled`` there are two ways to sync (``rollout.options.lora``):
+Under ``lora.enabled`` there are two ways to sync (``rollout.lora``):
 
 - ``adapter`` (the default on a GPU): the engine serves the frozen base model with vLLM's LoRA
   kernels, and each sync pushes only the adapter (PEFT's ``lora_A``/``lora_B`` tensors, a few MB)
@@ -159,7 +159,7 @@ class VLLMRolloutBackend(RolloutBackend):
     name: ClassVar[str] = "vllm"
 
     class Config(StrictModel):
-        """``rollout.options`` of the vllm backend."""
+        """The vllm backend's own options (flat under ``rollout:``)."""
 
         tensor_parallel_size: int = Field(1, ge=1, description="GPUs the engine shards the model over")
         dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -206,14 +206,14 @@ class VLLMRolloutBackend(RolloutBackend):
         self.eos_id = eos_id
         self.policy_version = 0
         self._set_num_threads = None
-        self.adapter = adapter  # LoRA pushed as vLLM adapters (rollout.options.lora: adapter)
+        self.adapter = adapter  # LoRA pushed as vLLM adapters (rollout.lora: adapter)
         self.lora_request = None  # the adapter of the current policy version, sent with every request
 
     # ------------------------------------------------------------------ engine
 
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "VLLMRolloutBackend":
-        """Start the engine on ``model_path`` (the trainer's initial weights) with ``rollout.options``."""
+        """Start the engine on ``model_path`` (the trainer's initial weights) with its options (``rollout.*``)."""
         options = cls.parse_options(config)
         if tokenizer.eos_token_id is None:
             raise OxrlError("the tokenizer has no EOS token; completions end with EOS")
@@ -266,7 +266,7 @@ class VLLMRolloutBackend(RolloutBackend):
             if not fits:
                 raise OxrlError(
                     f"lora.r: vLLM serves adapters up to rank {_VLLM_LORA_RANKS[-1]}, got {max(ranks)}; "
-                    "set rollout.options.lora=merged"
+                    "set rollout.lora=merged"
                 )
             # one adapter at a time; the next version's is added before the old one goes
             engine_args.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
@@ -444,7 +444,7 @@ class VLLMRolloutBackend(RolloutBackend):
         except Exception as exc:  # e.g. an adapter vLLM cannot serve
             raise OxrlError(
                 f"rollout backend 'vllm': the LoRA adapter could not be loaded: {type(exc).__name__}: {exc} "
-                "(rollout.options.lora=merged syncs merged weights instead)"
+                "(rollout.lora=merged syncs merged weights instead)"
             ) from exc
         self.lora_request = LoRARequest(f"oxrl-policy-v{policy_version}", lora_id, _IN_MEMORY)
         if not self._llm().reset_prefix_cache():
