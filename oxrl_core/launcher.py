@@ -126,7 +126,7 @@ def _prepare_shared(trainer) -> None:
         return
     from oxrl_core.models.loading import initial_policy_path, resolve_model_path  # lazy: torch only once a run starts
 
-    if trainer.algorithm_cls.loop in ("rl", "preference"):
+    if trainer.algorithm.loop in ("rl", "preference"):
         from oxrl_core.observability.progress import Reporter  # lazy: as above
 
         initial_policy_path("", reporter=Reporter(trainer.quiet))
@@ -173,7 +173,7 @@ def launch(trainer, ckpt: Path | None):
         )
         spec = {
             "trainer_cls": type(trainer),  # the Trainer class (sent, not imported: the launcher sits beside it)
-            "alg": trainer.config.algorithm if _by_name(trainer) else trainer.algorithm_cls,
+            "alg": trainer.config.algorithm if _by_name(trainer) else type(trainer.algorithm),
             "config_yaml": (run_dir / "config.yaml").read_text(),
             "run_dir": str(run_dir),
             "ckpt": str(Path(ckpt).resolve()) if ckpt else "",

@@ -201,21 +201,18 @@ class Trainer:
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
         self.config: RunConfig = self._load_config(read_run_config(config, sets, algorithm=alg, base=base), alg)
-        for note in [
-            *self.config.notes,
-            plugins.deprecation_note(self.algorithm_cls),
-        ]:  # old key names, old class flags
-            if note:
-                self._note(f"[yellow]note:[/yellow] {escape(note)}")
         self.algorithm = self.registry.build(
             "algorithm", self.config.algorithm, self.config.alg, field="alg", source=str(source or "--set / defaults")
         )
+        for note in [*self.config.notes, plugins.deprecation_note(type(self.algorithm))]:  # old keys, old flags
+            if note:
+                self._note(f"[yellow]note:[/yellow] {escape(note)}")
         self.config.alg = self.algorithm.config.model_dump()  # the resolved values, as the run directory records them
-        if self.algorithm_cls.needs_teacher and not self.config.model.teacher:
+        if self.algorithm.needs_teacher and not self.config.model.teacher:
             raise OxrlError(
                 f"algorithm '{self.config.algorithm}' needs a teacher: set model.teacher (a hub id or local dir)"
             )
-        check_engine(self.config, self.algorithm_cls.loop == "rl")
+        check_engine(self.config, self.algorithm.loop == "rl")
         absolute_paths(self.config)  # config.yaml's paths read the same from any working directory (--resume)
         self._preflight()
         if self.run_dir is None:
@@ -224,7 +221,7 @@ class Trainer:
 
     def _load_config(self, read: RawRunConfig, alg: str | None) -> RunConfig:
         """The run's config, read once (`read_run_config`) and validated once, under the tiny-model defaults of
-        the algorithm's loop (and of its environment), which ``read`` names; sets `algorithm_cls`. A config
+        the algorithm's loop (and of its environment), which ``read`` names. A config
         error is reported before an unknown algorithm or environment, as validation comes first."""
         if not alg and read.algorithm:  # `algorithm: grpo` in a YAML: the algorithm the alias runs
             alias = self._alias(read.algorithm, note=False)
@@ -235,12 +232,12 @@ class Trainer:
         if not read.algorithm:
             validate_run_config(read)  # names the problem: a bad config, or no algorithm given
         try:
-            self.algorithm_cls = load_algorithm(read.algorithm, self.registry)
+            algorithm_cls = load_algorithm(read.algorithm, self.registry)
         except OxrlError:
             validate_run_config(read)
             raise
         defaults = None
-        if self.algorithm_cls.loop == "rl":  # tiny-model defaults of the RL loop (and of its environment)
+        if algorithm_cls.loop == "rl":  # tiny-model defaults of the RL loop (and of its environment)
             defaults = TINY_RL_DEFAULTS
             env_name = read.section("env").get("name")
             if env_name and isinstance(env_name, str):
@@ -250,7 +247,7 @@ class Trainer:
                     validate_run_config(read, defaults)
                     raise
                 defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
-        elif self.algorithm_cls.loop == "preference":  # ... and of the preference loop
+        elif algorithm_cls.loop == "preference":  # ... and of the preference loop
             defaults = TINY_PREF_DEFAULTS
         return validate_run_config(read, defaults)
 
@@ -360,13 +357,13 @@ class Trainer:
                 if missing and self.registry.has("dataset", spec):  # an ambiguous or broken dataset plugin
                     self.registry.load_checked("dataset", spec)
         if cfg.env.name:
-            if self.algorithm_cls.loop != "rl":
+            if self.algorithm.loop != "rl":
                 raise OxrlError(
                     f"env.name={cfg.env.name}: environments drive the RL loop's rollouts, and '{cfg.algorithm}' "
                     "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
                 )
         check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
-        if self.algorithm_cls.loop == "rl":  # the backend's class checked, and its options (rollout.<option>)
+        if self.algorithm.loop == "rl":  # the backend's class checked, and its options (rollout.<option>)
             self.registry.check("rollout_backend", cfg.rollout.backend, cfg.rollout, field="rollout")
             if cfg.reward.name:  # the class and its own options (reward.*), before any warm start
                 self.registry.check("reward", cfg.reward.name, reward_options(cfg), field="reward")
@@ -523,7 +520,7 @@ class Trainer:
             return self._run_loop(ckpt)
 
     def _run_loop(self, ckpt: Path | None) -> RunResult:
-        loop = self.algorithm_cls.loop
+        loop = self.algorithm.loop
         if loop == "rl":
             from oxrl_core.loops.rl import run_rl  # lazy: the loops import torch
 

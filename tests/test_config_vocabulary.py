@@ -219,7 +219,7 @@ def test_the_trainer_runs_an_old_style_class_in_its_loop_with_one_note(capsys):
 
     cls = _legacy("legacy_rft", family="supervised", needs_rollouts=True)
     trainer = Trainer(alg=cls, train={"save_steps": 2, "max_steps": 3}, rollout={"epochs": 2})
-    assert trainer.algorithm_cls.loop == "rl"
+    assert trainer.algorithm.loop == "rl"
     assert trainer.config.rollout.n == 8  # the RL loop's tiny-model defaults, as before
     assert (trainer.config.train.save_every, trainer.config.rollout.passes_per_batch) == (2, 2)
     err = capsys.readouterr().err
@@ -242,7 +242,7 @@ def test_the_config_is_read_once_per_run(monkeypatch, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("algorithm: sgrpo\nenv:\n  name: calculator\ntrain:\n  max_steps: 3\n")
     trainer = trainer_module.Trainer(config=path, quiet=True)
-    assert reads == [path] and trainer.algorithm_cls.loop == "rl"
+    assert reads == [path] and trainer.algorithm.loop == "rl"
 
 
 # ----------------------------------------------------------------------------- an older run's config.yaml
