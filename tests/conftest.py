@@ -83,3 +83,26 @@ def oxrl(
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def layered_venv(path: Path) -> str:
+    """A throw-away virtual environment at ``path`` layered on the one running the tests; its python.
+
+    Its own site-packages come first (what a test installs goes there, never into the shared environment),
+    then this interpreter's site directories with their ``.pth`` files (oxrl, the editable plugins, pip,
+    setuptools). They are named explicitly rather than through ``--system-site-packages``, which inside a
+    virtualenv would expose the base interpreter's packages instead of the virtualenv's."""
+    import site
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    python = path / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    outer = [p for p in [*site.getsitepackages(), *user] if os.path.isdir(p)]
+    Path(purelib, "_outer_environment.pth").write_text("".join(f"import site; site.addsitedir({p!r})\n" for p in outer))
+    return str(python)

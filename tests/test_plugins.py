@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import oxrl, read_metrics
+from conftest import layered_venv, oxrl, read_metrics
 
 BUILTIN_ALGS = {"sft", "cpt", "kd", "rft"}
 
@@ -100,7 +100,7 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
     """`oxrl new-plugin myalg` gives a package that `pip install` makes a working algorithm.
 
     It is installed with pip into a throw-away virtual environment layered on this one
-    (`--system-site-packages`: oxrl and its dependencies come from here, the new
+    (`conftest.layered_venv`: oxrl and its dependencies come from here, the new
     distribution goes only into the venv), so a concurrently running test never sees it
     and nothing needs uninstalling from the shared environment.
     """
@@ -120,8 +120,7 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
     import setuptools  # noqa: F401  (the scaffold's build backend, used without build isolation; in the test extra)
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
-    py = str(venv / "bin" / "python")
+    py = layered_venv(venv)
     env = {**os.environ, **CLEAN}
     pip = subprocess.run(
         [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-input", "-q", str(root)],
@@ -670,3 +669,20 @@ def test_the_readme_example_plugin_installs_lists_and_trains(tmp_path, tiny_mode
         assert ("deprecated" in flat(proc.stdout + proc.stderr)) == (where == "old")
         if where == "old":
             assert "loop" in flat(proc.stdout + proc.stderr)
+
+
+def test_the_layered_venv_sees_this_environments_packages_not_the_base_interpreters(tmp_path):
+    """The throw-away venv the install tests use exposes the packages of the environment running the suite
+    (a virtualenv's, when the suite runs in one), after its own site-packages; never the base interpreter's."""
+    import ast
+    import site
+
+    py = layered_venv(tmp_path / "venv")
+    probe = "import sys, sysconfig, pytest; print(sysconfig.get_paths()['purelib']); print(pytest.__file__); print(sys.path)"
+    own, pytest_file, path = subprocess.run(
+        [py, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    here = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    assert any(Path(pytest_file).is_relative_to(p) for p in here), (pytest_file, here)
+    sys_path = ast.literal_eval(path)
+    assert sys_path.index(own) < min(sys_path.index(p) for p in here if p in sys_path)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import oxrl, read_metrics, write_jsonl
+from conftest import layered_venv, oxrl, read_metrics, write_jsonl
 
 # Pass these explicitly so a developer's shell settings cannot change what the tests see.
 CLEAN = {"OXRL_PLUGINS": "", "OXRL_STRICT_PLUGINS": "", "PYTHONPATH": "", "COLUMNS": "200"}
@@ -75,16 +74,14 @@ def test_the_default_kind_is_an_algorithm(tmp_path):
 @pytest.mark.slow
 def test_scaffolded_environment_installs_lists_and_trains(tmp_path, tiny_model_dir):
     """As the algorithm scaffold's end-to-end test: installed with pip into a throw-away venv layered on this
-    environment (`--system-site-packages`), so nothing is installed into the shared one."""
+    environment (`conftest.layered_venv`), so nothing is installed into the shared one."""
     proc = oxrl("new-plugin", "lookup", "--kind", "environment", "--dir", str(tmp_path), env=CLEAN)
     assert proc.returncode == 0, proc.stderr
     root = tmp_path / "oxrl-lookup"
 
     import setuptools  # noqa: F401  (the scaffold's build backend, used without build isolation; in the test extra)
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
-    py = str(venv / "bin" / "python")
+    py = layered_venv(tmp_path / "venv")
     env = {**os.environ, **CLEAN}
     pip = subprocess.run(
         [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-input", "-q", "-e", str(root)],
