@@ -47,6 +47,7 @@ compare with `--threads 1`.
     python benchmarks/grpo_step.py --steps 20 --repeats 3
     python benchmarks/grpo_step.py --only oxrl --profile        # + a cProfile of one oxRL step
     python benchmarks/grpo_step.py --packing                    # oxRL with data.packing (shared prompts)
+    python benchmarks/grpo_step.py --set train.logits_chunk_min_mb=0   # oxRL with the chunked LM head forced on
 
 TRL is a benchmark-only dependency (`pip install trl`). Prints a table, the ratio
 `oxRL steps/s ÷ TRL steps/s` (goal ≥ 1.3) and a JSON line with all figures.
@@ -170,7 +171,7 @@ def run_oxrl(args, model_dir: Path, data_file: Path, workdir: Path, tag: str, pr
         },
         reward={"name": f"{Path(__file__).resolve()}:BenchReward"},
         engine={"device": "cpu"},
-        overrides=["alg.clip_low=0.2", "alg.clip_high=0.28", "alg.kl_coeff=0.0", "alg.scale_rewards=true"],
+        overrides=["alg.clip_low=0.2", "alg.clip_high=0.28", "alg.kl_coeff=0.0", "alg.scale_rewards=true", *args.set],
     )
     # step k's wall time = the interval between the loop's progress calls for steps k-1 and k
     stamps: list[float] = []
@@ -369,6 +370,9 @@ def main() -> None:
         "--packing",
         action="store_true",
         help="oxRL with data.packing: the training forward computes each prompt once for its n samples",
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an extra oxRL config override (repeatable)"
     )
     ap.add_argument("--profile", action="store_true", help="cProfile the first measured oxRL step of round 1")
     ap.add_argument("--workdir", default="", help="keep model/data/runs here (default: a temp dir, removed)")

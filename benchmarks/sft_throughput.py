@@ -192,6 +192,8 @@ def run_oxrl(
     cmd = oxrl_command() + ["run", "--alg", "sft", "--quiet", "--output-dir", str(out_dir)]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
+    for extra in args.set:
+        cmd += ["--set", extra]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
@@ -377,6 +379,9 @@ def main() -> None:
         "--only",
         default=",".join(DEFAULT_VARIANTS),
         help=f"comma-separated subset of {','.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})",
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="an extra oxRL config override (repeatable)"
     )
     ap.add_argument("--workdir", default="", help="keep model/data/runs here (default: a temp dir, removed)")
     args = ap.parse_args()

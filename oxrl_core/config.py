@@ -247,6 +247,13 @@ class TrainConfig(StrictModel):
         "this many scored tokens at a time (each chunk's logits recomputed in backward), so no (tokens, vocabulary) "
         "float32 tensor is built; 0 = the model's full logits",
     )
+    logits_chunk_min_mb: float = Field(
+        64.0,
+        ge=0,
+        description="the chunked head is used only where it saves memory: when one micro-batch's full float32 "
+        "logits (the most tokens it can score × the vocabulary × 4 bytes) would exceed this many MB; below it the "
+        "model's own full logits are faster (tiny vocabularies); 0 = chunk whenever logits_chunk_size > 0",
+    )
     save_every: int = Field(
         500,
         ge=0,

@@ -300,6 +300,49 @@ def test_an_unknown_output_transform_falls_back_to_the_models_logits(tiny_model_
     assert choose_path(load_causal_lm(str(tiny_model_dir)), 1024, notes.append).chunked and len(notes) == 1
 
 
+def test_the_head_is_chunked_only_where_the_full_logits_would_exceed_the_threshold(tiny_model_dir):
+    """vocabulary × tokens × 4 bytes against train.logits_chunk_min_mb: the built-in model's 104-token vocabulary
+    stays on the full logits up to 161,319 scored tokens at 64 MB; the threshold 0 (or no token count) chunks."""
+    from oxrl_core.models.loading import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    limit = int(64 * 2**20 / (4 * vocab))  # the most tokens whose full logits fit in 64 MB
+    small = choose_path(model, 1024, tokens=limit, min_mb=64)
+    assert not small.chunked and not small.note and small.full_mb == pytest.approx(64, rel=1e-3)
+    assert path_of(model) is small
+    large = choose_path(model, 1024, tokens=limit + 1, min_mb=64)
+    assert large.chunked and large.chunk_size == 1024 and large.full_mb > 64
+    assert choose_path(model, 1024, tokens=10, min_mb=0).chunked
+    assert choose_path(model, 1024).chunked  # no token count: chunked whenever a chunk size is set
+    assert not choose_path(model, 0, tokens=limit + 1, min_mb=64).chunked
+
+
+@pytest.mark.parametrize(
+    ("alg", "sets", "tokens"),
+    [
+        ("sft", ["train.batch_size=4", "data.max_length=100"], 4 * 100),
+        ("sft", ["train.batch_size=4", "data.max_length=100", "train.max_tokens_per_micro_batch=256"], 256),
+        ("dpo", ["train.batch_size=4", "data.max_length=100"], 2 * 4 * 100),  # chosen and rejected rows
+        ("sgrpo", ["train.batch_size=4", "rollout.n=8", "rollout.max_new_tokens=50", "rollout.minibatches=2"], 800),
+        (
+            "sgrpo",
+            ["train.batch_size=4", "rollout.n=8", "rollout.max_new_tokens=50", "rollout.micro_batch_size=3"],
+            150,
+        ),
+        ("sgrpo", ["train.batch_size=2", "rollout.n=2", "env.name=calculator", "env.max_tokens=300"], 4 * 300),
+    ],
+)
+def test_the_scored_tokens_of_a_micro_batch_are_bounded_from_the_config(alg, sets, tokens):
+    """`Setup.scored_tokens`, the token count the head is chosen from: rows of one micro-batch × the longest
+    scored part of a row (RL: the completion, or the episode's tokens after the prompt)."""
+    from oxrl_core import Trainer
+    from oxrl_core.loops.setup import Setup
+
+    trainer = Trainer(alg, overrides=sets, quiet=True)
+    assert Setup(trainer, None).scored_tokens() == tokens
+
+
 def test_on_grid_places_values_and_passes_gradients():
     values = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     grid = on_grid(values, torch.tensor([0, 1, 1]), torch.tensor([2, 0, 3]), (2, 4))
@@ -313,7 +356,8 @@ def test_on_grid_places_values_and_passes_gradients():
 
 @pytest.mark.slow
 def test_cli_sft_and_kd_losses_are_the_same_chunked_and_plain(tmp_path, tiny_model_dir, teacher_model_dir, sft_jsonl):
-    """`oxrl run` (the console script) with the default chunked head, and in process with chunking off."""
+    """`oxrl run` (the console script) with the chunked head forced on (chunks of 3 tokens), and in process with
+    chunking off."""
     from test_archs import run_cli
 
     common = [
@@ -326,7 +370,7 @@ def test_cli_sft_and_kd_losses_are_the_same_chunked_and_plain(tmp_path, tiny_mod
     for alg, extra in (("sft", ["alg.label_smoothing=0.1"]), ("kd", [f"model.teacher={teacher_model_dir}"])):
         sets = common + extra
         args = ["run", "--alg", alg, "-q", "-o", str(tmp_path / f"{alg}-chunked")]
-        for s in sets + ["train.logits_chunk_size=3"]:
+        for s in sets + ["train.logits_chunk_size=3", "train.logits_chunk_min_mb=0"]:
             args += ["--set", s]
         proc = oxrl(*args)
         assert proc.returncode == 0, proc.stderr

@@ -27,7 +27,7 @@ from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models.loading import _check_local_dir, resolve_model_path
 from oxrl_core.models.lora import default_targets
 from oxrl_core.models.packed_attention import attention_fast_paths
-from oxrl_core.models.token_head import choose_path
+from oxrl_core.models.token_head import choose_path, full_logits_mb, vocab_size
 
 #: head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -243,7 +243,13 @@ def _chunked_head(model) -> tuple[bool, str]:
         return False, f"full-vocabulary logits ({path.note})"
     extra = [f"soft-cap {path.softcap}" if path.softcap else "", f"scale {path.scale:g}" if path.scale != 1.0 else ""]
     extra = ", ".join(e for e in extra if e)
-    return True, f"{chunk} tokens per chunk" + (f" ({extra})" if extra else "") + ", probe matches the model's logits"
+    min_mb = TrainConfig().logits_chunk_min_mb
+    from_tokens = int(min_mb / full_logits_mb(1, vocab_size(model))) + 1
+    return True, (
+        f"{chunk} tokens per chunk" + (f" ({extra})" if extra else "") + ", probe matches the model's logits; "
+        f"used from {from_tokens:,} scored tokens per micro-batch (full logits over train.logits_chunk_min_mb "
+        f"{min_mb:g} MB)"
+    )
 
 
 def check_model(name: str, trust_remote_code: bool = False) -> dict:

@@ -43,8 +43,26 @@ class Setup:
         if self.cfg.lora.enabled:
             self.info(trainable_summary(model))
         if head == "lm":
-            choose_path(model, self.cfg.train.logits_chunk_size, self.info)  # chunked LM head (or full logits)
+            self.choose_head(model)  # chunked LM head (or full logits)
         return model
+
+    def scored_tokens(self) -> int:
+        """The most tokens one training micro-batch can score, from the config (an upper bound): the rows of a
+        micro-batch × the longest a row's scored part can be, or ``train.max_tokens_per_micro_batch`` if smaller."""
+        cfg, loop = self.cfg, self.algorithm.loop
+        if loop == "rl":
+            rows = cfg.rollout.micro_batch_size or -(-cfg.train.batch_size * cfg.rollout.n // cfg.rollout.minibatches)
+            tokens = rows * (cfg.env.max_tokens if cfg.env.name else cfg.rollout.max_new_tokens)
+        else:
+            tokens = cfg.train.batch_size * (2 if loop == "preference" else 1) * cfg.data.max_length
+        budget = cfg.train.max_tokens_per_micro_batch
+        return min(tokens, budget) if budget else tokens
+
+    def choose_head(self, model):
+        """How ``model``'s per-token quantities are computed (`models.token_head.choose_path`): chunk by chunk
+        where one micro-batch's full logits would exceed ``train.logits_chunk_min_mb``, else the full logits."""
+        t = self.cfg.train
+        choose_path(model, t.logits_chunk_size, self.info, tokens=self.scored_tokens(), min_mb=t.logits_chunk_min_mb)
 
     def frozen(self, path: str, field: str, attn: str, check=None):
         """A model that is read, never trained (reference, teacher): no gradients, eval mode; moved to
@@ -53,7 +71,7 @@ class Setup:
         if check is not None:
             check(model)
         model.requires_grad_(False).eval()
-        choose_path(model, self.cfg.train.logits_chunk_size, self.info)
+        self.choose_head(model)
         self._frozen.append(model)
         return model
 

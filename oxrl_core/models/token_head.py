@@ -16,19 +16,24 @@ time and the gradient through the softmax is written in place (`_SoftmaxStats`):
 few (N, V) chunks instead of several (tokens, V) tensors, and the gradients are those of the
 plain computation.
 
-Two paths, chosen once per model at setup by `choose_path` (``train.logits_chunk_size``):
-  chunked  the above (the default);
+Two paths, chosen once per model at setup by `choose_path` (``train.logits_chunk_size``,
+``train.logits_chunk_min_mb``):
+  chunked  the above, where it saves memory: the full float32 logits of one micro-batch (the most
+           tokens it can score × the vocabulary × 4 bytes) would exceed ``logits_chunk_min_mb``
+           (64 MB: a 152k vocabulary from 110 scored tokens, a 32k one from 525);
   plain    the model's own forward and full logits, then the same maths with autograd
-           (`stats_from_logits`): ``train.logits_chunk_size: 0``, and the fallback when a probe
-           at setup finds that the chunked head does not reproduce ``model(...).logits``
-           (an architecture with an output transform this module does not know).
+           (`stats_from_logits`): below that size (a tiny vocabulary, where the full logits cost
+           less than the chunks' bookkeeping), with ``train.logits_chunk_size: 0``, and as the
+           fallback when a probe at setup finds that the chunked head does not reproduce
+           ``model(...).logits`` (an architecture with an output transform this module does not know).
+Both give the same values and gradients (tests/test_token_head.py, every family of the matrix).
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -46,7 +51,8 @@ class HeadPath:
     chunk_size: int = 0  # tokens per chunk; 0 = the plain path
     softcap: float | None = None  # z = c·tanh(z / c) (Gemma-2 ``final_logit_softcapping``)
     scale: float = 1.0  # z = scale · lm_head(h) (Cohere ``logit_scale``, Granite 1/``logits_scaling``, ...)
-    note: str = ""  # why the plain path was chosen
+    note: str = ""  # why the plain path was chosen where the chunked one was wanted (a fallback)
+    full_mb: float | None = None  # one micro-batch's full float32 logits, MB (when the caller gave its tokens)
 
     @property
     def chunked(self) -> bool:
@@ -95,14 +101,35 @@ def output_transform(model) -> tuple[float | None, float]:
     return softcap, float(scale or 1.0)
 
 
-def choose_path(model, chunk_size: int, log=None) -> HeadPath:
+def vocab_size(model) -> int:
+    """Rows of the model's output embedding (the vocabulary the head scores)."""
+    head = _inner(model).get_output_embeddings()
+    if head is not None and hasattr(head, "weight"):
+        shape = getattr(head.weight, "ds_shape", None) or head.weight.shape  # ZeRO-3: the full shape
+        return int(shape[0])
+    config = _inner(model).config
+    return int((config.get_text_config() if hasattr(config, "get_text_config") else config).vocab_size)
+
+
+def full_logits_mb(tokens: int, vocab: int) -> float:
+    """MB of one (tokens, vocab) float32 tensor: what each full-logits copy of a micro-batch costs."""
+    return tokens * vocab * 4 / 2**20
+
+
+def choose_path(model, chunk_size: int, log=None, *, tokens: int | None = None, min_mb: float = 0.0) -> HeadPath:
     """Decide, once, how this model's per-token quantities are computed; `path_of` returns the decision.
 
-    With ``chunk_size > 0`` a probe (a few tokens, fp32, no autocast) compares the chunked head's
-    log-probabilities with ``log_softmax(model(...).logits)``; where they differ, or the model has
-    no backbone/head to call, the plain path is used and ``log`` gets a note saying why."""
+    ``tokens``: the most tokens one micro-batch can score. The chunked head is wanted when
+    ``chunk_size > 0`` and the full float32 logits of those tokens would exceed ``min_mb``
+    (``tokens`` not given: whenever ``chunk_size > 0``). Then a probe (a few tokens, fp32, no
+    autocast) compares the chunked head's log-probabilities with ``log_softmax(model(...).logits)``;
+    where they differ, or the model has no backbone/head to call, the plain path is used and ``log``
+    gets a note saying why."""
     path = PLAIN
-    if chunk_size > 0:
+    full_mb = None if tokens is None else full_logits_mb(tokens, vocab_size(model))
+    if chunk_size > 0 and full_mb is not None and full_mb <= min_mb:
+        path = HeadPath(full_mb=full_mb)  # chunking would save less than it costs
+    elif chunk_size > 0:
         softcap, scale = output_transform(model)
         path = HeadPath(chunk_size, softcap, scale)
         backbone, head = backbone_and_head(model)
@@ -123,6 +150,8 @@ def choose_path(model, chunk_size: int, log=None) -> HeadPath:
                 f"[yellow]note:[/yellow] train.logits_chunk_size: full-vocabulary logits for "
                 f"{type(_inner(model)).__name__} ({path.note})"
             )
+        if full_mb is not None:
+            path = replace(path, full_mb=full_mb)
     _PATHS[model] = path
     return path
 
