@@ -2,7 +2,6 @@
 
 from conftest import ROOT
 
-
 #: the lines of .ci/run around the README's command: shell settings and the fresh virtualenv it runs in
 CI_SETUP = ("#", "set ", "cd ", 'venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', 'source "$venv/bin/activate"')
 
