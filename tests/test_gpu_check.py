@@ -1,0 +1,104 @@
+"""`benchmarks/gpu_check.py --dry-run`: the GPU measurement command, at toy size on the CPU, still works.
+
+GPU time is rare; the command that uses it must not rot between windows. The dry run drives the
+same scripts through the same sections (tiny models, 1-2 steps, one thread): this checks that it
+exits 0, that every section is in the JSON with a valid status, that the sections which ran
+report numbers of the right kind, that skipped ones say why, and that the Markdown names them all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+SECTIONS = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
+MEASURED = ("archs", "sft_throughput", "sgrpo_step", "memory")  # the rest: "not built yet"
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    return report, (out / "gpu_check.md").read_text(), proc.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_reports_every_section(dry_run):
+    report, md, stdout = dry_run
+    assert report["dry_run"] is True and report["device"] == "cpu"
+    assert list(report["sections"]) == list(SECTIONS)
+    for name, section in report["sections"].items():
+        assert section["status"] in ("ok", "skipped", "failed"), name
+        if section["status"] != "ok":
+            assert isinstance(section.get("reason"), str) and section["reason"], name
+        assert f"| {name} | {section['status']} |" in md  # the summary table names every section
+    for name in MEASURED:  # the toy run of every measuring section must pass: a failure here is a regression
+        section = report["sections"][name]
+        assert section["status"] == "ok", (name, section.get("reason"), section.get("stderr_tail"))
+        assert section["commands"] and section["seconds"] > 0, name
+    for name in ("images", "async_rollouts", "estimators"):  # the places later capabilities fill in
+        assert (report["sections"][name]["status"], report["sections"][name]["reason"]) == ("skipped", "not built yet")
+    env = report["environment"]
+    assert env["packages"]["torch"] and env["git_commit"] and env["date"]
+    assert "cuda_available" in env["gpu"]
+    assert "| section | status | figures | reason |" in md and md in stdout  # the table is printed too
+
+
+@pytest.mark.slow
+def test_dry_run_figures(dry_run):
+    sections = dry_run[0]["sections"]
+
+    from archs import FAMILIES
+
+    families = {r["family"]: r for r in sections["archs"]["rows"]}
+    assert list(families) == list(FAMILIES)
+    for family, row in families.items():
+        assert row["status"] == "ok", (family, row.get("reason"))
+        assert len(row["sft_losses"]) == 2 and all(math.isfinite(x) for x in row["sft_losses"]), family
+        assert 0 <= row["logp_max_diff"] <= sections["archs"]["tolerance"], family
+        assert row["head_path"] == "chunked", family
+
+    engines = {r["engine"].split()[0]: r for r in sections["sft_throughput"]["rows"]}
+    assert _positive(engines["torch"]["tokens_per_s"]) and _positive(engines["torch"]["mfu"])
+    if importlib.util.find_spec("deepspeed") is not None:  # ZeRO-3 runs on the CPU in the dry run
+        assert engines["deepspeed"]["status"] == "ok" and _positive(engines["deepspeed"]["tokens_per_s"])
+    else:
+        assert engines["deepspeed"]["reason"] == "no DeepSpeed installed"
+    assert "Qwen2" in sections["sft_throughput"]["model"]
+
+    rows = {r["row"]: r for r in sections["sgrpo_step"]["rows"]}
+    hf = rows["SGRPO step, rollout.backend=hf"]
+    assert hf["status"] == "ok"
+    assert all(_positive(hf[k]) for k in ("step_s", "gen_s", "train_s", "gen_tokens_per_s"))
+    vllm = rows["vllm backend: generation and weight sync"]
+    if importlib.util.find_spec("vllm") is not None:
+        assert vllm["status"] == "ok", vllm.get("reason")
+        assert _positive(vllm["gen_tokens_per_s"]) and _positive(vllm["sync_s"])
+    else:
+        assert vllm["status"] == "skipped" and "no vLLM installed" in vllm["reason"]
+    step = rows["SGRPO step, rollout.backend=vllm"]
+    assert step["status"] == "skipped" and step["reason"]  # the dry run leaves the vLLM step to the GPU
+
+    memory = {(r["workload"], r["side"]): r for r in sections["memory"]["rows"]}
+    assert set(memory) == {("sft", "oxrl"), ("sgrpo", "oxrl")}
+    assert all(_positive(r["peak_gb"]) and _positive(r["tokens_per_s"]) for r in memory.values())
