@@ -38,9 +38,11 @@ in the `run` of its "not built yet" entry). `--dry-run` must run it at toy size 
     python benchmarks/gpu_check.py --only sft_throughput       # one section (the others: skipped)
 
 `--dry-run` runs the same sections and scripts at toy size on the CPU (tiny models, 1-2 steps,
-a 1,024-token vocabulary, one thread, bf16 autocast where the GPU run uses it): it checks that
-the command still works, its figures mean nothing. Without a CUDA device and without
-`--dry-run`, every section is skipped with the reason "no CUDA device".
+small vocabularies, one thread, bf16 autocast where the GPU run uses it; ~1.5 minutes on 2
+cores): it checks that the command still works, its figures mean nothing. Only the SGRPO step
+with `rollout.backend=vllm` is skipped there (vllm_rollout.py already starts a vLLM engine, when
+vLLM imports). Without a CUDA device and without `--dry-run`, every section is skipped with the
+reason "no CUDA device".
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ class Check:
             finally:
                 if proc.poll() is None:  # interrupted (Ctrl-C, SIGTERM): end the script with us
                     _end(proc)
+        try:  # what the script left running in its session (a Ray daemon, an engine process)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if proc.returncode != 0:
             raise ScriptFailed(f"{name} exited with {proc.returncode}", _tail(err_path, out_path))
         for line in reversed(out_path.read_text().splitlines()):
@@ -135,7 +141,7 @@ class Check:
 
 
 def _end(proc: subprocess.Popen) -> None:
-    """SIGTERM to the script's process group, SIGKILL after 10 s."""
+    """SIGTERM to the script's process group (its own session); SIGKILL to what is left of it after 10 s."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
@@ -143,9 +149,8 @@ def _end(proc: subprocess.Popen) -> None:
             return
         try:
             proc.wait(timeout=wait)
-            return
         except subprocess.TimeoutExpired:
-            continue
+            pass
 
 
 def _tail(err_path: Path, out_path: Path) -> str:
@@ -238,8 +243,8 @@ def sgrpo_step(check: Check) -> dict:
         step = ["--prompts-per-step", 2, "--samples", 2, "--max-new-tokens", 4, "--prompts", 8]
         step += ["--steps", 1, "--warmup", 1, "--repeats", 1, "--threads", 1, "--set", "train.precision=bf16"]
         rollout = ["--prompts", 2, "--n", 2, "--max-new-tokens", 4, "--repeats", 1, "--syncs", 1, "--hf"]
-    else:  # a ~270M-parameter Llama, 16 prompts × 8 samples × 128 new tokens
-        size = ["--hidden-size", 1024, "--layers", 16]
+    else:  # Qwen3-0.6B's hidden size and depth (1024 × 28: 0.47B parameters, the character vocabulary's embedding)
+        size = ["--hidden-size", 1024, "--layers", 28]
         step = ["--prompts-per-step", 16, "--samples", 8, "--max-new-tokens", 128]
         step += ["--steps", 3, "--warmup", 1, "--repeats", 1]
         step += ["--set", "engine.device=cuda", "--set", "train.precision=bf16"]
@@ -440,6 +445,7 @@ def run_section(section: Section, check: Check, budget_end: float) -> dict:
         result.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
     result["seconds"] = round(time.monotonic() - now, 1)
     result["commands"] = check.commands
+    assert result["status"] in STATUSES, result["status"]
     return result
 
 
