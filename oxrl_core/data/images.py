@@ -1,0 +1,255 @@
+"""Images in rows: decoding a row's ``images`` into RGB PIL images, and checking where an image row puts them.
+
+A row of any prompt-side format may carry ``images``: a list whose entries are each
+
+- a local path, absolute or relative to the data file the row came from (``~`` expanded),
+- a base64 string, bare or as a ``data:image/...;base64,`` URI,
+- ``{"bytes": ..., "path": ...}`` -- how a `datasets` ``Image`` feature stores an image and what a Parquet file of
+  one holds; ``bytes`` wins when both are set, else ``path`` is read as above,
+- raw ``bytes``, or an already decoded PIL image (a `datasets` ``Image`` feature that decodes).
+
+Each image has a place in the prompt: a ``{"type": "image"}`` content part in a system or user message, or an
+``<image>`` marker (`IMAGE_MARKER`) in a ``prompt`` string; the i-th placeholder is the i-th image. Images go on the
+prompt side only: the model reads them, it never writes them, so an image part in an assistant turn or a marker in
+``response`` / ``chosen`` / ``rejected`` / ``completion`` is refused (`check_image_row`), as is a row whose number
+of placeholders differs from its number of images (the processor would fail far from the row, or worse, the model
+would pair features with the wrong tokens: "Image features and image tokens do not match").
+
+Every problem is an `OxrlError` naming the file, the row and the field, like `rows.normalise_row`'s. Nothing here
+imports PIL at module level (the data layer loads without it for text runs).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from pathlib import Path
+
+from oxrl_core.data.rows import row_where
+from oxrl_core.errors import OxrlError
+
+#: the placeholder for one image in a ``prompt`` string (chat messages use ``{"type": "image"}`` parts instead)
+IMAGE_MARKER = "<image>"
+#: the completion fields of the row formats: never an image there
+RESPONSE_FIELDS = ("response", "chosen", "rejected", "completion")
+#: what an ``images`` entry may be, for messages
+IMAGE_KINDS = 'a local path, a base64 string, {"bytes": ...} or a PIL image'
+
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s_-]+")
+_DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
+
+
+def image_base_dir(row: dict, origin: str) -> Path | None:
+    """The directory relative image paths of ``row`` are read from: that of the data file the row came from
+    (``_origin``, set per file by `sources`), or None (the working directory) for rows not from a file."""
+    source = Path(str(row.get("_origin", origin)))
+    try:
+        if source.is_file():
+            return source.parent
+        if source.is_dir():
+            return source
+    except OSError:  # a hub id or a name the OS cannot look up: not a file
+        return None
+    return None
+
+
+def _open(data: bytes, where: str, field: str, what: str):
+    """Decode image bytes to an RGB PIL image, or an error saying which entry could not be decoded and why."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        reason = re.sub(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
+        raise OxrlError(f"{where}: field '{field}': cannot decode {what} as an image ({reason})") from None
+
+
+def _looks_like_base64(text: str) -> bool:
+    """Long and of the base64 alphabet only (a file name has a dot before its extension)."""
+    return len(text) >= 32 and "." not in text and _BASE64.fullmatch(text) is not None
+
+
+def _from_base64(payload: str, where: str, field: str):
+    payload = "".join(payload.split())
+    payload += "=" * (-len(payload) % 4)
+    try:
+        if "-" in payload or "_" in payload:  # the URL-safe alphabet
+            data = base64.urlsafe_b64decode(payload)
+        else:
+            data = base64.b64decode(payload)
+    except (binascii.Error, ValueError) as exc:
+        raise OxrlError(f"{where}: field '{field}': cannot decode the base64 string ({exc})") from None
+    return _open(data, where, field, "the base64 string")
+
+
+def _from_string(text: str, base: Path | None, where: str, field: str):
+    """A data URI, a path (relative to ``base``) or a base64 string -> an RGB PIL image. A string that names an
+    existing file is a path, even where it could be read as base64."""
+    uri = _DATA_URI.match(text)
+    if uri:
+        return _from_base64(text[uri.end() :], where, field)
+    path = Path(text).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        if _looks_like_base64(text):
+            return _from_base64(text, where, field)
+        raise OxrlError(
+            f"{where}: field '{field}': no such file {path} (a relative path is read from the data file's directory)"
+        ) from None
+    except OSError as exc:  # a directory, no permission, a name too long for a path (then maybe base64)
+        if _looks_like_base64(text):
+            return _from_base64(text, where, field)
+        raise OxrlError(f"{where}: field '{field}': cannot read {path} ({exc.strerror or exc})") from None
+    return _open(data, where, field, str(path))
+
+
+def decode_image(value, base: Path | None, where: str, field: str):
+    """One ``images`` entry (see the module docstring) -> an RGB PIL image.
+
+    ``where`` is the row (`rows.row_where`), ``field`` the entry (``images[1]``); both are named by any error:
+    ``d.jsonl: row 3: field 'images[1]': cannot decode ...`` or ``...: field 'images[0]': no such file ...``."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _open(bytes(value), where, field, "the bytes")
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            if not isinstance(value["bytes"], (bytes, bytearray, memoryview)):
+                raise OxrlError(
+                    f"{where}: field '{field}.bytes' must be bytes, got {type(value['bytes']).__name__} (give a "
+                    "base64 string as the entry itself)"
+                )
+            return _open(bytes(value["bytes"]), where, field, "the bytes")
+        if isinstance(value.get("path"), str) and value["path"]:
+            return _from_string(value["path"], base, where, field)
+        raise OxrlError(f"{where}: field '{field}': an image object needs 'bytes' or 'path', got keys {sorted(value)}")
+    if isinstance(value, str) and value.strip():
+        return _from_string(value.strip(), base, where, field)
+    raise OxrlError(f"{where}: field '{field}' must be {IMAGE_KINDS}, got {type(value).__name__}")
+
+
+def row_images(row: dict, origin: str) -> list:
+    """The row's ``images`` decoded to RGB PIL images, in order; relative paths read from the data file's
+    directory (`image_base_dir`). A row without ``images`` (or with null) has none."""
+    value = row.get("images")
+    if value is None:
+        return []
+    where = row_where(row, origin)
+    if not isinstance(value, (list, tuple)):
+        raise OxrlError(f"{where}: field 'images' must be a list of images ({IMAGE_KINDS}), got {type(value).__name__}")
+    base = image_base_dir(row, origin)
+    return [decode_image(entry, base, where, f"images[{i}]") for i, entry in enumerate(value)]
+
+
+# ----------------------------------------------------------------------------- placeholders
+
+
+def _is_image_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image", "image_url")
+
+
+def _message_image_parts(messages, field: str, where: str) -> int:
+    """The number of image parts in the system/user/tool turns of ``messages`` (``field``); an image part in an
+    assistant turn is an error naming it (``messages[2].content[0]``)."""
+    if not isinstance(messages, list):
+        return 0
+    count = 0
+    for j, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for k, part in enumerate(content):
+            if not _is_image_part(part):
+                continue
+            if message.get("role") == "assistant":
+                raise OxrlError(
+                    f"{where}: field '{field}[{j}].content[{k}]': an image in an assistant turn; images go on the "
+                    "prompt side only (a system or user turn)"
+                )
+            count += 1
+    return count
+
+
+def _marker_count(value) -> int:
+    """``<image>`` markers in a string, or in the string contents and text parts of a list of messages."""
+    if isinstance(value, str):
+        return value.count(IMAGE_MARKER)
+    if not isinstance(value, list):
+        return 0
+    count = 0
+    for message in value:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            count += content.count(IMAGE_MARKER)
+        elif isinstance(content, list):
+            count += sum(p.get("text", "").count(IMAGE_MARKER) for p in content if isinstance(p, dict))
+    return count
+
+
+def is_image_row(row: dict) -> bool:
+    """True for a row that carries images or image parts (``images`` non-empty, or a ``{"type": "image"}`` part in
+    its ``prompt`` or ``messages``)."""
+    if row.get("images"):
+        return True
+    return any(
+        isinstance(message, dict)
+        and isinstance(message.get("content"), list)
+        and any(_is_image_part(p) for p in message["content"])
+        for field in ("prompt", "messages")
+        if isinstance(row.get(field), list)
+        for message in row[field]
+    )
+
+
+def check_image_row(row: dict, origin: str) -> int:
+    """Check where an image row puts its images; returns its number of images (0 for a text row).
+
+    Refused, naming the field: an image part in an assistant turn (of ``messages`` or a ``prompt`` list); with
+    ``images``, an ``<image>`` marker in a completion field (`RESPONSE_FIELDS`) or in an assistant turn; and a
+    number of placeholders (image parts + ``<image>`` markers on the prompt side) other than the number of images,
+    both counts named. Decoding the images is `row_images`' (this check reads no file)."""
+    where = row_where(row, origin)
+    parts = sum(_message_image_parts(row.get(f), f, where) for f in ("messages", "prompt"))
+    images = row.get("images")
+    if images is None:
+        images = []
+    if not isinstance(images, (list, tuple)):
+        raise OxrlError(
+            f"{where}: field 'images' must be a list of images ({IMAGE_KINDS}), got {type(images).__name__}"
+        )
+    if not images and not parts:
+        return 0
+    for field in RESPONSE_FIELDS:
+        if isinstance(row.get(field), str) and IMAGE_MARKER in row[field]:
+            raise OxrlError(
+                f"{where}: field '{field}': holds an {IMAGE_MARKER} marker; images go on the prompt side only "
+                f"(an {IMAGE_MARKER} marker in 'prompt' or an image part in a user turn)"
+            )
+    for field in ("messages", "prompt"):
+        for j, message in enumerate(row.get(field) if isinstance(row.get(field), list) else []):
+            if isinstance(message, dict) and message.get("role") == "assistant" and _marker_count([message]):
+                raise OxrlError(
+                    f"{where}: field '{field}[{j}]': an {IMAGE_MARKER} marker in an assistant turn; images go on "
+                    "the prompt side only (a system or user turn)"
+                )
+    markers = _marker_count(row.get("prompt")) + _marker_count(row.get("messages"))
+    placeholders = parts + markers
+    if placeholders != len(images):
+        kinds = " + ".join(
+            what for what, n in (('{"type": "image"} parts', parts), (f"{IMAGE_MARKER} markers", markers)) if n
+        )
+        raise OxrlError(
+            f"{where}: field 'images': {len(images)} image(s) but {placeholders} image placeholder(s) in the prompt"
+            f'{f" ({kinds})" if kinds else ""}; give one {{"type": "image"}} part or {IMAGE_MARKER} marker per '
+            "image, in order"
+        )
+    return len(images)
