@@ -118,6 +118,20 @@ def test_the_processor_without_video_loads_from_transformers_5s_layout_too(vlm_d
     assert processing.tokens_per_image(square()) == EXPECTED["qwen2_vl"][2]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_saved_processor_loads_again_and_encodes_the_same(family, vlm_dir, tmp_path):
+    """What ``final/`` will do: the loaded processor saved and loaded again (Qwen2-VL's without its video part)."""
+    processing = vision.load_processing(str(vlm_dir(family)))
+    processing.processor.save_pretrained(tmp_path / "saved")
+    again = vision.load_processor(str(tmp_path / "saved"))
+    assert type(again).__name__ == EXPECTED[family][1]
+    images = [square(), square((0, 0, 255), (64, 32))]
+    first = processing.encode(conversation(2), images)
+    second = vision.VLMProcessing(again, processing.family, processing.image_token_id).encode(conversation(2), images)
+    assert torch.equal(first.input_ids, second.input_ids) and first.text == second.text
+    assert all(torch.equal(first.pixel_inputs[k], second.pixel_inputs[k]) for k in first.pixel_inputs)
+
+
 def test_a_text_model_is_not_a_vlm(tmp_path):
     from archs import build_arch
 
@@ -196,6 +210,34 @@ def test_qwen2_vl_tokens_per_image_follow_the_patch_grid(vlm_dir):
     encoding = processing.encode(f"<image>{QUESTION}", [square(size=(64, 32))])
     assert encoding.pixel_inputs["image_grid_thw"].tolist() == [[1, 4, 8]]
     assert encoding.pixel_inputs["pixel_values"].shape == (32, 3 * 2 * 8 * 8)  # (patches, C·t·p·p)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pixels_batch_by_what_the_family_says(family, vlm_dir):
+    """Two rows (one image; two images, one of them 64×32) through the processor as one batch: dimension 0 of
+    ``pixel_values`` counts what `VisionFamily.pixels_by` says -- what cutting a batch into micro-batches must
+    follow."""
+    processing = vision.load_processing(str(vlm_dir(family)))
+    spec, placeholder = processing.family, processing.family.placeholder
+    images = [[square()], [square(), square(size=(64, 32))]]
+    out = processing.processor(
+        text=[f"{placeholder}a", f"{placeholder}{placeholder}b"], images=images, padding=True, return_tensors="pt"
+    )
+    pixels = out["pixel_values"]
+    if spec.pixels_by == "patch":  # 16 + 16 + 32 patches, one grid row per image
+        grid = out["image_grid_thw"]
+        assert grid.shape == (3, 3) and pixels.shape[0] == int(grid.prod(-1).sum()) == 64
+    elif spec.pixels_by == "image":
+        assert pixels.shape[:2] == (3, 3)
+    else:  # one entry per row, tiles padded: 5 (2×2 + global) and 5 + 3 (2×1 + global)
+        assert spec.pixels_by == "row" and pixels.shape[:2] == (2, 8)
+        assert out["pixel_attention_mask"][0, 5:].sum() == 0 and out["pixel_attention_mask"][1].flatten(1).any(-1).all()
+
+
+def test_a_marker_without_images_is_text(vlm_dir):
+    processing = vision.load_processing(str(vlm_dir("gemma3")))
+    encoding = processing.encode("What is <image> in HTML?", [])
+    assert "<image>" in encoding.text and not encoding.image_mask.any()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,11 +1,11 @@
 """Tiny random-weight vision-language models of the VLM families oxRL is verified on (issue 28's matrix).
 
 `build_vlm(family, out_dir, seed)` saves an ordinary Hugging Face directory, as a checkpoint on the hub is laid
-out: ``config.json`` + weights (a ≈0.5M-parameter model, 1-2 layers, fp32, built from the family's own
-transformers config class), a byte-level BPE tokenizer trained here with `tokenizers` on the built-in corpus of
-`archs.py` with the family's special and image tokens, the family's chat template (one that renders
-``{"type": "image"}`` content parts the way the real one does), and the image processor's
-``preprocessor_config.json``, sized for 32×32 images. Nothing is downloaded.
+out: ``config.json`` + weights (0.14-0.17M parameters: a 1-layer vision tower, a 2-layer language model, fp32,
+built from the family's own transformers config class), a byte-level BPE tokenizer trained here with `tokenizers`
+on the built-in corpus of `archs.py` with the family's special and image tokens, the family's chat template (one
+that renders ``{"type": "image"}`` content parts the way the real one does), and the image processor's config,
+sized for 32×32 images. Nothing is downloaded; a family builds in well under a second.
 
 The processor, and torchvision. Transformers 5 ships every image processor in a PIL implementation, which
 `AutoImageProcessor` picks when torchvision is missing (it is here: its PyPI wheel needs CUDA). The Gemma-3,
@@ -245,7 +245,8 @@ def _llama_text(tokenizer) -> dict:
 
 
 def _config(family: str, tokenizer):
-    """The family's transformers config: a 1-layer vision tower, a 2-layer language model, fp32, ≈0.5M parameters."""
+    """The family's transformers config: a 1-layer vision tower, a 2-layer language model, fp32, 0.14-0.17M
+    parameters."""
     import transformers as tf
 
     ids = tokenizer.convert_tokens_to_ids

@@ -22,7 +22,12 @@ What differs between families, and what oxRL needs to know of it, is the table `
   Qwen-VL ``pixel_values`` (flattened patches, (patches, C·t·p·p)) + ``image_grid_thw`` (images, 3) +
   ``mm_token_type_ids`` (1, T); Gemma-3 ``pixel_values`` (images, C, H, W) + ``token_type_ids`` (1, T) (bidirectional
   attention over image tokens); LLaVA ``pixel_values`` (images, C, H, W); Idefics3 ``pixel_values``
-  (1, tiles, C, h, w) + ``pixel_attention_mask`` (1, tiles, h, w).
+  (1, tiles, C, h, w) + ``pixel_attention_mask`` (1, tiles, h, w);
+- what the first dimension of ``pixel_values`` counts (`VisionFamily.pixels_by`), which decides how a batch's
+  pixels are cut into micro-batches: ``patch`` (Qwen-VL: every image's patches, image after image, with one
+  ``image_grid_thw`` row (t, h, w) per image, t·h·w patches each), ``image`` (Gemma-3, LLaVA: one entry per image,
+  image after image) or ``row`` (Idefics3: one entry per row, its tiles on the second dimension, padded with zero
+  tiles whose ``pixel_attention_mask`` is 0 when rows have different numbers of tiles).
 
 A family is added with a row here and a tiny model in ``tests/vlm_archs.py`` that ``tests/test_vision.py`` loads,
 encodes and runs; a VLM whose family has no row is refused by name (`vision_family`), never guessed at.
@@ -31,6 +36,7 @@ encodes and runs; a VLM whose family has no row is refused by name (`vision_fami
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +61,8 @@ class VisionFamily:
     tokens: str
     #: the processor's outputs beside `TEXT_INPUTS` that the model's forward reads, for an encoding with images
     extra_inputs: tuple[str, ...]
+    #: what dimension 0 of a batch's ``pixel_values`` counts: ``patch``, ``image`` or ``row`` (module docstring)
+    pixels_by: str
 
 
 #: the verified families, by config ``model_type``; each has a tiny model in ``tests/vlm_archs.py``
@@ -66,10 +74,11 @@ FAMILIES: dict[str, VisionFamily] = {
             "<|vision_start|><|image_pad|><|vision_end|>",
             "grid",
             ("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+            "patch",
         ),
-        VisionFamily("gemma3", "<start_of_image>", "fixed", ("pixel_values", "token_type_ids")),
-        VisionFamily("llava", "<image>", "fixed", ("pixel_values",)),
-        VisionFamily("idefics3", "<image>", "tiles", ("pixel_values", "pixel_attention_mask")),
+        VisionFamily("gemma3", "<start_of_image>", "fixed", ("pixel_values", "token_type_ids"), "image"),
+        VisionFamily("llava", "<image>", "fixed", ("pixel_values",), "image"),
+        VisionFamily("idefics3", "<image>", "tiles", ("pixel_values", "pixel_attention_mask"), "row"),
     )
 }
 
@@ -149,7 +158,13 @@ def images_only(processor_class: type) -> type:
     Why this works: `ProcessorMixin` reads a processor's parts from its ``__init__`` signature and pairs the
     positional arguments with them in order, so with two parts the ``None`` its parent passes third is never
     stored; the parent's ``__call__`` processes videos only ``if hasattr(self, "video_processor")``. Everything
-    for images -- placeholder expansion, ``mm_token_type_ids``, the chat template -- is the library's own code."""
+    for images -- placeholder expansion, ``mm_token_type_ids``, the chat template -- is the library's own code.
+
+    For processors whose ``__init__`` starts ``(image_processor, tokenizer, video_processor, ...)`` and passes
+    them on positionally (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM in transformers 5.19). Its ``save_pretrained``
+    writes no video processor: a directory saved from it loads again through `load_processor`, but `AutoProcessor`
+    with torchvision would look for ``video_preprocessor_config.json``, so a saver should copy that file (when
+    the checkpoint has one) beside it."""
 
     def __init__(self, image_processor, tokenizer, chat_template=None, **kwargs):
         processor_class.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
@@ -157,7 +172,7 @@ def images_only(processor_class: type) -> type:
     return type(processor_class.__name__, (processor_class,), {"__init__": __init__, "__module__": __name__})
 
 
-def _processor_class_name(path: str, config) -> str | None:
+def _processor_class_name(path: str, field: str) -> str | None:
     """The processor class a checkpoint names (``processor_class`` in its processor, image processor or
     tokenizer config), else transformers' processor for its model type."""
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
@@ -169,13 +184,14 @@ def _processor_class_name(path: str, config) -> str | None:
             value = json.loads(file.read_text()).get("processor_class")
             if isinstance(value, str):
                 return value
-    return PROCESSOR_MAPPING_NAMES.get(config.model_type)
+    return PROCESSOR_MAPPING_NAMES.get(load_config(path, field).model_type)
 
 
 def load_processor(path: str, field: str = "model.name"):
     """The checkpoint's processor: `AutoProcessor`, or where that fails for want of torchvision (a processor with a
-    video part), its processor class built by `images_only` from `AutoTokenizer` and `AutoImageProcessor` (which
-    picks the PIL image processor without torchvision), with the checkpoint's processor options and chat template.
+    video part) or of the video processor's config (a processor saved by `images_only`'s class), its processor
+    class built by `images_only` from `AutoTokenizer` and `AutoImageProcessor` (which picks the PIL image processor
+    without torchvision), with the checkpoint's processor options and chat template.
 
     The second route is the first's code without videos: `tests/test_vision.py` checks it gives the same input
     ids and pixel values as the processor called directly."""
@@ -185,11 +201,10 @@ def load_processor(path: str, field: str = "model.name"):
 
     try:
         return AutoProcessor.from_pretrained(path)
-    except ImportError as exc:  # a video processor needs torchvision
-        if "torchvision" not in str(exc).lower():
+    except (ImportError, OSError) as exc:  # a video processor needs torchvision, or its config is not there
+        if not re.search(r"torchvision|video processor", str(exc), re.IGNORECASE):
             raise
-    config = load_config(path, field)
-    name = _processor_class_name(path, config)
+    name = _processor_class_name(path, field)
     processor_class = getattr(transformers, name, None) if name else None
     if processor_class is None:
         raise OxrlError(f"{field}: {path} names no processor class transformers has ({name!r})")
@@ -219,8 +234,11 @@ def image_messages(prompt, images: list) -> list[dict]:
 
     A string is one user turn; ``<image>`` markers in it (or in a message's string content or text part) become
     ``{"type": "image"}`` parts where they stand, and the i-th image part gets ``images[i]``. The count is
-    `data.images.check_image_row`'s to enforce; here a mismatch is an error (`ValueError`, a bug if reached)."""
+    `data.images.check_image_row`'s to enforce; here a mismatch is an error (`ValueError`, a bug if reached).
+    Without images the prompt is left as it is, markers and all (a text row, as `check_image_row` counts it)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not images:
+        return [dict(m) for m in messages]
     pending = iter(images)
     out = []
     for message in messages:
