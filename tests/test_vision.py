@@ -433,6 +433,40 @@ def test_image_rows_that_are_right_pass():
     assert check_image_row(text, "d.jsonl") == 0 and not is_image_row(text)
 
 
+@pytest.mark.parametrize(
+    "part, expected",
+    [
+        (
+            {"type": "audio"},
+            'field \'messages[0].content[1]\' must be {"type": "text", "text": ...} or {"type": "image"}, got type \'audio\'',
+        ),
+        (
+            "an image",
+            'field \'messages[0].content[1]\' must be {"type": "text", "text": ...} or {"type": "image"}, got str',
+        ),
+        ({"type": "text", "text": 3}, "field 'messages[0].content[1].text' must be a string, got int"),
+    ],
+)
+def test_a_bad_content_part_is_named(tmp_path, part, expected):
+    messages = [{"role": "user", "content": [{"type": "image"}, part]}, {"role": "assistant", "content": "red"}]
+    assert expected in _row_error(tmp_path, {"messages": messages, "images": [_b64()]})
+
+
+def test_parts_with_null_keys_as_parquet_gives_them(vlm_dir):
+    """`datasets` and Parquet give every part every key (``{"type": "image", "text": None}``): counted and encoded
+    as the parts without them."""
+    padded = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "text": None}, {"type": "text", "text": QUESTION, "image": None}],
+        }
+    ]
+    clean = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    assert check_image_row({"prompt": padded, "response": "red", "images": [_b64()]}, "d.jsonl") == 1
+    processing = vision.load_processing(str(vlm_dir("qwen2_vl")))
+    assert torch.equal(processing.encode(padded, [square()]).input_ids, processing.encode(clean, [square()]).input_ids)
+
+
 def _b64() -> str:
     return base64.b64encode(_png(square())).decode()
 

@@ -157,9 +157,15 @@ def _is_image_part(part) -> bool:
     return isinstance(part, dict) and part.get("type") in ("image", "image_url")
 
 
+#: the content parts a message may hold, for messages
+PART_SHAPES = '{"type": "text", "text": ...} or {"type": "image"}'
+
+
 def _message_image_parts(messages, field: str, where: str) -> int:
-    """The number of image parts in the system/user/tool turns of ``messages`` (``field``); an image part in an
-    assistant turn is an error naming it (``messages[2].content[0]``)."""
+    """The number of image parts in the system/user/tool turns of ``messages`` (``field``), each list content
+    checked part by part: an object of type ``text`` (with string ``text``), ``image`` or ``image_url``; keys that
+    are null are absent (Parquet and `datasets` give every part every key). An image part in an assistant turn is
+    an error naming it (``messages[2].content[0]``)."""
     if not isinstance(messages, list):
         return 0
     count = 0
@@ -168,12 +174,19 @@ def _message_image_parts(messages, field: str, where: str) -> int:
         if not isinstance(content, list):
             continue
         for k, part in enumerate(content):
-            if not _is_image_part(part):
+            here = f"{field}[{j}].content[{k}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
                 continue
+            if kind == "text":
+                raise OxrlError(f"{where}: field '{here}.text' must be a string, got {type(part.get('text')).__name__}")
+            if not _is_image_part(part):
+                got = f"type {kind!r}" if isinstance(part, dict) else type(part).__name__
+                raise OxrlError(f"{where}: field '{here}' must be {PART_SHAPES}, got {got}")
             if message.get("role") == "assistant":
                 raise OxrlError(
-                    f"{where}: field '{field}[{j}].content[{k}]': an image in an assistant turn; images go on the "
-                    "prompt side only (a system or user turn)"
+                    f"{where}: field '{here}': an image in an assistant turn; images go on the prompt side only (a "
+                    "system or user turn)"
                 )
             count += 1
     return count
@@ -191,7 +204,7 @@ def _marker_count(value) -> int:
         if isinstance(content, str):
             count += content.count(IMAGE_MARKER)
         elif isinstance(content, list):
-            count += sum(p.get("text", "").count(IMAGE_MARKER) for p in content if isinstance(p, dict))
+            count += sum((p.get("text") or "").count(IMAGE_MARKER) for p in content if isinstance(p, dict))
     return count
 
 

@@ -246,6 +246,7 @@ def image_messages(prompt, images: list) -> list[dict]:
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
         new_parts = []
         for part in parts:
+            part = {k: v for k, v in part.items() if v is not None}  # Parquet gives every part every key
             if part.get("type") == "text" and IMAGE_MARKER in part.get("text", ""):
                 pieces = part["text"].split(IMAGE_MARKER)
                 for k, piece in enumerate(pieces):
@@ -254,7 +255,7 @@ def image_messages(prompt, images: list) -> list[dict]:
                     if piece:
                         new_parts.append({"type": "text", "text": piece})
             else:
-                new_parts.append(dict(part))
+                new_parts.append(part)
         for part in new_parts:
             if part.get("type") in ("image", "image_url"):
                 image = next(pending, None)
