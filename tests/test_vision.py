@@ -98,6 +98,27 @@ def test_qwen2_vl_processor_is_built_without_its_video_part(vlm_dir):
     assert processor.image_processor.patch_size == 8
 
 
+def test_qwen2_vl_without_video_encodes_as_its_parts_do(vlm_dir):
+    """Independent of the processor class: the template's text with each ``<|image_pad|>`` repeated once per merged
+    patch (grid t·h·w / 2²), tokenized by the tokenizer alone, and the pixels of the PIL image processor alone."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    path = str(vlm_dir("qwen2_vl"))
+    images = [square(), square((0, 0, 255), (64, 32))]
+    encoding = vision.load_processing(path).encode(conversation(2), images)
+    tokenizer, image_processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+    pixels = image_processor(images, return_tensors="pt")
+    counts = [int(n) // 4 for n in pixels["image_grid_thw"].prod(-1)]  # 4 and 8 tokens
+    pieces = tokenizer.apply_chat_template(conversation(2), tokenize=False, add_generation_prompt=True).split(
+        "<|image_pad|>"
+    )
+    text = pieces[0] + "".join("<|image_pad|>" * n + piece for n, piece in zip(counts, pieces[1:]))
+    assert encoding.input_ids.tolist() == tokenizer(text)["input_ids"]
+    assert torch.equal(encoding.pixel_inputs["pixel_values"], pixels["pixel_values"])
+    assert torch.equal(encoding.pixel_inputs["image_grid_thw"], pixels["image_grid_thw"])
+    assert encoding.pixel_inputs["mm_token_type_ids"][0].tolist() == encoding.image_mask.long().tolist()
+
+
 def test_the_processor_without_video_loads_from_transformers_5s_layout_too(vlm_dir, tmp_path):
     """A checkpoint saved by transformers 5 keeps both sub-processors in ``processor_config.json``; the video
     processor's entry is not read (it would need torchvision) and the image processor's is."""
