@@ -12,11 +12,54 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The suite runs in parallel workers (pytest-xdist, `-n auto` in pyproject.toml). Each worker, and every process
+# it starts, gets its share of the cores: OpenMP threads that outnumber the cores wait for each other and run many
+# times slower. Set before torch is imported (it reads them once).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    _cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    _share = max(1, len(_cores) // WORKERS)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_share))
+    # vLLM on the CPU binds its threads to cores ("auto": all of them), where they would spin against the other
+    # workers: each worker's engines get its own cores instead
+    _index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % (len(_cores) // _share or 1)
+    os.environ.setdefault(
+        "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _cores[_index * _share : (_index + 1) * _share]))
+    )
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Files with the most end-to-end (slow) tests first: with one file per worker at a time (`--dist loadfile`),
+    the longest files start early and the short ones fill the gaps at the end."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(
+            item.get_closest_marker("slow")
+        )
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: a file's own order is kept
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most one per 4 GiB of memory (a worker may run two ranks and a Ray
+    cluster) and at most 8."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory_gib = 8.0
+    return max(1, min(cores, int(memory_gib // 4), 8))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def oxrl_cache(tmp_path_factory):
-    """Every test (and every `oxrl` subprocess) uses a private cache for the built-in tiny model."""
-    cache = tmp_path_factory.mktemp("oxrl-cache")
+    """Every test (and every `oxrl` subprocess) uses a cache for the built-in tiny model that is private to this
+    test session and shared by its workers (entries are written to a temp name and renamed: workers that build
+    the same one at once both succeed), so each warm start is trained once per session, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    cache = root / "oxrl-cache"
+    cache.mkdir(exist_ok=True)
     os.environ["OXRL_CACHE"] = str(cache)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return cache
