@@ -16,16 +16,23 @@ ROOT = Path(__file__).resolve().parents[1]
 # it starts, gets its share of the cores: OpenMP threads that outnumber the cores wait for each other and run many
 # times slower. Set before torch is imported (it reads them once).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+
+
+def _cores() -> list[int]:
+    """The cores this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 if WORKERS > 1:
-    _cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    _share = max(1, len(_cores) // WORKERS)
+    _all = _cores()
+    _share = max(1, len(_all) // WORKERS)
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, str(_share))
     # vLLM on the CPU binds its threads to cores ("auto": all of them), where they would spin against the other
     # workers: each worker's engines get its own cores instead
-    _index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % (len(_cores) // _share or 1)
+    _index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) % (len(_all) // _share or 1)
     os.environ.setdefault(
-        "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _cores[_index * _share : (_index + 1) * _share]))
+        "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, _all[_index * _share : (_index + 1) * _share]))
     )
 
 
@@ -34,21 +41,18 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     the longest files start early and the short ones fill the gaps at the end."""
     slow: dict[str, int] = {}
     for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(
-            item.get_closest_marker("slow")
-        )
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # stable: a file's own order is kept
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: a file's own order is kept
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: one worker per core, at most one per 4 GiB of memory (a worker may run two ranks and a Ray
     cluster) and at most 8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         memory_gib = 8.0
-    return max(1, min(cores, int(memory_gib // 4), 8))
+    return max(1, min(len(_cores()), int(memory_gib // 4), 8))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -137,15 +137,23 @@ def decode_image(value, base: Path | None, where: str, field: str):
     raise OxrlError(f"{where}: field '{field}' must be {IMAGE_KINDS}, got {type(value).__name__}")
 
 
-def row_images(row: dict, origin: str) -> list:
-    """The row's ``images`` decoded to RGB PIL images, in order; relative paths read from the data file's
-    directory (`image_base_dir`). A row without ``images`` (or with null) has none."""
+def _image_entries(row: dict, where: str) -> list:
+    """The row's ``images`` list as given (none when absent or null), or an error naming the field."""
     value = row.get("images")
     if value is None:
         return []
-    where = row_where(row, origin)
     if not isinstance(value, (list, tuple)):
         raise OxrlError(f"{where}: field 'images' must be a list of images ({IMAGE_KINDS}), got {type(value).__name__}")
+    return list(value)
+
+
+def row_images(row: dict, origin: str) -> list:
+    """The row's ``images`` decoded to RGB PIL images, in order; relative paths read from the data file's
+    directory (`image_base_dir`). A row without ``images`` (or with null) has none."""
+    if row.get("images") is None:
+        return []
+    where = row_where(row, origin)
+    value = _image_entries(row, where)
     base = image_base_dir(row, origin)
     return [decode_image(entry, base, where, f"images[{i}]") for i, entry in enumerate(value)]
 
@@ -232,13 +240,7 @@ def check_image_row(row: dict, origin: str) -> int:
     both counts named. Decoding the images is `row_images`' (this check reads no file)."""
     where = row_where(row, origin)
     parts = sum(_message_image_parts(row.get(f), f, where) for f in ("messages", "prompt"))
-    images = row.get("images")
-    if images is None:
-        images = []
-    if not isinstance(images, (list, tuple)):
-        raise OxrlError(
-            f"{where}: field 'images' must be a list of images ({IMAGE_KINDS}), got {type(images).__name__}"
-        )
+    images = _image_entries(row, where)
     if not images and not parts:
         return 0
     for field in RESPONSE_FIELDS:

@@ -165,7 +165,7 @@ def path_of(model) -> HeadPath:
 def _probe(model, path: HeadPath) -> float:
     """Largest |Δ log π| (relative to the scale of the log-probabilities) between the two paths on 8 tokens."""
     backbone, head = backbone_and_head(model)
-    vocab = head.weight.shape[0] if hasattr(head, "weight") else _inner(model).config.get_text_config().vocab_size
+    vocab = vocab_size(model)
     device = next(model.parameters()).device
     ids = torch.randint(0, vocab, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
