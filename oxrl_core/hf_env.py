@@ -8,6 +8,7 @@ and plugins (the reward-model reward) share one call.
 from __future__ import annotations
 
 import os
+import sys
 
 
 def quiet_transformers() -> None:
@@ -21,3 +22,24 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _unwrap_without_importing_deepspeed()
+
+
+def _unwrap_without_importing_deepspeed() -> None:
+    """``save_pretrained`` unwraps the model through accelerate's ``extract_model_from_parallel``, which
+    imports DeepSpeed whenever it is installed (about 2 s: its autotuner imports mlflow) only to test
+    ``isinstance(model, DeepSpeedEngine)``. An object can be a DeepSpeedEngine only once DeepSpeed is
+    imported, so accelerate asks that question here only then; the answer is the same either way."""
+    try:
+        from accelerate.utils import other
+    except ImportError:  # accelerate is optional for transformers; without it nothing imports DeepSpeed here
+        return
+    installed = other.is_deepspeed_available
+    if getattr(installed, "oxrl_only_when_loaded", False):
+        return
+
+    def deepspeed_loaded() -> bool:
+        return "deepspeed" in sys.modules and installed()
+
+    deepspeed_loaded.oxrl_only_when_loaded = True  # type: ignore[attr-defined]
+    other.is_deepspeed_available = deepspeed_loaded

@@ -542,3 +542,30 @@ def test_grpo_in_a_yaml_config_and_a_plugin_that_registers_grpo_wins(tmp_path):
     registry.prefer(plugins.Registration("algorithm", "grpo", Grpo, plugin="grpo", package="mine", version="1"))
     assert registry.resolve_alias("algorithm", "grpo") == ("grpo", "")
     assert registry.alias_rows() == []
+
+
+# ----------------------------------------------------------------------------- start-up cost
+
+
+def test_saving_a_model_imports_neither_deepspeed_nor_mlflow_and_deepspeed_leaves_mlflow_importable(tiny_model_dir):
+    """Issue 26: `save_pretrained` asked accelerate whether the model is a DeepSpeedEngine, which imported
+    DeepSpeed (and through its autotuner mlflow: ~1.8 s in every `oxrl run`). Without DeepSpeed loaded nothing can
+    be one, so the save imports neither; the DeepSpeed engine's import skips mlflow, which still imports after."""
+    code = f"""
+import sys, tempfile
+from pathlib import Path
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.run_io.checkpoint import save_model
+model, tok = load_causal_lm({str(tiny_model_dir)!r}), load_tokenizer({str(tiny_model_dir)!r})
+save_model(Path(tempfile.mkdtemp()) / "final", model, tok)
+print("after save", "deepspeed" in sys.modules, "mlflow" in sys.modules)
+from accelerate.utils.other import extract_model_from_parallel
+from oxrl_core.engines.deepspeed_engine import import_deepspeed
+deepspeed = import_deepspeed("cpu")
+print("after deepspeed", "mlflow" in sys.modules, extract_model_from_parallel(model) is model)
+import mlflow
+print("mlflow", mlflow.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-3:] == ["after save False False", "after deepspeed False True", "mlflow mlflow"]

@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -76,6 +77,11 @@ def import_deepspeed(device_type: str):
     warnings.filterwarnings(
         "ignore", message=r".*is deprecated.*", category=FutureWarning, module=r"torch\.distributed.*"
     )
+    # DeepSpeed's autotuner (oxRL never runs it) imports mlflow when installed: about 1.6 s per rank. It is
+    # hidden for this import only; a run that logs to MLflow imports it itself (run_io.tracking).
+    hide_mlflow = "mlflow" not in sys.modules
+    if hide_mlflow:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]
     try:
         import deepspeed
         import deepspeed.ops
@@ -83,6 +89,9 @@ def import_deepspeed(device_type: str):
         raise OxrlError(
             f"engine.name: deepspeed needs the deepspeed package (pip install 'oxrl[deepspeed]'): {exc}"
         ) from None
+    finally:
+        if hide_mlflow and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     # DeepSpeed compiles a shared-memory all-reduce for CPU *inference* when its group starts (about
     # 100 s on a fresh machine); training never uses it, so mark it unavailable.
