@@ -11,19 +11,27 @@ cache, LoRA's default targets (`lora.default_targets`), the critic, the chunked 
 (`token_head.choose_path`) and vLLM on CPU. Each problem comes with its fix; ``errors`` are the ones
 oxRL cannot train with (the command then exits with status 2), ``warnings`` the rest.
 
+A vision-language model (`vision.is_vlm_config`) loads with its own class, as `vision.load_vlm` loads it, and
+its processor with `vision.load_processing`; the report then has a ``vision`` section (the family, the vision tower
+and projector, the processor, the image token and placeholder, image tokens per sample image, the extra inputs) and
+the image paths; the language-model parts come from its text config and language model. A VLM of a family oxRL has
+not been verified on is an error naming the verified ones (`vision.FAMILIES`), and is not loaded.
+
 A directory or config that cannot be read at all is an `OxrlError` (one line, no table).
 """
 
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
 from oxrl_core.chat_templates import PROBE, describe_error, render_problem, template_source
 from oxrl_core.chat_templates import names as template_names
-from oxrl_core.config import LoraConfig, TrainConfig
+from oxrl_core.config import LoraConfig, ModelConfig, TrainConfig
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
+from oxrl_core.models import vision
 from oxrl_core.models.loading import _check_local_dir, resolve_model_path
 from oxrl_core.models.lora import default_targets
 from oxrl_core.models.packed_attention import attention_fast_paths
@@ -212,7 +220,9 @@ def _prefill_cache(model, config) -> tuple[bool, str]:
     return True, "prompts prefilled once per group, preallocated KV buffers"
 
 
-def _lora(model) -> tuple[bool, str, list[str]]:
+def _lora(model, vision_parts: tuple[str, ...] = ()) -> tuple[bool, str, list[str]]:
+    """LoRA's default targets; ``vision_parts``: a VLM's vision tower and projector (module names), named among the
+    parts left out when no target lies inside them."""
     target = LoraConfig().target_modules
     if target != "all-linear":
         wanted = {target} if isinstance(target, str) else set(target)
@@ -227,7 +237,14 @@ def _lora(model) -> tuple[bool, str, list[str]]:
         for p in ("experts", "vision_tower", "multi_modal_projector")
         if any(p in n.split(".") for n, _ in model.named_modules())
     ]
+    in_vision = [n for n in full if any(n.startswith(f"{part}.") for part in vision_parts)]
+    if vision_parts and not in_vision:
+        excluded += [p for p in (part.rsplit(".", 1)[-1] for part in vision_parts) if p not in excluded]
     detail = f"all-linear: {len(full)} layers ({', '.join(names)})"
+    if vision_parts:
+        detail += (
+            f", {len(in_vision)} of them in the vision tower / projector" if in_vision else ", the language model only"
+        )
     if excluded:
         detail += f"; left out: {', '.join(excluded)}"
     return True, detail, names
@@ -250,6 +267,185 @@ def _chunked_head(model) -> tuple[bool, str]:
         f"used from {from_tokens:,} scored tokens per micro-batch (full logits over train.logits_chunk_min_mb "
         f"{min_mb:g} MB)"
     )
+
+
+# ---------------------------------------------------------------------- vision-language models
+
+#: the square RGB images whose image-token counts the report gives (a ``grid`` or ``tiles`` family's depend on size)
+SAMPLE_IMAGES = ((32, 32), (64, 64))
+#: what oxRL does with images, per path
+IMAGE_TRAINING = "SFT, KD and preference training (DPO/IPO/ORPO/KTO/SimPO)"
+IMAGE_PACKING = "rows with images step aside to padding"
+
+
+def _module(name: str, module) -> dict:
+    return {"module": name, "class": type(module).__name__, "parameters": sum(p.numel() for p in module.parameters())}
+
+
+def _vision_family(config, problems: list) -> dict:
+    """The family of a VLM config and whether oxRL is verified on it (`vision.vision_family`); an unverified one is
+    an error naming the verified families."""
+    info = {"family": config.model_type, "verified": True, "verified_families": list(vision.FAMILIES)}
+    try:
+        vision.vision_family(config, "check-model")
+    except OxrlError as exc:
+        info["verified"] = False
+        _problem(
+            problems,
+            "error",
+            str(exc).removeprefix("check-model: "),
+            f"use a VLM of a verified family ({', '.join(vision.FAMILIES)}), or add the family: a row in "
+            "oxrl_core/models/vision.py FAMILIES and a tiny model in tests/vlm_archs.py",
+        )
+    return info
+
+
+def _vision_parts(model, config) -> dict:
+    """The vision tower (the outermost module built from the config's ``vision_config``), the projector (the
+    tower's siblings with parameters, other than the language model) and the language model, by module name."""
+    vision_config = getattr(config, "vision_config", None)
+    modules = dict(model.named_modules())
+    towers = [
+        name
+        for name, module in modules.items()
+        if name and vision_config is not None and type(getattr(module, "config", None)) is type(vision_config)
+    ]
+    towers = towers or [n for n in modules if n.rsplit(".", 1)[-1] in ("visual", "vision_tower", "vision_model")]
+    tower = min(towers, key=lambda n: n.count("."), default=None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    language = next((n for n, m in modules.items() if decoder is not None and m is decoder), None)
+    projector = None
+    if tower is not None:
+        parent = tower.rpartition(".")[0]
+        text_parts = {
+            id(m) for m in (decoder, model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+        }
+        for child, module in modules[parent].named_children():
+            name = f"{parent}.{child}" if parent else child
+            if name == tower or any(id(m) in text_parts for m in module.modules()):
+                continue
+            if any(True for _ in module.parameters()):
+                projector = name
+                break
+    info = {
+        "tower": _module(tower, modules[tower]) if tower is not None else None,
+        "projector": _module(projector, modules[projector]) if projector else None,
+        "language_model": _module(language, decoder) if language is not None else None,
+    }
+    if info["tower"]:
+        info["tower"]["config_model_type"] = getattr(vision_config, "model_type", None)
+    return info
+
+
+def _vision_processing(report: dict, config, path: str, tokenizer, problems: list) -> None:
+    """The processor, the image token, how many image tokens the sample images become, and the image paths."""
+    from PIL import Image
+
+    info, paths = report["vision"], report["paths"]
+    family = vision.vision_family(config, "check-model")
+    info.update(
+        processor=None,
+        image_token=None,
+        placeholder=family.placeholder,
+        tokens=family.tokens,
+        tokens_per_image=None,
+        extra_inputs=list(family.extra_inputs),
+        pixels_by=family.pixels_by,
+    )
+    processing = None
+    try:
+        processing = vision.load_processing(path, "check-model")
+    except Exception as exc:  # noqa: BLE001 - text rows still train: reported, the check goes on
+        _problem(
+            problems,
+            "warning",
+            f"cannot load the processor ({_one_line(exc)}): rows with images cannot be encoded (text rows can)",
+            "save the model's processor beside it (processor.save_pretrained(dir)), or at least its image "
+            "processor (preprocessor_config.json)",
+        )
+    try:
+        token_id = vision.image_token_id(config)
+    except OxrlError as exc:
+        _problem(problems, "error", str(exc), "set image_token_id in config.json to the processor's image token")
+        token_id = None
+    tok = processing.tokenizer if processing is not None else tokenizer
+    if token_id is not None:
+        info["image_token"] = {
+            "token": tok.convert_ids_to_tokens(token_id) if tok is not None else None,
+            "id": token_id,
+        }
+    why = "no processor" if processing is None else None  # why rows with images cannot be encoded
+    if processing is not None:
+        processor = processing.processor
+        image_processor = getattr(processor, "image_processor", None)
+        info["processor"] = {
+            "class": type(processor).__name__,
+            "image_processor": type(image_processor).__name__ if image_processor is not None else None,
+            # `vision.images_only`'s class: the processor built from its tokenizer and image processor alone
+            "without_video": type(processor).__module__ == vision.__name__,
+            "torchvision": find_spec("torchvision") is not None,
+        }
+        if image_processor is None:  # e.g. `AutoProcessor` gave the tokenizer alone
+            why = f"{type(processor).__name__} has no image processor"
+            _problem(
+                problems,
+                "warning",
+                f"the processor ({type(processor).__name__}) has no image processor: rows with images cannot be "
+                "encoded (text rows can)",
+                "save the model's image processor beside it (preprocessor_config.json)",
+            )
+        else:
+            try:
+                counts = {
+                    f"{w}x{h}": processing.tokens_per_image(Image.new("RGB", (w, h), (128, 128, 128)))
+                    for w, h in SAMPLE_IMAGES
+                }
+            except Exception as exc:  # noqa: BLE001 - the processor's own failure, reported rather than raised
+                why = "the processor fails on an image"
+                _problem(
+                    problems,
+                    "warning",
+                    f"the processor fails on a {SAMPLE_IMAGES[0][0]}×{SAMPLE_IMAGES[0][1]} image: {_one_line(exc)}",
+                    "check the processor's files (preprocessor_config.json, processor_config.json)",
+                )
+            else:
+                info["tokens_per_image"] = counts
+                if not all(counts.values()):
+                    why = "the processor makes no image tokens"
+                    _problem(
+                        problems,
+                        "warning",
+                        f"the processor turns a sample image into no image token (id {processing.image_token_id}): "
+                        "the model would see no image",
+                        "the processor's image token must be the config's image_token_id / image_token_index",
+                    )
+    paths["images"] = {
+        "applies": why is None,
+        "detail": IMAGE_TRAINING if why is None else f"{why}: rows with images cannot be encoded",
+    }
+    if family.model_type in getattr(vision, "PACKS", ()):  # the families whose packed rows are exact
+        paths["image_packing"] = {
+            "applies": True,
+            "detail": "SFT packs rows with images exactly (each packed row its own rotary positions); "
+            "the other loops pad them",
+        }
+    else:
+        qwen = " (Qwen-VL: exact 4-row positions planned)" if family.model_type.startswith("qwen") else ""
+        paths["image_packing"] = {"applies": False, "detail": IMAGE_PACKING + qwen}
+    freeze = ModelConfig.model_fields.get("freeze_vision")
+    paths["freeze_vision"] = (
+        {"applies": False, "detail": "no model.freeze_vision in this oxRL's config"}
+        if freeze is None
+        else {
+            "applies": bool(freeze.default),
+            "detail": "the vision tower is frozen by default (model.freeze_vision: true)"
+            if freeze.default
+            else "the vision tower trains by default (model.freeze_vision: false)",
+        }
+    )
+
+
+# ---------------------------------------------------------------------- the report
 
 
 def check_model(name: str, trust_remote_code: bool = False) -> dict:
@@ -297,25 +493,43 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
 
     # ------------------------------------------------------------------ model
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     model = None
-    try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=torch.float32,
-            attn_implementation="sdpa",
-            trust_remote_code=trust_remote_code,
-            output_loading_info=True,
-        )
-    except Exception as exc:  # noqa: BLE001 - any load failure is one reported problem; the check goes on
-        _problem(
-            problems,
-            "error",
-            f"cannot load a causal LM: {_one_line(exc)}",
-            "oxRL trains models AutoModelForCausalLM can load: check the weights files and `architectures`/`model_type` "
-            "in config.json (custom code needs trust_remote_code)",
-        )
+    vlm = vision.is_vlm_config(config)
+    if vlm:
+        report["vision"] = _vision_family(config, problems)  # an unverified family is refused: not loaded
+    if vlm and report["vision"]["verified"]:
+        report["vision"].update(tower=None, projector=None, language_model=None)
+        try:  # as `vision.load_vlm` loads it (its own class, float32), with the loading info for missing weights
+            model, loading = AutoModelForImageTextToText.from_pretrained(
+                path, dtype=torch.float32, trust_remote_code=trust_remote_code, output_loading_info=True
+            )
+        except Exception as exc:  # noqa: BLE001 - any load failure is one reported problem; the check goes on
+            _problem(
+                problems,
+                "error",
+                f"cannot load the vision-language model: {_one_line(exc)}",
+                "oxRL loads VLMs with AutoModelForImageTextToText: check the weights files and "
+                "`architectures`/`model_type` in config.json",
+            )
+    elif not vlm:
+        try:
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                trust_remote_code=trust_remote_code,
+                output_loading_info=True,
+            )
+        except Exception as exc:  # noqa: BLE001 - any load failure is one reported problem; the check goes on
+            _problem(
+                problems,
+                "error",
+                f"cannot load a causal LM: {_one_line(exc)}",
+                "oxRL trains models AutoModelForCausalLM can load: check the weights files and "
+                "`architectures`/`model_type` in config.json (custom code needs trust_remote_code)",
+            )
     if model is not None:
         report["architecture"] = type(model).__name__ if report["architecture"] is None else report["architecture"]
         report["loaded_class"] = type(model).__name__
@@ -340,8 +554,14 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
             )
         if embed is not None:
             report["vocab"]["embedding_rows"] = int(embed.weight.shape[0])
-        _paths(report, model, config, text, problems)
+        parts = ()
+        if vlm:
+            report["vision"].update(_vision_parts(model, config))
+            parts = tuple(p["module"] for p in (report["vision"]["tower"], report["vision"]["projector"]) if p)
+        _paths(report, model, config, text, problems, parts)
         del model
+    if vlm and report["vision"]["verified"]:
+        _vision_processing(report, config, path, tokenizer, problems)
 
     rows, tok = report["vocab"]["embedding_rows"], report["vocab"]["tokenizer"]
     if rows is not None and tok is not None and tok > rows:
@@ -356,13 +576,13 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
     return report
 
 
-def _paths(report: dict, model, config, text, problems: list) -> None:
+def _paths(report: dict, model, config, text, problems: list, vision_parts: tuple[str, ...] = ()) -> None:
     paths = report["paths"]
     for key, (applies, detail) in attention_fast_paths(config).items():
         paths[key] = {"applies": applies, "detail": detail}
     applies, detail = _prefill_cache(model, config)
     paths["hf_prefill_cache"] = {"applies": applies, "detail": detail}
-    applies, detail, names = _lora(model)
+    applies, detail, names = _lora(model, vision_parts)
     paths["lora"] = {"applies": applies, "detail": detail}
     report["lora_targets"] = names
     hidden = getattr(text, "hidden_size", None)
@@ -478,6 +698,8 @@ def render(report: dict, console) -> None:
                 f"renders conversation {_yes(chat['renders_conversation'])}, generation prompt "
                 f"{_yes(chat['renders_generation_prompt'])}, completion follows {_yes(chat['completion_follows'])}",
             )
+    if report.get("vision"):
+        _vision_rows(table, report["vision"], escape)
     console.print(table)
 
     if report["paths"]:
@@ -503,6 +725,48 @@ def render(report: dict, console) -> None:
         else "[bold red]oxRL cannot train this model as it is[/bold red] (see the errors above)"
     )
     console.print(verdict)
+
+
+def _vision_rows(table, vis: dict, escape) -> None:
+    """A VLM's rows of the model table: family, vision tower and projector, processor, image token, image tokens."""
+    if not vis["verified"]:
+        table.add_row(
+            "vision family",
+            f"[red]{escape(vis['family'])}: not verified[/red] (verified: {', '.join(vis['verified_families'])})",
+        )
+        return
+    table.add_row("vision family", f"{escape(vis['family'])} (verified)")
+    tower, projector = vis.get("tower"), vis.get("projector")
+    if tower:
+        line = f"{tower['module']} ({tower['class']}, {tower['parameters']:,} parameters)"
+        line += (
+            f"; projector {projector['module']} ({projector['class']}, {projector['parameters']:,})"
+            if projector
+            else "; no separate projector"
+        )
+        table.add_row("vision tower", escape(line))
+    if "processor" not in vis:
+        return
+    processor = vis["processor"]
+    if processor is None:
+        table.add_row("processor", "[yellow]not loaded[/yellow]")
+    else:
+        line = f"{processor['class']} (image processor {processor['image_processor']})"
+        if processor["without_video"]:
+            why = "video processor config absent" if processor["torchvision"] else "torchvision absent"
+            line += f", built without its video processor ({why})"
+        table.add_row("processor", escape(line))
+    token = vis["image_token"]
+    table.add_row(
+        "image token",
+        escape((f"{token['token']!r} ({token['id']})" if token else "none") + f", placeholder {vis['placeholder']!r}"),
+    )
+    per_image = vis["tokens_per_image"]
+    counts = ", ".join(f"{n} for {size.replace('x', '×')}" for size, n in per_image.items()) if per_image else "?"
+    table.add_row(
+        "image tokens",
+        escape(f"{vis['tokens']}: {counts}; extra inputs {', '.join(vis['extra_inputs'])}"),
+    )
 
 
 def to_json(report: dict) -> str:
