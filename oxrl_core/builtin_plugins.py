@@ -6,6 +6,7 @@ from oxrl_core.hookspecs import hookimpl
 @hookimpl
 def register_datasets(register):
     register("arith", "oxrl_core.data.task:ArithDataset")
+    register("shapes", "oxrl_core.data.shapes:ShapesDataset")
 
 
 @hookimpl
