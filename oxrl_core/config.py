@@ -136,6 +136,11 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     attn_implementation: str = Field("sdpa", description="transformers attention implementation")
     trust_remote_code: bool = False
+    freeze_vision: bool = Field(
+        True,
+        description="a vision-language model's vision tower (its image encoder and the merger/projector inside it) "
+        "is not trained; false trains it too",
+    )
     revision: str = Field(
         "", description="hub revision of model.name (a branch, tag or commit); empty = the default branch"
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 from oxrl_core.data.encode import IGNORE
+from oxrl_core.data.images import collate_pixels
 from oxrl_core.data.sources import Source
 from oxrl_core.errors import OxrlError
 
@@ -203,6 +204,10 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
     label, so no row is trained to predict the next row. The row boundaries also come as
     transformers' varlen keys (``cu_seq_lens_q/k`` (R+1,) int32, ``max_length_q/k``), so
     flash-attention and `packed_attention.PACKED_SDPA` attend row by row instead of through that mask.
+
+    A VLM's rows also bring their image inputs (`images.collate_pixels`). Packed image rows are exact only where
+    the loop also gives the model each row's own rotary positions (`vision.packed_position_ids`, Qwen-VL); the
+    loops pad image rows of the other families (`loops.setup.Setup.packing_for`).
     """
     import torch
 
@@ -223,6 +228,8 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
             "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": longest,
             "max_length_k": longest,
+            # a VLM's rows: their pixels, per-token inputs as one row (Qwen-VL's rotary positions: the loop's)
+            **collate_pixels(examples, 0, packed=True),
         }
     width = max(len(ex["input_ids"]) for ex in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
@@ -233,4 +240,6 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
         input_ids[i, :n] = torch.tensor(ex["input_ids"])
         labels[i, :n] = torch.tensor(ex["labels"])
         attention_mask[i, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    # a VLM's rows: their pixels and per-token image inputs, row by row (`images.collate_pixels`)
+    pixels = collate_pixels(examples, width)
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, **pixels}

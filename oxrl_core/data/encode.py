@@ -6,6 +6,11 @@ on prompt tokens. A multi-turn ``messages`` row (several assistant turns, tool c
 by the chat template with labels on every assistant turn (`tokenise_messages`). CPT (`text`) rows are packed into
 ``max_length`` blocks with labels on every token. A prompt or completion that encodes to no tokens is refused, and
 preference pairs whose chosen equals rejected are dropped with a note (`Tokenised.notes`).
+
+Rows with images (a VLM run: ``vision`` is the model's `models.vision.VLMProcessing`): every prompt of the run goes
+through the model's own processor, which expands each image placeholder into the image's tokens; the example keeps
+the row's pixel inputs beside its tokens (`image_fields`), and the image tokens never carry a label (they are on the
+prompt side). A row whose truncation to ``max_length`` would cut through an image is refused, naming the row.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
 from oxrl_core.chat_templates import describe_error
-from oxrl_core.data.rows import normalise_row, row_where
+from oxrl_core.data.images import TOKEN_INPUTS, check_image_row, row_images
+from oxrl_core.data.rows import is_multi_turn, normalise_row, row_where
 from oxrl_core.data.sources import Source
 from oxrl_core.errors import OxrlError
 
@@ -59,6 +65,46 @@ def encode_row_prompt(tokenizer, row: dict, origin: str) -> list[int]:
             'the CPT format: {"text": ...})'
         )
     return ids
+
+
+def image_fields(vision, row: dict, origin: str, max_length: int) -> tuple[list[int], dict]:
+    """A VLM run's prompt: (token ids, the example's image fields) through the model's processor (`vision.encode`).
+
+    The fields are ``pixel_inputs`` (the processor's pixel tensors for this row), ``token_inputs`` (its per-token
+    inputs as lists, `images.TOKEN_INPUTS`) and ``pixels_by`` (how ``images.collate_pixels`` joins them); none for a
+    row without images. Refused, naming the row: a prompt the processor or its chat template cannot render, and an
+    image whose tokens would not all fit in ``max_length`` (training on part of an image's tokens is the "image
+    features and image tokens do not match" failure, or worse, a silently wrong pairing)."""
+    where = row_where(row, origin)
+    images = row_images(row, origin)
+    try:
+        encoding = vision.encode(row["prompt"], images)
+    except OxrlError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError, a processor's ValueError, ...
+        raise OxrlError(
+            f"{where}: field 'prompt': the model's processor cannot encode it ({describe_error(exc)})"
+        ) from None
+    ids = encoding.input_ids.tolist()
+    if not images:
+        return ids, {}
+    positions = encoding.image_mask.nonzero().flatten().tolist()
+    if positions[-1] >= max_length:
+        raise OxrlError(
+            f"{where}: field 'images': truncation to data.max_length={max_length} would cut through an image (the "
+            f"row's {len(images)} image(s) take {len(positions)} tokens, the last at position {positions[-1] + 1} of "
+            f"a {len(ids)}-token prompt); raise data.max_length or give smaller images"
+        )
+    pixels = dict(encoding.pixel_inputs)
+    tokens = {name: pixels.pop(name)[0].tolist() for name in TOKEN_INPUTS if name in pixels}
+    return ids, {"pixel_inputs": pixels, "token_inputs": tokens, "pixels_by": vision.family.pixels_by}
+
+
+def _prompt(tokenizer, row: dict, origin: str, vision, max_length: int) -> tuple[list[int], dict]:
+    """(prompt ids, image fields): through the processor in a VLM run (`image_fields`), else `encode_row_prompt`."""
+    if vision is not None:
+        return image_fields(vision, row, origin, max_length)
+    return encode_row_prompt(tokenizer, row, origin), {}
 
 
 def encode_row_completion(tokenizer, row: dict, field: str, origin: str) -> list[int]:
@@ -213,10 +259,11 @@ def tokenise_messages(tokenizer, messages: list[dict], max_length: int, where: s
     return examples, one_sequence
 
 
-def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int, origin: str = "") -> Tokenised:
+def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int, origin: str = "", vision=None) -> Tokenised:
     """SFT examples of checked rows (`normalise_row`): the prompt's tokens with IGNORE labels, then the response's
     tokens and EOS; a row that keeps no response token within ``max_length`` is dropped. A multi-turn
-    conversation (a row with ``messages`` and no ``prompt``) goes through `tokenise_messages`."""
+    conversation (a row with ``messages`` and no ``prompt``) goes through `tokenise_messages`. ``vision``: a VLM
+    run's processing (`image_fields`)."""
     examples, dropped, per_turn = [], 0, []
     for row in rows:
         if "prompt" not in row:  # a multi-turn conversation
@@ -226,14 +273,14 @@ def tokenise_prompt_response(rows: list[dict], tokenizer, max_length: int, origi
             if out and not one_sequence:
                 per_turn.append((row.get("_origin", origin), row.get("_row", "?")))
             continue
-        prompt_ids = encode_row_prompt(tokenizer, row, origin)
+        prompt_ids, image = _prompt(tokenizer, row, origin, vision, max_length)
         completion_ids = encode_row_completion(tokenizer, row, "response", origin)
         input_ids = (prompt_ids + completion_ids)[:max_length]
         if len(input_ids) <= len(prompt_ids):
             dropped += 1  # nothing of the completion fits
             continue
         labels = [IGNORE] * len(prompt_ids) + completion_ids
-        examples.append({"input_ids": input_ids, "labels": labels[: len(input_ids)]})
+        examples.append({"input_ids": input_ids, "labels": labels[: len(input_ids)], **image})
     return Tokenised(examples, dropped, per_turn=per_turn)
 
 
@@ -260,7 +307,9 @@ def _last_turn(row: dict, origin: str) -> dict:
     return {**row, "prompt": messages[:-1], "response": messages[-1]["content"]}
 
 
-def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int, origin: str = "") -> Tokenised:
+def tokenise_preference(
+    rows: list[dict], fmt: str, tokenizer, max_length: int, origin: str = "", vision=None
+) -> Tokenised:
     """Preference-loop examples: ``prompt_ids`` plus completion ids that each end with EOS.
 
     ``preference`` -> ``chosen_ids``, ``rejected_ids``; ``unpaired`` -> ``completion_ids``,
@@ -275,12 +324,12 @@ def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int, 
     for row in rows:
         if "prompt" not in row:  # a multi-turn conversation: self-play's chosen answer is its last turn
             row = _last_turn(row, origin)
-        prompt_ids = encode_row_prompt(tokenizer, row, origin)
+        prompt_ids, image = _prompt(tokenizer, row, origin, vision, max_length)
         room = max_length - len(prompt_ids)
         if room < 1:
             dropped += 1
             continue
-        ex = {"prompt_ids": prompt_ids, "_row": row.get("_row")}
+        ex = {"prompt_ids": prompt_ids, "_row": row.get("_row"), **image}
         for name in fields:
             key = "chosen_ids" if name == "response" else f"{name}_ids"
             ex[key] = encode_row_completion(tokenizer, row, name, origin)[:room]
@@ -293,24 +342,61 @@ def tokenise_preference(rows: list[dict], fmt: str, tokenizer, max_length: int, 
     return Tokenised(examples, dropped, identical)
 
 
-def prepare_examples(source: Source, fmt: str, tokenizer, max_length: int, self_play: bool = False) -> Tokenised:
+def check_row_images(row: dict, fmt: str, origin: str, vision) -> dict:
+    """Where a checked row's images are (`images.check_image_row`), and whether this run can train on them: a text
+    model, CPT (``text`` rows) and multi-turn conversations refuse image rows, naming the row. In a text run, a
+    prompt message given as text parts only becomes its text (the OpenAI message shape)."""
+    where = row_where(row, origin)
+    if fmt == "text":
+        if row.get("images"):
+            raise OxrlError(f"{where}: field 'images': CPT trains on plain text ({{\"text\": ...}} rows), not images")
+        return row
+    n_images = check_image_row(row, origin)
+    if n_images and vision is None:
+        raise OxrlError(
+            f"{where}: field 'images': this row has {n_images} image(s) and model.name is a text-only model; use a "
+            "vision-language model (e.g. Qwen2-VL, Gemma-3) or leave the images out"
+        )
+    if n_images and "prompt" not in row and is_multi_turn(row.get("messages")):
+        raise OxrlError(
+            f"{where}: field 'messages': a multi-turn conversation with images is not supported yet; give it as "
+            "a prompt (the messages up to the last user turn) and a response"
+        )
+    if vision is None and isinstance(row.get("prompt"), list):
+        prompt = [
+            {**m, "content": "".join(p.get("text") or "" for p in m["content"])}
+            if isinstance(m["content"], list)
+            else m
+            for m in row["prompt"]
+        ]
+        row = {**row, "prompt": prompt}
+    return row
+
+
+def prepare_examples(
+    source: Source, fmt: str, tokenizer, max_length: int, self_play: bool = False, vision=None
+) -> Tokenised:
     """Validated, tokenised examples; each carries ``_source`` (its part of a mixture; 0 otherwise).
 
     Every row check happens here, when the data loads: the fields (`normalise_row`), a prompt or a
     completion that encodes to no tokens, pairs with nothing to prefer. The parts of a mixture are
-    tokenised one by one, so CPT blocks never span two sources.
+    tokenised one by one, so CPT blocks never span two sources. ``vision``: a VLM run's processing (image rows
+    are checked by `check_row_images` and encoded by `image_fields`).
     """
     if not source.rows:
         raise OxrlError(f"{source.origin}: no rows")
     by_part: dict[int, list[dict]] = {}
     for r in source.rows:
-        by_part.setdefault(r.get("_source", 0), []).append(normalise_row(r, fmt, source.origin))
+        if fmt != "text":  # an image where none may be (an assistant turn) is named before the row's other fields
+            check_image_row(r, source.origin)
+        row = check_row_images(normalise_row(r, fmt, source.origin), fmt, source.origin, vision)
+        by_part.setdefault(r.get("_source", 0), []).append(row)
     examples, dropped, identical, per_turn = [], 0, [], []
     for part, rows in by_part.items():
         if fmt in ("preference", "unpaired") or self_play:
-            out = tokenise_preference(rows, fmt, tokenizer, max_length, source.origin)
+            out = tokenise_preference(rows, fmt, tokenizer, max_length, source.origin, vision)
         elif fmt == "prompt_response":
-            out = tokenise_prompt_response(rows, tokenizer, max_length, source.origin)
+            out = tokenise_prompt_response(rows, tokenizer, max_length, source.origin, vision)
         elif fmt == "text":
             out = tokenise_text_packed(rows, tokenizer, max_length)
         else:

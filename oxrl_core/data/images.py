@@ -239,7 +239,10 @@ def check_image_row(row: dict, origin: str) -> int:
     number of placeholders (image parts + ``<image>`` markers on the prompt side) other than the number of images,
     both counts named. Decoding the images is `row_images`' (this check reads no file)."""
     where = row_where(row, origin)
-    parts = sum(_message_image_parts(row.get(f), f, where) for f in ("messages", "prompt"))
+    # the prompt side is ``prompt`` when the row has one (a checked ``messages`` row gets its prompt from it), else
+    # ``messages``; an image in an assistant turn of either is refused
+    side = "prompt" if "prompt" in row else "messages"
+    parts = {f: _message_image_parts(row.get(f), f, where) for f in ("messages", "prompt")}[side]
     images = _image_entries(row, where)
     if not images and not parts:
         return 0
@@ -256,7 +259,7 @@ def check_image_row(row: dict, origin: str) -> int:
                     f"{where}: field '{field}[{j}]': an {IMAGE_MARKER} marker in an assistant turn; images go on "
                     "the prompt side only (a system or user turn)"
                 )
-    markers = _marker_count(row.get("prompt")) + _marker_count(row.get("messages"))
+    markers = _marker_count(row.get(side))
     placeholders = parts + markers
     if placeholders != len(images):
         kinds = " + ".join(
@@ -268,3 +271,62 @@ def check_image_row(row: dict, origin: str) -> int:
             "image, in order"
         )
     return len(images)
+
+
+# ----------------------------------------------------------------------------- pixels in micro-batches
+
+#: processor outputs with one value per token (padded and cut with ``input_ids``; 0 on text tokens and padding):
+#: Qwen-VL ``mm_token_type_ids``, Gemma-3 ``token_type_ids``
+TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")
+
+
+def collate_pixels(examples: list[dict], width: int, left: bool = False, packed: bool = False) -> dict:
+    """The image inputs of a micro-batch, from its rows' own (an example with images holds ``pixel_inputs``: the
+    processor's tensors for that row, ``token_inputs``: lists of one value per token, and ``pixels_by``).
+
+    A micro-batch is always assembled from whole rows, so a row's pixels travel with its tokens whichever rows share
+    its micro-batch: never a batch tensor sliced by a row count. Per-token inputs become (B, width), padded with 0 on
+    the right (``left``: on the left, for generation); ``packed``: (1, ΣL), row after row, as `batching.collate`
+    packs the tokens. Pixel inputs are joined row after row, by what their first
+    dimension counts (``pixels_by``): ``patch`` (Qwen-VL: patches, with one ``image_grid_thw`` row per image) and
+    ``image`` (one entry per image) are concatenated; ``row`` (Idefics3: (1, tiles, ...) per row) is padded with
+    zero tiles to the most tiles of the batch (a zero tile, with a zero ``pixel_attention_mask``, is skipped by the
+    model) and concatenated. Rows without images add nothing. Returns {} when no row has image inputs."""
+    import torch
+
+    token_names = sorted({k for ex in examples for k in ex.get("token_inputs", {})})
+    out: dict = {}
+    for name in token_names if packed else ():
+        values = []
+        for ex in examples:
+            row = list(ex.get("token_inputs", {}).get(name, ()))[: len(ex["input_ids"])]
+            values += row + [0] * (len(ex["input_ids"]) - len(row))
+        out[name] = torch.tensor([values], dtype=torch.long)
+    for name in token_names if not packed else ():
+        values = torch.zeros((len(examples), width), dtype=torch.long)
+        for i, ex in enumerate(examples):
+            row = ex.get("token_inputs", {}).get(name)
+            if row:
+                if left:
+                    values[i, width - len(row) :] = torch.tensor(row)
+                else:
+                    values[i, : len(row)] = torch.tensor(row)
+        out[name] = values
+    with_images = [ex for ex in examples if ex.get("pixel_inputs")]
+    if not with_images:
+        return out
+    kinds = {ex["pixels_by"] for ex in with_images}
+    if len(kinds) != 1:  # one model, one family: a mix is a bug
+        raise ValueError(f"rows of different VLM families in one micro-batch ({sorted(kinds)})")
+    for name in with_images[0]["pixel_inputs"]:
+        parts = [ex["pixel_inputs"][name] for ex in with_images]
+        if kinds == {"row"}:  # (1, tiles, ...) each: pad the tiles to the most of the batch
+            tiles = max(p.shape[1] for p in parts)
+            parts = [
+                torch.cat([p, p.new_zeros((p.shape[0], tiles - p.shape[1], *p.shape[2:]))], dim=1)
+                if p.shape[1] < tiles
+                else p
+                for p in parts
+            ]
+        out[name] = torch.cat(parts, dim=0)
+    return out

@@ -28,8 +28,12 @@ def _check_messages(value, where: str, field: str) -> None:
     if not isinstance(value, list) or not value:
         raise OxrlError(f"{where}: field '{field}' must be a non-empty list of {{role, content}} messages")
     for j, msg in enumerate(value):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(msg.get("content"), str):
-            raise OxrlError(f"{where}: field '{field}[{j}]' must be an object with string 'role' and 'content'")
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or not isinstance(content, (str, list)):
+            raise OxrlError(
+                f"{where}: field '{field}[{j}]' must be an object with string 'role' and 'content' (a string, or a "
+                'list of {"type": "text", "text": ...} / {"type": "image"} parts)'
+            )
 
 
 def row_where(row: dict, origin: str) -> str:

@@ -27,6 +27,8 @@ import torch
 
 from oxrl_core.data.batching import collate
 from oxrl_core.data.encode import IGNORE, prepare_examples
+from oxrl_core.data.images import is_image_row
+from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
@@ -49,14 +51,15 @@ REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current i
 # ----------------------------------------------------------------------------- sequences -> tensors
 
 
-def collate_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int, packing: bool) -> dict:
-    """(prompt ids, completion ids) pairs -> a model batch plus where each completion token is scored.
+def collate_sequences(seqs: list[tuple], pad_id: int, packing: bool) -> dict:
+    """(prompt ids, completion ids[, the prompt's image fields]) -> a model batch plus where each completion token is
+    scored. A VLM's image fields (`encode.image_fields`) go with their prompt into every sequence that holds it.
 
     ``pred_index`` (M, 2): (row, position) whose logits predict completion token m, ``target``
     (M,) that token, ``owner`` (M,) its sequence; ``last`` (N, 2): (row, position) of each
     sequence's last token, where a scalar head is read.
     """
-    examples = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in seqs]
+    examples = [{"input_ids": s[0] + s[1], "labels": [IGNORE] * len(s[0]) + s[1], **_image(s)} for s in seqs]
     batch = collate(examples, pad_id, packing)
     targets = batch["labels"][:, 1:]  # (R, T-1): position t predicts token t+1
     rows, pos = (targets != IGNORE).nonzero(as_tuple=True)  # (M,), (M,)
@@ -138,11 +141,22 @@ def sequence_scores(model, batch: dict) -> torch.Tensor:
 # ----------------------------------------------------------------------------- batches
 
 
-def _pair_seqs(examples: list[dict], rejected: list[list[int]] | None = None) -> list[tuple[list[int], list[int]]]:
-    """[chosen of each row] + [rejected of each row]: chosen and rejected in one forward pass."""
+def _image(seq: tuple) -> dict:
+    """The image fields of a (prompt, completion[, image fields]) sequence; {} for text."""
+    return seq[2] if len(seq) > 2 else {}
+
+
+def image_of(example: dict) -> dict:
+    """A row's image fields (`encode.image_fields`: pixels, per-token inputs, how they join); {} for a text row."""
+    return {k: example[k] for k in ("pixel_inputs", "token_inputs", "pixels_by") if k in example}
+
+
+def _pair_seqs(examples: list[dict], rejected: list[list[int]] | None = None) -> list[tuple]:
+    """[chosen of each row] + [rejected of each row]: chosen and rejected in one forward pass (a VLM's row brings
+    its image to both)."""
     rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
-    return [(ex["prompt_ids"], ex["chosen_ids"]) for ex in examples] + [
-        (ex["prompt_ids"], r) for ex, r in zip(examples, rejected)
+    return [(ex["prompt_ids"], ex["chosen_ids"], image_of(ex)) for ex in examples] + [
+        (ex["prompt_ids"], r, image_of(ex)) for ex, r in zip(examples, rejected)
     ]
 
 
@@ -162,14 +176,16 @@ def build_batch(algorithm, model, ref, examples, engine, pad_id, packing, reject
     B = len(examples)
     wants_ref = ref is not None
     if algorithm.data_format == "unpaired":
-        matched = [(ex["prompt_ids"], ex["completion_ids"]) for ex in examples]
+        matched = [(ex["prompt_ids"], ex["completion_ids"], image_of(ex)) for ex in examples]
         batch = {"label": torch.tensor([float(ex["label"]) for ex in examples], device=engine.device)}
         packing = bool(packing)
         seqs = engine.to_device(collate_sequences(matched, pad_id, packing))
         batch["logp"], batch["n_tokens"] = sequence_logps(model, seqs)
         if wants_ref:
             # KL baseline: prompt i with the completion of row i−1 (cyclically), as in TRL's KTO
-            mismatched = [(examples[i]["prompt_ids"], examples[i - 1]["completion_ids"]) for i in range(B)]
+            mismatched = [
+                (examples[i]["prompt_ids"], examples[i - 1]["completion_ids"], image_of(examples[i])) for i in range(B)
+            ]
             both = engine.to_device(collate_sequences(matched + mismatched, pad_id, packing))
             kl_seqs = engine.to_device(collate_sequences(mismatched, pad_id, packing))
             with torch.no_grad():
@@ -265,21 +281,24 @@ def pair_metrics(algorithm, model, ref, examples, engine, pad_id, packing, batch
 def run_preference(trainer, ckpt: Path | None) -> RunResult:
     setup = Setup(trainer, ckpt)
     cfg, algorithm = setup.cfg, setup.algorithm
-    fmt, self_play, packing = algorithm.data_format, algorithm.self_play, cfg.data.packing
+    fmt, self_play = algorithm.data_format, algorithm.self_play
 
-    # ---- data (before any model loads, so bad data fails fast)
+    # ---- data (before any model loads, so bad data fails fast); a VLM's prompts go through its processor
     policy_path = initial_policy_path(cfg.model.name, reporter=setup.reporter)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
     train_source = load_data(cfg.data.train, "train", setup.registry)
-    train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play)
+    vision = setup.vision(policy_path)
+    _check_images(cfg, algorithm, train_source, vision)
+    train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play, vision=vision)
+    packing = setup.packing_for(cfg.data.packing)  # a VLM's rows are padded
     for note in train.notes(cfg.data.max_length):  # too-long prompts, pairs with chosen == rejected
         setup.info(f"[yellow]note:[/yellow] {note}")
     held_out = eval_source(cfg.data, setup.registry)
     eval_examples, eval_rows, eval_dataset = [], [], None
     if held_out is not None:
         if not self_play:  # self-play pairs need generations; held-out accuracy still applies
-            eval_examples = prepare_examples(held_out, fmt, tokenizer, cfg.data.max_length).examples
+            eval_examples = prepare_examples(held_out, fmt, tokenizer, cfg.data.max_length, vision=vision).examples
         eval_dataset = held_out.dataset
         if algorithm.head == "lm" and can_verify(eval_dataset):
             eval_rows = [r for r in held_out.rows if "prompt" in r]
@@ -353,11 +372,13 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
                         cfg.train.batch_size,
                         cfg.rollout.max_new_tokens,
                         progress=progress,
+                        vision=vision,
                     )
                 )
         return metrics
 
-    run = Run(setup, model, tokenizer, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
+    saved_with = vision.processor if vision is not None else tokenizer  # a VLM's final/ keeps its processor
+    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
     run.banner("built-in tiny llama (warm start)", f"{train_source.origin} ({len(train.examples)} rows)")
 
     def step(step: int) -> dict:
@@ -410,6 +431,29 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     records = run.train(step)
     held_out = (("eval/rewards/accuracies", "held-out pair accuracy"), *ACCURACY)
     return run.finish(records, held_out)
+
+
+def _check_images(cfg, algorithm, source, vision) -> None:
+    """What this loop cannot do with a VLM or image rows, refused before any model loads: a reward model (``rm``:
+    a score head on a causal LM) and self-play (generating from image prompts comes with RL on images)."""
+    image_row = next((r for r in source.rows if is_image_row(r)), None)
+    if algorithm.head == "score" and image_row is not None:
+        raise OxrlError(
+            f"{row_where(image_row, source.origin)}: field 'images': '{cfg.algorithm}' trains a reward model (a "
+            "scalar head on a text model's last token), which reads no images; give it text rows"
+        )
+    if algorithm.head == "score" and vision is not None:
+        raise OxrlError(
+            f"model.name: '{cfg.algorithm}' trains a reward model (a scalar head on a causal language model) and "
+            f"this is a vision-language model ({vision.family.model_type}); train the reward model on a text model"
+        )
+    if algorithm.self_play and vision is not None:
+        if image_row is not None:
+            raise OxrlError(
+                f"{row_where(image_row, source.origin)}: field 'images': '{cfg.algorithm}' generates its rejected "
+                "answers, and generating from image prompts is not supported by this loop yet; use dpo with "
+                "chosen/rejected rows"
+            )
 
 
 def _check_options(cfg, algorithm, fmt: str) -> None:

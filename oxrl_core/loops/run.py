@@ -58,6 +58,13 @@ MODEL_INPUTS = (
     "cu_seq_lens_k",
     "max_length_q",
     "max_length_k",
+    # a VLM's image inputs (`data.images.collate_pixels`), as its processor names them
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "image_sizes",
+    "mm_token_type_ids",
+    "token_type_ids",
 )
 
 #: the held-out lines of the supervised and preference loops: (metric, label), shown when present

@@ -12,9 +12,10 @@ from oxrl_core.config import fit_warmup
 from oxrl_core.data.batching import make_plan
 from oxrl_core.engines import build_engine
 from oxrl_core.loops.run import seed_everything
-from oxrl_core.models.loading import load_causal_lm
+from oxrl_core.models.loading import load_causal_lm, resolve_model_path
 from oxrl_core.models.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.models.token_head import choose_path
+from oxrl_core.models.vision import PACKS, freeze_vision, is_vlm, load_processing
 from oxrl_core.observability.progress import Reporter
 
 
@@ -30,6 +31,7 @@ class Setup:
         seed_everything(self.cfg.train.seed)
         self.adapter_ckpt: Path | None = None  # under LoRA: the adapter of the checkpoint being resumed
         self._frozen: list = []  # moved to the engine's device by `build_engine`
+        self.processing = None  # a VLM run's `vision.VLMProcessing` (`vision`)
 
     def start_from(self, policy_path: str) -> str:
         """Where the policy's weights load from: the checkpoint being resumed, or ``policy_path``
@@ -37,8 +39,34 @@ class Setup:
         load_from, self.adapter_ckpt = start_path(policy_path, self.ckpt, self.cfg.lora)
         return load_from
 
+    def vision(self, name: str):
+        """The processing of a VLM run (`vision.VLMProcessing`: its processor, family and image token) when
+        ``name`` is a vision-language model, else None; kept as ``self.processing``."""
+        path = resolve_model_path(name)
+        self.processing = load_processing(path) if is_vlm(path) else None
+        return self.processing
+
+    def packing_for(self, packing, packed_positions: bool = False):
+        """``data.packing`` for this run. A VLM's rows pack exactly only where the loop gives every packed row its own
+        rotary positions (``packed_positions``: the supervised loop, for `vision.PACKS` families); elsewhere they
+        are padded, with a note."""
+        if not packing or self.processing is None:
+            return packing
+        family = self.processing.family.model_type
+        if packed_positions and family in PACKS:
+            return packing
+        self.info(
+            f"[yellow]note:[/yellow] data.packing: image rows are padded, not packed (packing {family} rows is "
+            "not verified here)"
+        )
+        return False
+
     def policy(self, model, head: str = "lm"):
-        """The loaded policy made trainable: LoRA (``lora.*``) and the chunked LM head."""
+        """The loaded policy made trainable: a VLM's vision tower frozen (``model.freeze_vision``), LoRA
+        (``lora.*``) and the chunked LM head."""
+        if self.processing is not None and self.cfg.model.freeze_vision:
+            frozen = freeze_vision(model)
+            self.info(f"vision tower frozen ({frozen:,} parameters; model.freeze_vision: false trains it)")
         model = apply_lora(model, self.cfg.lora, head, resume_from=self.adapter_ckpt)
         if self.cfg.lora.enabled:
             self.info(trainable_summary(model))

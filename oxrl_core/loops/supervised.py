@@ -25,6 +25,7 @@ from oxrl_core.loops.setup import Setup
 from oxrl_core.models.loading import load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import packed_attn_implementation
 from oxrl_core.models.token_head import on_grid, token_stats
+from oxrl_core.models.vision import packed_position_ids
 from oxrl_core.scoring.evaluation import evaluate
 
 
@@ -54,25 +55,28 @@ def supervised_tokens(model, teacher, mb: dict, algorithm) -> dict:
     return {"mask": mask, **{name: on_grid(value, rows, pos, mask.shape) for name, value in stats.items()}}
 
 
-def _eval_data(cfg, registry, fmt, tokenizer):
+def _eval_data(cfg, registry, fmt, tokenizer, vision=None):
     """Eval examples (for eval/loss) and rows (for accuracy): data.eval, else the plugin's eval split."""
     source = eval_source(cfg.data, registry)
     if source is None:
         return [], [], None
-    examples = prepare_examples(source, fmt, tokenizer, cfg.data.max_length).examples
+    examples = prepare_examples(source, fmt, tokenizer, cfg.data.max_length, vision=vision).examples
     rows = source.rows if "prompt" in source.rows[0] else []
     return examples, rows, source.dataset
 
 
 def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     setup = Setup(trainer, ckpt)
-    cfg, algorithm, packing = setup.cfg, setup.algorithm, setup.cfg.data.packing
+    cfg, algorithm = setup.cfg, setup.algorithm
 
-    # ---- data (the tokenizer is loaded with the data, so bad data fails before any model loads)
+    # ---- data (the tokenizer is loaded with the data, so bad data fails before any model loads); a VLM's
+    # prompts go through its processor (`Setup.vision`), and its image rows are padded (`Setup.packing_for`)
     tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
+    vision = setup.vision(cfg.model.name)
     train_source = load_data(cfg.data.train, "train", setup.registry)
-    train = prepare_examples(train_source, algorithm.data_format, tokenizer, cfg.data.max_length)
-    eval_examples, eval_rows, eval_dataset = _eval_data(cfg, setup.registry, algorithm.data_format, tokenizer)
+    train = prepare_examples(train_source, algorithm.data_format, tokenizer, cfg.data.max_length, vision=vision)
+    eval_examples, eval_rows, eval_dataset = _eval_data(cfg, setup.registry, algorithm.data_format, tokenizer, vision)
+    packing = setup.packing_for(cfg.data.packing, packed_positions=True)  # a VLM: Qwen-VL packs, others pad
     lengths = [len(e["input_ids"]) for e in train.examples]
     plan = setup.plan(train_source, [e["_source"] for e in train.examples], lengths)
     setup.steps_from_epochs(len(train.examples), "examples")  # train.epochs: the steps follow from the data
@@ -108,9 +112,12 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
                 cfg.train.batch_size,
                 cfg.rollout.max_new_tokens,
                 progress=progress,
+                vision=vision,
             )
 
-    run = Run(setup, model, tokenizer, engine, run_eval if eval_examples or eval_rows else None)
+    # final/ and checkpoints save a VLM's processor (its tokenizer, image processor and chat template)
+    saved_with = vision.processor if vision is not None else tokenizer
+    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None)
     run.banner("built-in tiny llama", f"{train_source.origin} ({len(train.examples)} examples)")
 
     def step(step: int) -> dict:
@@ -130,6 +137,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
         tokens = sequences = 0
         for mb, weight, (_, padding) in zip(micro, weights, shares):
             mb = engine.to_device(mb)
+            if packing and vision is not None:  # Qwen-VL: each packed row's own rotary positions
+                mb["position_ids"] = packed_position_ids(model, mb)
             # 3. per-token log-probabilities, then the loss
             with engine.autocast():
                 batch = {**mb, **supervised_tokens(model, teacher, mb, algorithm)}

@@ -11,6 +11,7 @@ from oxrl_core.data.sources import path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models.tiny import default_model_dir, warm_start_dir
+from oxrl_core.models.vision import is_vlm_config, vision_family
 from oxrl_core.observability.progress import activity
 
 #: the run's ``model.*`` loading options (revision, dtype, chat_template), set around a run's loop by
@@ -277,16 +278,18 @@ def load_causal_lm(
     reporter=None,
 ):
     """A causal LM in float32 (or ``model.dtype`` within `model_options`); a checkpoint whose weights do not
-    fit the class is refused (`check_loading`).
+    fit the class is refused (`check_loading`). A vision-language model loads with its own class through
+    `AutoModelForImageTextToText` (`vision.is_vlm_config`; a VLM of a family oxRL is not verified on is refused).
     ``reporter`` (a `progress.Reporter`) shows that it is loading (a spinner, or one line)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quiet_transformers()
     path = resolve_model_path(name)
     check_model_path(path, field)
+    auto = AutoModelForImageTextToText if _is_vlm_checkpoint(path, field) else AutoModelForCausalLM
     try:
         with activity(reporter, f"loading {field} {path}"):
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto.from_pretrained(
                 path,
                 dtype=_dtype(),
                 revision=_revision(path),
@@ -298,6 +301,21 @@ def load_causal_lm(
         raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     check_loading(model, info, path, field)
     return model
+
+
+def _is_vlm_checkpoint(path: str, field: str) -> bool:
+    """True for a VLM checkpoint of a verified family (`vision.vision_family` refuses the others by name). A config
+    that cannot be read here is left to ``from_pretrained``'s own message."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, revision=_revision(path))
+    except Exception:  # noqa: BLE001 - remote code, an odd config: from_pretrained says what is wrong
+        return False
+    if not is_vlm_config(config):
+        return False
+    vision_family(config, field)
+    return True
 
 
 def _note(message: str) -> None:

@@ -134,6 +134,76 @@ def image_token_id(config) -> int:
     raise OxrlError(f"the {config.model_type} config names no image token (image_token_id / image_token_index)")
 
 
+#: where each family's vision tower sits under the model's inner ``model`` (transformers 5 names)
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+
+
+def vision_tower(model):
+    """The VLM's vision tower: ``model.model.visual`` (Qwen-VL, with its patch merger), ``.vision_tower`` (Gemma-3,
+    LLaVA) or ``.vision_model`` (Idefics3); under PEFT, the base model's. A VLM without one is an error (a bug)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for holder in (getattr(inner, "model", None), inner):
+        for name in VISION_TOWER_NAMES:
+            tower = getattr(holder, name, None) if holder is not None else None
+            if tower is not None:
+                return tower
+    raise OxrlError(f"{type(inner).__name__}: no vision tower found (looked for {', '.join(VISION_TOWER_NAMES)})")
+
+
+def freeze_vision(model) -> int:
+    """Stop training the vision tower (`vision_tower`): its parameters get no gradient. Returns how many
+    parameters that froze."""
+    params = list(vision_tower(model).parameters())
+    for param in params:
+        param.requires_grad_(False)
+    return sum(p.numel() for p in params)
+
+
+# ----------------------------------------------------------------------------- packing (Qwen-VL)
+
+#: families whose packed rows are exact: the loop gives each row its own rotary positions (`packed_position_ids`)
+PACKS = ("qwen2_vl",)
+
+
+def packed_position_ids(model, batch: dict):
+    """Qwen-VL's ``position_ids`` for a packed micro-batch (`data.batching.collate` with ``packing``): (4, 1, ΣL).
+
+    Row 0 restarts at 0 for every packed sequence: from it transformers builds the block-diagonal causal mask
+    (Qwen2-VL reads a 4-row ``position_ids`` as text positions + its three rotary rows; given 3 rows or 2-D
+    positions it builds no such mask, and the second sequence attends into the first). Rows 1-3 are each
+    sequence's own 3-D rotary positions, from the model's ``get_rope_index`` on that sequence alone with its own
+    images' grids (a text-only sequence: 0..L-1 on all three), exactly what the padded row gets.
+
+    Which grids belong to which sequence follows from the image tokens each holds (``mm_token_type_ids`` is 1 on
+    them; an image is t·h·w / merge² tokens): the images are in row order, as `collate_pixels` joins them."""
+    import torch
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rope_index = inner.model.get_rope_index
+    merge = inner.config.vision_config.spatial_merge_size
+    bounds = batch["cu_seq_lens_q"].tolist()
+    ids, types = batch["input_ids"][0], batch["mm_token_type_ids"][0]  # (ΣL,), (ΣL,)
+    grids = batch.get("image_grid_thw")  # (images, 3)
+    per_image = (grids.prod(-1) // merge**2).tolist() if grids is not None else []
+    rows, g = [], 0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        n_tokens, k, count = int((types[a:b] == 1).sum()), g, 0
+        while count < n_tokens and k < len(per_image):
+            count, k = count + per_image[k], k + 1
+        if count != n_tokens:
+            raise ValueError(f"packed row: {n_tokens} image tokens do not match the images' grids {per_image[g:k]}")
+        text = torch.arange(b - a, device=ids.device).view(1, 1, -1)  # (1, 1, L)
+        if k == g:
+            rope = text.expand(3, 1, -1)
+        else:
+            rope, _ = rope_index(
+                ids[a:b][None], mm_token_type_ids=types[a:b][None], image_grid_thw=grids[g:k], attention_mask=None
+            )
+        rows.append(torch.cat([text, rope.to(ids.device)], dim=0))  # (4, 1, L)
+        g = k
+    return torch.cat(rows, dim=2)  # (4, 1, ΣL)
+
+
 # ----------------------------------------------------------------------------- loading
 
 
