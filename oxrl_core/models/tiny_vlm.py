@@ -26,7 +26,11 @@ Saved as a Qwen2-VL checkpoint without ``processor_config.json`` (as ``tests/vlm
 family): the model, the tokenizer with its chat template, and ``preprocessor_config.json`` naming
 ``processor_class``; the processor's video part needs torchvision, so `oxrl_core.models.vision.load_processor` builds
 it from the tokenizer and the image processor. It loads with `vision.load_vlm` / `vision.load_processing` and
-`AutoTokenizer`. Building takes about a second.
+`AutoTokenizer`. 1.27M parameters (0.19M in the vision tower); building and saving it takes about 0.1 s once torch
+and transformers are imported (about 5 s in a fresh process, the imports included).
+
+Learnable: 150 steps of plain SFT on the shapes colour question (16 rows a step, AdamW at 1.5e-3; about 20 s on
+one CPU core) answer 31 of 40 held-out colour questions right, where chance is 8 (``tests/test_shapes.py``).
 """
 
 from __future__ import annotations
@@ -37,9 +41,14 @@ import os
 import shutil
 from pathlib import Path
 
+from oxrl_core.data import shapes
+from oxrl_core.data.batching import collate
+from oxrl_core.data.encode import IGNORE, tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models.tiny import CHARACTERS, SPECIAL_TOKENS, build_tokenizer, cache_dir
 from oxrl_core.models.tiny import CHAT_TEMPLATE as TEXT_CHAT_TEMPLATE
+from oxrl_core.models.vision import load_processing, load_vlm
+from oxrl_core.observability.progress import counter
 
 #: Qwen2-VL's image tokens, added after the character tokenizer's vocabulary in this order
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
@@ -167,4 +176,55 @@ def default_vlm_dir(seed: int = 0) -> Path:
     path = cache_dir() / f"tiny-qwen2vl-{recipe_key(seed)}"
     if not (path / "config.json").exists():
         save_tiny_vlm(path, seed=seed)
+    return path
+
+
+#: SFT steps of the warm start that preference (and RL) runs on the built-in visual task begin from
+VLM_WARM_START_STEPS = 60
+
+
+def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=None, reporter=None) -> Path:
+    """The built-in tiny VLM after a short SFT on the ``shapes`` train split (cached): where a preference run on
+    images starts with ``model.name`` empty (a random model never answers right, so there is nothing to prefer).
+
+    The same plain masked-NLL loop as `tiny.warm_start_dir` (written out so the core depends on no algorithm
+    package), with each row's picture going through the model's own processor (`vision.load_processing`),
+    deterministic on CPU, run once per cache."""
+    import torch  # lazy: torch and transformers only when the warm start is built
+
+    base = default_vlm_dir(seed)
+    path = base.with_name(f"{base.name}-warm{steps}-s{seed}")
+    if (path / "config.json").exists():
+        return path
+    quiet_transformers()
+    log = log or (reporter.info if reporter is not None else None)
+    if log is not None:
+        log(f"first run on the built-in visual task: a {steps}-step SFT warm start of the tiny VLM (cached in {path})")
+    vision = load_processing(str(base))
+    tokenizer = vision.tokenizer
+    model = load_vlm(str(base))
+    examples = tokenise_prompt_response(shapes.rows("train")[:2000], tokenizer, 64, vision=vision).examples
+    rng = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    with counter(reporter, "warm start", "steps", total=steps) as update:
+        for step in range(steps):
+            picks = torch.randint(len(examples), (32,), generator=rng).tolist()
+            batch = collate([examples[i] for i in picks], tokenizer.pad_token_id)
+            labels = batch.pop("labels")
+            logits = model(**batch).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            update(step + 1)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    vision.processor.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, path)
     return path
