@@ -223,6 +223,11 @@ class Dataset(ABC):
     class Config(StrictModel):
         """Options for the source."""
 
+    #: per loop (``supervised``, ``preference``, ``rl``): config values that suit the built-in tiny model on this
+    #: data, applied under the user's own settings when ``model.name`` is empty and ``data.train`` names this
+    #: dataset (over the loop's own tiny-model defaults); ``alg`` keys only for algorithms whose Config has them
+    tiny_defaults: ClassVar[dict] = {}
+
     def __init__(self, config: "Dataset.Config | None" = None):
         self.config = config if config is not None else self.Config()
 

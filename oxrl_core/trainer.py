@@ -22,6 +22,7 @@ from rich.markup import escape
 from oxrl_core import plugins
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import (
+    TINY_DEFAULTS,
     TINY_PREF_DEFAULTS,
     TINY_RL_DEFAULTS,
     RawRunConfig,
@@ -249,7 +250,25 @@ class Trainer:
                 defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
         elif algorithm_cls.loop == "preference":  # ... and of the preference loop
             defaults = TINY_PREF_DEFAULTS
-        return validate_run_config(read, defaults)
+        return validate_run_config(read, self._dataset_defaults(read, algorithm_cls, defaults))
+
+    def _dataset_defaults(self, read, algorithm_cls, defaults):
+        """The tiny-model defaults with those of the dataset ``data.train`` names on top (`Dataset.tiny_defaults`
+        for this loop; its ``alg`` keys only where the algorithm's Config has them)."""
+        name = read.section("data").get("train")
+        if not isinstance(name, str) or name not in self.registry.names("dataset"):
+            return defaults
+        try:
+            dataset_cls = self.registry.load_checked("dataset", name)
+        except OxrlError:
+            return defaults  # the data loader says what is wrong with it, where it loads
+        extra = dict(getattr(dataset_cls, "tiny_defaults", {}).get(algorithm_cls.loop, {}))
+        if not extra:
+            return defaults
+        fields = getattr(getattr(algorithm_cls, "Config", None), "model_fields", {})
+        extra["alg"] = {k: v for k, v in extra.get("alg", {}).items() if k in fields}
+        base = TINY_DEFAULTS if defaults is None else defaults
+        return merge_config(base, extra)
 
     def _in_memory(self, model, data, tokenizer, eval_data) -> tuple[Any, Any]:
         """Rows held in memory (a list of row dicts, a `datasets.Dataset`) as data / eval_data, and a loaded model

@@ -284,10 +284,11 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     fmt, self_play = algorithm.data_format, algorithm.self_play
 
     # ---- data (before any model loads, so bad data fails fast); a VLM's prompts go through its processor
-    policy_path = initial_policy_path(cfg.model.name, reporter=setup.reporter)
+    train_source = load_data(cfg.data.train, "train", setup.registry)
+    images = not cfg.model.name and any(is_image_row(r) for r in train_source.rows)  # the built-in VLM's warm start
+    policy_path = initial_policy_path(cfg.model.name, reporter=setup.reporter, images=images)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
-    train_source = load_data(cfg.data.train, "train", setup.registry)
     vision = setup.vision(policy_path)
     _check_images(cfg, algorithm, train_source, vision)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play, vision=vision)
@@ -379,7 +380,8 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
 
     saved_with = vision.processor if vision is not None else tokenizer  # a VLM's final/ keeps its processor
     run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
-    run.banner("built-in tiny llama (warm start)", f"{train_source.origin} ({len(train.examples)} rows)")
+    builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
+    run.banner(builtin, f"{train_source.origin} ({len(train.examples)} rows)")
 
     def step(step: int) -> dict:
         t0 = time.perf_counter()

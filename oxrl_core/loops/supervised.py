@@ -22,7 +22,7 @@ from oxrl_core.engines.distributed import all_reduce_sum, is_main, reduce_metric
 from oxrl_core.errors import OxrlError
 from oxrl_core.loops.run import MODEL_INPUTS, Run, RunResult, backward_share, check_loss
 from oxrl_core.loops.setup import Setup
-from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.models.loading import builtin_model_for, load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import packed_attn_implementation
 from oxrl_core.models.token_head import on_grid, token_stats
 from oxrl_core.models.vision import packed_position_ids
@@ -71,9 +71,10 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
 
     # ---- data (the tokenizer is loaded with the data, so bad data fails before any model loads); a VLM's
     # prompts go through its processor (`Setup.vision`), and its image rows are padded (`Setup.packing_for`)
-    tokenizer = load_tokenizer(cfg.model.name, trust_remote_code=cfg.model.trust_remote_code)
-    vision = setup.vision(cfg.model.name)
     train_source = load_data(cfg.data.train, "train", setup.registry)
+    name = builtin_model_for(cfg.model.name, train_source.rows)  # empty: the built-in model (a VLM for images)
+    tokenizer = load_tokenizer(name, trust_remote_code=cfg.model.trust_remote_code)
+    vision = setup.vision(name)
     train = prepare_examples(train_source, algorithm.data_format, tokenizer, cfg.data.max_length, vision=vision)
     eval_examples, eval_rows, eval_dataset = _eval_data(cfg, setup.registry, algorithm.data_format, tokenizer, vision)
     packing = setup.packing_for(cfg.data.packing, packed_positions=True)  # a VLM: Qwen-VL packs, others pad
@@ -87,7 +88,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
     model = setup.policy(
         load_causal_lm(
-            setup.start_from(cfg.model.name),
+            setup.start_from(name),
             attn_implementation=attn,
             trust_remote_code=cfg.model.trust_remote_code,
             reporter=setup.reporter,
@@ -118,7 +119,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
     # final/ and checkpoints save a VLM's processor (its tokenizer, image processor and chat template)
     saved_with = vision.processor if vision is not None else tokenizer
     run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None)
-    run.banner("built-in tiny llama", f"{train_source.origin} ({len(train.examples)} examples)")
+    builtin = "built-in tiny Qwen2-VL" if vision is not None else "built-in tiny llama"
+    run.banner(builtin, f"{train_source.origin} ({len(train.examples)} examples)")
 
     def step(step: int) -> dict:
         t0 = time.perf_counter()

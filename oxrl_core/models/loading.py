@@ -7,10 +7,12 @@ import contextvars
 from pathlib import Path
 
 from oxrl_core.chat_templates import chat_template_text, names, render_problem, template_source
+from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models.tiny import default_model_dir, warm_start_dir
+from oxrl_core.models.tiny_vlm import default_vlm_dir, vlm_warm_start_dir
 from oxrl_core.models.vision import is_vlm_config, vision_family
 from oxrl_core.observability.progress import activity
 
@@ -79,13 +81,24 @@ def resolve_model_path(name: str) -> str:
     return name
 
 
-def initial_policy_path(name: str, log=None, tools: bool = False, reporter=None) -> str:
+def initial_policy_path(name: str, log=None, tools: bool = False, reporter=None, images: bool = False) -> str:
     """Where RL and preference runs start: ``model.name``, or with it empty the built-in tiny model
     after its cached SFT warm start on the built-in task (a random model never answers right); with
-    ``tools`` (multi-turn RL), the warm start on tool-use transcripts. ``reporter`` shows its progress."""
+    ``tools`` (multi-turn RL), the warm start on tool-use transcripts; with ``images`` (the data has image rows),
+    the built-in tiny VLM after its warm start on the ``shapes`` task. ``reporter`` shows its progress."""
     if name:
         return name
+    if images:
+        return str(vlm_warm_start_dir(log=log, reporter=reporter))
     return str(warm_start_dir(log=log, tools=tools, reporter=reporter))
+
+
+def builtin_model_for(name: str, rows: list[dict]) -> str:
+    """``model.name``, or with it empty the built-in model for these rows: the tiny VLM (`tiny_vlm`) when a row has
+    images, else "" (the built-in tiny text model, `resolve_model_path`)."""
+    if name or not any(is_image_row(r) for r in rows):
+        return name
+    return str(default_vlm_dir())
 
 
 def _check_local_dir(path: str, field: str) -> None:

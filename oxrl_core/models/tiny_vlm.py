@@ -180,7 +180,7 @@ def default_vlm_dir(seed: int = 0) -> Path:
 
 
 #: SFT steps of the warm start that preference (and RL) runs on the built-in visual task begin from
-VLM_WARM_START_STEPS = 60
+VLM_WARM_START_STEPS = 200
 
 
 def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=None, reporter=None) -> Path:
