@@ -466,3 +466,35 @@ def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exact
         plain = AutoModelForImageTextToText.from_pretrained(str(vlms["qwen2_vl"])).eval()(**inputs).logits
     assert not torch.allclose(want, plain, atol=1e-4)  # the adapter did something
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+
+
+@pytest.mark.slow
+def test_the_vlm_example_yaml_runs(vlms, tmp_path):
+    """`examples/sft_images.yaml` (the built-in visual task's SFT) on a tiny Qwen2-VL and four rows, two steps."""
+    folder = tmp_path / "data"
+    data = write_jsonl(folder / "train.jsonl", _rows(folder))
+    example = Path(__file__).resolve().parents[1] / "examples" / "sft_images.yaml"
+    proc = oxrl(
+        "run",
+        "--config",
+        str(example),
+        "--set",
+        f"model.name={vlms['qwen2_vl']}",
+        "--set",
+        f"data.train={data}",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.batch_size=2",
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+    from oxrl_core.models.vision import load_processing
+
+    final = tmp_path / "run" / "final"
+    assert (final / "processor_config.json").is_file()  # the processor is saved too, and loads again
+    assert load_processing(str(final)).family.model_type == "qwen2_vl"
