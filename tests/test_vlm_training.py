@@ -472,16 +472,24 @@ def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exact
 
 @pytest.mark.slow
 def test_the_vlm_example_yaml_runs(vlms, tmp_path):
-    """`examples/sft_images.yaml` (the built-in visual task's SFT) on a tiny Qwen2-VL and four rows, two steps."""
+    """`examples/sft_images.yaml` (the built-in visual task's SFT) on a tiny Qwen2-VL and four rows, two steps. The
+    checkpoint has a video processor config, as real Qwen2-VL checkpoints do: its processor is built without the
+    video part here (no torchvision), and final/ keeps the file so it loads wherever torchvision is installed."""
+    import shutil
+
     folder = tmp_path / "data"
     data = write_jsonl(folder / "train.jsonl", _rows(folder))
+    model_dir = tmp_path / "qwen2_vl"
+    shutil.copytree(vlms["qwen2_vl"], model_dir)
+    video_config = {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 8, "merge_size": 2}
+    (model_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config))
     example = Path(__file__).resolve().parents[1] / "examples" / "sft_images.yaml"
     proc = oxrl(
         "run",
         "--config",
         str(example),
         "--set",
-        f"model.name={vlms['qwen2_vl']}",
+        f"model.name={model_dir}",
         "--set",
         f"data.train={data}",
         "--set",
@@ -500,6 +508,7 @@ def test_the_vlm_example_yaml_runs(vlms, tmp_path):
     final = tmp_path / "run" / "final"
     assert (final / "processor_config.json").is_file()  # the processor is saved too, and loads again
     assert load_processing(str(final)).family.model_type == "qwen2_vl"
+    assert json.loads((final / "video_preprocessor_config.json").read_text()) == video_config
 
 
 @pytest.mark.slow

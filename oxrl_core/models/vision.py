@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -348,10 +349,21 @@ class VLMProcessing:
     processor: object
     family: VisionFamily
     image_token_id: int
+    #: the checkpoint it was loaded from (`save_pretrained` copies what the processor cannot write itself)
+    source: str = ""
 
     @property
     def tokenizer(self):
         return self.processor.tokenizer
+
+    def save_pretrained(self, path) -> None:
+        """Save the processor (tokenizer, image processor, chat template) into ``path``, plus the checkpoint's
+        video processor config when the processor was built without its video part (`images_only`), so the saved
+        directory loads with `AutoProcessor` wherever torchvision is installed, as the checkpoint did."""
+        self.processor.save_pretrained(path)
+        video = Path(self.source) / "video_preprocessor_config.json" if self.source else None
+        if video is not None and video.is_file() and not (Path(path) / video.name).exists():
+            shutil.copyfile(video, Path(path) / video.name)
 
     def encode(self, prompt, images: list, add_generation_prompt: bool = True) -> ImageEncoding:
         """``prompt`` (a string with ``<image>`` markers, or chat messages with ``{"type": "image"}`` parts) and its
@@ -409,4 +421,4 @@ def load_processing(path: str, field: str = "model.name") -> VLMProcessing:
     if not is_vlm_config(config):
         raise OxrlError(f"{field}: {path} is not a vision-language model (model_type '{config.model_type}')")
     family = vision_family(config, field)
-    return VLMProcessing(load_processor(path, field), family, image_token_id(config))
+    return VLMProcessing(load_processor(path, field), family, image_token_id(config), str(path))
