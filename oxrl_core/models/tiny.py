@@ -106,14 +106,7 @@ def save_tiny_model(path: str | os.PathLike, hidden_size: int = 128, num_layers:
     model = build_model(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():  # another process built it first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    return path
+    return publish_dir(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def cache_dir() -> Path:
@@ -172,24 +165,39 @@ def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: boo
         ]
     else:
         examples = tokenise_prompt_response(task.rows("train"), tokenizer, 64).examples
+    sft_warm_start(model, examples, steps, seed, tokenizer.pad_token_id, reporter)
+    return publish_dir(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def sft_warm_start(model, examples: list[dict], steps: int, seed: int, pad_id: int, reporter=None) -> None:
+    """``steps`` of plain masked-NLL SFT on ``examples`` (32 drawn at random a step, AdamW at 1e-3, the trainable
+    parameters only): the warm starts' loop, deterministic on CPU. A VLM's examples bring their pixels (`collate`)."""
+    import torch  # lazy: torch only when a warm start is built
+
     rng = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     model.train()
     with counter(reporter, "warm start", "steps", total=steps) as update:
         for step in range(steps):
             picks = torch.randint(len(examples), (32,), generator=rng).tolist()
-            batch = collate([examples[i] for i in picks], tokenizer.pad_token_id)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            batch = collate([examples[i] for i in picks], pad_id)
+            labels = batch.pop("labels")
+            logits = model(**batch).logits
             loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE
+                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE
             )
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             update(step + 1)
+
+
+def publish_dir(path: Path, write) -> Path:
+    """``write(tmp)`` fills a temporary sibling of ``path``, then it is renamed to ``path``; when another process
+    published ``path`` first, theirs is kept. Returns ``path``."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    write(tmp)
     if path.exists():
         shutil.rmtree(tmp, ignore_errors=True)
     else:

@@ -38,17 +38,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 
 from oxrl_core.data import shapes
-from oxrl_core.data.batching import collate
-from oxrl_core.data.encode import IGNORE, tokenise_prompt_response
+from oxrl_core.data.encode import tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
-from oxrl_core.models.tiny import CHARACTERS, SPECIAL_TOKENS, build_tokenizer, cache_dir
+from oxrl_core.models.tiny import CHARACTERS, SPECIAL_TOKENS, build_tokenizer, cache_dir, publish_dir, sft_warm_start
 from oxrl_core.models.tiny import CHAT_TEMPLATE as TEXT_CHAT_TEMPLATE
 from oxrl_core.models.vision import load_processing, load_vlm
-from oxrl_core.observability.progress import counter
 
 #: Qwen2-VL's image tokens, added after the character tokenizer's vocabulary in this order
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
@@ -152,16 +149,13 @@ def save_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> Path:
     tokenizer = build_vlm_tokenizer()
     model = build_vlm(tokenizer, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    build_image_processor().save_pretrained(tmp)
-    if path.exists():  # another process built it first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    return path
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        build_image_processor().save_pretrained(tmp)
+
+    return publish_dir(path, write)
 
 
 def recipe_key(seed: int = 0) -> str:
@@ -190,8 +184,6 @@ def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=Non
     The same plain masked-NLL loop as `tiny.warm_start_dir` (written out so the core depends on no algorithm
     package), with each row's picture going through the model's own processor (`vision.load_processing`),
     deterministic on CPU, run once per cache."""
-    import torch  # lazy: torch and transformers only when the warm start is built
-
     base = default_vlm_dir(seed)
     path = base.with_name(f"{base.name}-warm{steps}-s{seed}")
     if (path / "config.json").exists():
@@ -204,27 +196,5 @@ def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=Non
     tokenizer = vision.tokenizer
     model = load_vlm(str(base))
     examples = tokenise_prompt_response(shapes.rows("train")[:2000], tokenizer, 64, vision=vision).examples
-    rng = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model.train()
-    with counter(reporter, "warm start", "steps", total=steps) as update:
-        for step in range(steps):
-            picks = torch.randint(len(examples), (32,), generator=rng).tolist()
-            batch = collate([examples[i] for i in picks], tokenizer.pad_token_id)
-            labels = batch.pop("labels")
-            logits = model(**batch).logits
-            loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE
-            )
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            update(step + 1)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
-    vision.processor.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
-    return path
+    sft_warm_start(model, examples, steps, seed, tokenizer.pad_token_id, reporter)
+    return publish_dir(path, lambda tmp: (model.save_pretrained(tmp), vision.processor.save_pretrained(tmp)))
