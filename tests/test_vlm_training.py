@@ -373,7 +373,7 @@ def test_bad_image_rows_stop_the_cli_with_one_line_and_no_checkpoint(vlms, tmp_p
         "--output-dir",
         str(tmp_path / "text_model"),
     )
-    _refused(proc, "text_model.jsonl: row 1", "text-only model")
+    _refused(proc, "text_model.jsonl: row 1", "cannot read images (a text-only model")
     cpt = write_jsonl(folder / "cpt.jsonl", [{"text": "red squares", "images": [good["images"][0]]}])
     proc = oxrl(
         "run",

@@ -354,8 +354,9 @@ def check_row_images(row: dict, fmt: str, origin: str, vision) -> dict:
     n_images = check_image_row(row, origin)
     if n_images and vision is None:
         raise OxrlError(
-            f"{where}: field 'images': this row has {n_images} image(s) and model.name is a text-only model; use a "
-            "vision-language model (e.g. Qwen2-VL, Gemma-3) or leave the images out"
+            f"{where}: field 'images': this row has {n_images} image(s) and model.name cannot read images (a "
+            "text-only model, or a vision-language model saved without its image processor); use a vision-language "
+            "model with its processor (e.g. Qwen2-VL, Gemma-3) or leave the images out"
         )
     if n_images and "prompt" not in row and is_multi_turn(row.get("messages")):
         raise OxrlError(

@@ -41,9 +41,20 @@ class Setup:
 
     def vision(self, name: str):
         """The processing of a VLM run (`vision.VLMProcessing`: its processor, family and image token) when
-        ``name`` is a vision-language model, else None; kept as ``self.processing``."""
+        ``name`` is a vision-language model, else None; kept as ``self.processing``. A VLM whose processor does not
+        load (a multimodal layout saved without its image processor, used for text) runs as a text model, with a
+        note."""
         path = resolve_model_path(name)
-        self.processing = load_processing(path) if is_vlm(path) else None
+        self.processing = None
+        if is_vlm(path):
+            try:
+                self.processing = load_processing(path)
+            except OSError as exc:  # a multimodal layout saved without its image processor: text rows only
+                first = str(exc).split(". ")[0]
+                self.info(
+                    f"[yellow]note:[/yellow] model.name is a vision-language model whose processor does not load "
+                    f"({first}); it trains on text rows, and image rows are refused"
+                )
         return self.processing
 
     def packing_for(self, packing, packed_positions: bool = False):
