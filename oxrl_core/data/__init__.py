@@ -5,7 +5,9 @@
 - `encode`: the tokenisation convention (chat template, completion + EOS, labels)
 - `batching`: deterministic micro-batch plans, token budgets, the collator
 - `task`: the built-in offline task (arithmetic prompts with answers)
-- `images`: images in rows decoded (paths, base64, bytes) and checked (prompt side only, one per placeholder)
+- `shapes`: the built-in visual task (questions about generated 32×32 pictures)
+- `images`: images in rows decoded (paths, base64, bytes) and checked (prompt side only, one per placeholder), and
+  a micro-batch's pixel inputs joined row by row
 
 May import: the leaves (errors, chat_templates), `interfaces`, `config`, `engines`, `observability`. Nothing here
 imports torch at module level.
