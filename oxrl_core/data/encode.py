@@ -342,16 +342,15 @@ def tokenise_preference(
     return Tokenised(examples, dropped, identical)
 
 
-def check_row_images(row: dict, fmt: str, origin: str, vision) -> dict:
-    """Where a checked row's images are (`images.check_image_row`), and whether this run can train on them: a text
-    model, CPT (``text`` rows) and multi-turn conversations refuse image rows, naming the row. In a text run, a
-    prompt message given as text parts only becomes its text (the OpenAI message shape)."""
+def check_row_images(row: dict, fmt: str, origin: str, vision, n_images: int) -> dict:
+    """Whether this run can train on a checked row with ``n_images`` images (`images.check_image_row` counted and
+    placed them): a text model, CPT (``text`` rows) and multi-turn conversations refuse image rows, naming the row.
+    In a text run, a prompt message given as text parts only becomes its text (the OpenAI message shape)."""
     where = row_where(row, origin)
     if fmt == "text":
         if row.get("images"):
             raise OxrlError(f"{where}: field 'images': CPT trains on plain text ({{\"text\": ...}} rows), not images")
         return row
-    n_images = check_image_row(row, origin)
     if n_images and vision is None:
         raise OxrlError(
             f"{where}: field 'images': this row has {n_images} image(s) and model.name cannot read images (a "
@@ -388,9 +387,9 @@ def prepare_examples(
         raise OxrlError(f"{source.origin}: no rows")
     by_part: dict[int, list[dict]] = {}
     for r in source.rows:
-        if fmt != "text":  # an image where none may be (an assistant turn) is named before the row's other fields
-            check_image_row(r, source.origin)
-        row = check_row_images(normalise_row(r, fmt, source.origin), fmt, source.origin, vision)
+        # an image where none may be (an assistant turn) is named before the row's other fields
+        n_images = check_image_row(r, source.origin) if fmt != "text" else 0
+        row = check_row_images(normalise_row(r, fmt, source.origin), fmt, source.origin, vision, n_images)
         by_part.setdefault(r.get("_source", 0), []).append(row)
     examples, dropped, identical, per_turn = [], 0, [], []
     for part, rows in by_part.items():

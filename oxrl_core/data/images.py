@@ -275,6 +275,15 @@ def check_image_row(row: dict, origin: str) -> int:
 
 # ----------------------------------------------------------------------------- pixels in micro-batches
 
+#: the keys an example of an image row carries beside its tokens (`encode.image_fields`)
+IMAGE_FIELDS = ("pixel_inputs", "token_inputs", "pixels_by")
+
+
+def image_fields_of(example: dict) -> dict:
+    """An example's image fields (`IMAGE_FIELDS`); {} for a text row."""
+    return {k: example[k] for k in IMAGE_FIELDS if k in example}
+
+
 #: processor outputs with one value per token (padded and cut with ``input_ids``; 0 on text tokens and padding):
 #: Qwen-VL ``mm_token_type_ids``, Gemma-3 ``token_type_ids``
 TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")

@@ -27,7 +27,7 @@ import torch
 
 from oxrl_core.data.batching import collate
 from oxrl_core.data.encode import IGNORE, prepare_examples
-from oxrl_core.data.images import is_image_row
+from oxrl_core.data.images import image_fields_of, is_image_row
 from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
@@ -146,17 +146,12 @@ def _image(seq: tuple) -> dict:
     return seq[2] if len(seq) > 2 else {}
 
 
-def image_of(example: dict) -> dict:
-    """A row's image fields (`encode.image_fields`: pixels, per-token inputs, how they join); {} for a text row."""
-    return {k: example[k] for k in ("pixel_inputs", "token_inputs", "pixels_by") if k in example}
-
-
 def _pair_seqs(examples: list[dict], rejected: list[list[int]] | None = None) -> list[tuple]:
     """[chosen of each row] + [rejected of each row]: chosen and rejected in one forward pass (a VLM's row brings
     its image to both)."""
     rejected = rejected if rejected is not None else [ex["rejected_ids"] for ex in examples]
-    return [(ex["prompt_ids"], ex["chosen_ids"], image_of(ex)) for ex in examples] + [
-        (ex["prompt_ids"], r, image_of(ex)) for ex, r in zip(examples, rejected)
+    return [(ex["prompt_ids"], ex["chosen_ids"], image_fields_of(ex)) for ex in examples] + [
+        (ex["prompt_ids"], r, image_fields_of(ex)) for ex, r in zip(examples, rejected)
     ]
 
 
@@ -176,7 +171,7 @@ def build_batch(algorithm, model, ref, examples, engine, pad_id, packing, reject
     B = len(examples)
     wants_ref = ref is not None
     if algorithm.data_format == "unpaired":
-        matched = [(ex["prompt_ids"], ex["completion_ids"], image_of(ex)) for ex in examples]
+        matched = [(ex["prompt_ids"], ex["completion_ids"], image_fields_of(ex)) for ex in examples]
         batch = {"label": torch.tensor([float(ex["label"]) for ex in examples], device=engine.device)}
         packing = bool(packing)
         seqs = engine.to_device(collate_sequences(matched, pad_id, packing))
@@ -184,7 +179,8 @@ def build_batch(algorithm, model, ref, examples, engine, pad_id, packing, reject
         if wants_ref:
             # KL baseline: prompt i with the completion of row i−1 (cyclically), as in TRL's KTO
             mismatched = [
-                (examples[i]["prompt_ids"], examples[i - 1]["completion_ids"], image_of(examples[i])) for i in range(B)
+                (examples[i]["prompt_ids"], examples[i - 1]["completion_ids"], image_fields_of(examples[i]))
+                for i in range(B)
             ]
             both = engine.to_device(collate_sequences(matched + mismatched, pad_id, packing))
             kl_seqs = engine.to_device(collate_sequences(mismatched, pad_id, packing))
