@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_zygote
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,13 +120,17 @@ def text_jsonl(tmp_path) -> Path:
 
 
 def oxrl(
-    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600
+    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, cold: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run the real `oxrl` console script; returns the completed process (text output)."""
+    """Run the real `oxrl` console entry point; returns the completed process (text output). The process is
+    forked from a warm one that has imported torch and transformers (`cli_zygote`); `cold=True` starts a fresh
+    interpreter instead (for what only a cold start shows: import times, what `--help` imports)."""
     full_env = {**os.environ, **(env or {})}
     exe = Path(sys.executable).with_name("oxrl")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]
-    return subprocess.run(cmd + list(args), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if cold or not cli_zygote.warm_call_possible(list(args), full_env):
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]
+        return subprocess.run(cmd + list(args), cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return cli_zygote.run(str(exe), list(args), full_env, cwd, timeout)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
