@@ -59,7 +59,9 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             versions = check_on_policy(scored.completions, version, ro.strict_on_policy, step)
         with clock("train"):
             # 3. the rollout batch, on the trainer's device
-            batch = rollout_batch(scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine)
+            batch = rollout_batch(
+                scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine, scored.images
+            )
             check_finite("rewards", batch["rewards"], step, run.run_dir)
             lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do
             # 4-6. old/ref logprobs, advantages (ALGO), rollout.passes_per_batch × rollout.minibatches updates (ALGO inside)
