@@ -22,7 +22,7 @@ placeholder, repeated once per image token) is written once with its count: ``<|
 
 Bounded: the first `PROMPTS` prompts of the batch, the first `SAMPLES` samples of each, the first
 `MAX_TOKENS` tokens of each completion (``length`` keeps the full count), the prompt's text cut to
-`MAX_PROMPT_CHARS`, at most `MAX_IMAGE_BYTES` characters of image data URIs a step (every prompt's first sample
+`MAX_PROMPT_CHARS`, at most `MAX_IMAGE_BYTES` bytes of image data URIs a step (every prompt's first sample
 gets its images before any prompt's second sample does; an image past the bound is left out and counted).
 Written as metrics.jsonl is (`tracking.JsonlSink`: appended line by line, cut back to the checkpoint on resume,
 a torn line skipped), on rank 0 only.
