@@ -68,7 +68,8 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             record = update(step, batch, keep_entropy=(logged := parts.rollout_log.due(step)))
             if logged:  # rollouts.jsonl: a bounded sample, every logging.rollout_samples_every steps
                 kept = {**batch, "entropy_old": update.entropy_old}
-                parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n)
+                images = parts.strategy.sample_images(picks)
+                parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n, images)
             # 7. the weight sync (the policy version + 1), verified by the probe
             version += 1
             with clock("sync"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from oxrl_core.data.images import row_images
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episodes
 from oxrl_core.loops.rollouts import Prompts, check_completions, generate_sharded, rl_evaluate, score_sharded
@@ -52,6 +53,10 @@ class RolloutStrategy(ABC):
     def evaluate(self, progress) -> dict:
         """Held-out metrics (rank 0, on whole parameters), ``progress(done, total)`` counting samples."""
 
+    def sample_images(self, picks: list[int]) -> list[list] | None:
+        """Each sample's prompt's images as PIL images (B,), for rollouts.jsonl; None where prompts have none."""
+        return None
+
 
 class Completions(RolloutStrategy):
     """One turn: n completions per prompt from the rollout backend, each rank generating and scoring its shards
@@ -82,6 +87,11 @@ class Completions(RolloutStrategy):
         self.reward_watch.after_scoring(step, failures, self.run_dir)  # one line per step
         images = self.prompts.images_of([i for i in picks for _ in range(n)])  # (B,) references, not copies
         return Scored([self.prompt_ids[i] for i in picks for _ in range(n)], completions, scores, metrics, images)
+
+    def sample_images(self, picks):
+        if self.prompts.images is None:
+            return None
+        return [row_images(self.rows[i], "") for i in picks for _ in range(self.ro.n)]
 
     def evaluate(self, progress):
         held_out, args = self.eval_prompts, (self.reward, self.eval_dataset, self.ro, self.seed)
