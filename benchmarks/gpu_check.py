@@ -366,7 +366,7 @@ def memory(check: Check) -> dict:
     if "memory_vlm" in info:
         v = info["memory_vlm"]["vlm"]
         work.append(f"vlm: {v['model']}; {v['work']}")
-        out["vlm_check"] = {k: v.get(k) for k in ("same_inputs", "first_loss", "first_loss_diff")}
+        out["vlm_check"] = {k: v.get(k) for k in ("same_inputs", "first_loss", "first_loss_diff", "loss_diff_per_step")}
         if v.get("first_loss_diff") is not None:
             summary += f" (step-1 loss |Δ| {v['first_loss_diff']:.1e})"
     return {**out, "work": "; ".join(work) + f"; sides {sides}{note}", "summary": summary}
