@@ -23,7 +23,9 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
                   seconds (`vllm_rollout.py --device cuda`), and the same SGRPO step with
                   `rollout.backend=vllm`; the vLLM rows are skipped when vLLM is not installed
   memory          `memory.py`'s rows: peak memory and tokens/s at a 151,936-token vocabulary, oxRL
-                  (chunked head), oxRL with full logits, and TRL when it is installed
+                  (chunked head), oxRL with full logits, and TRL when it is installed; then its VLM row
+                  (`--only vlm`: SFT of a Gemma-3 on image rows at a 262,208-token vocabulary, TRL's
+                  vision SFT on the same inputs, the step-1 losses compared), in a call of its own
   images, async_rollouts, estimators
                   later capabilities: `skipped`, "not built yet", until their section is written
 
@@ -319,31 +321,55 @@ def sgrpo_step(check: Check) -> dict:
 
 
 def memory(check: Check) -> dict:
-    """Peak memory at a 151,936-token vocabulary: memory.py's rows."""
+    """Peak memory at a 151,936-token vocabulary (memory.py's text rows), and its VLM row: SFT of a Gemma-3 on image
+    rows at Gemma-3's 262,208-token vocabulary, oxRL against TRL's vision SFT on the same inputs (`--only vlm`)."""
     if check.dry_run:
-        args = ["--only", "sft,sgrpo", "--sides", "oxrl", "--vocab", 1024, "--hidden", 64, "--layers", 1]
-        args += ["--row-tokens", 128, "--prompt-tokens", 64, "--steps", 1, "--warmup", 0, "--threads", 1]
-        args += ["--device", "cpu"]
-    else:  # its defaults: every workload, every side (TRL when installed)
-        args = ["--device", "cuda"]
-    figures = check.script("memory.py", args, timeout=240)
-    rows = []
-    for workload, entry in figures["figures"].items():
-        for side, r in entry.items():
-            if "/" in side:
-                rows.append({"workload": workload, "side": side, "status": "ok", "peak_ratio": r["peak"]})
-                rows[-1]["tokens_per_s_ratio"] = r["tokens_per_s"]
-            else:
-                rows.append({"workload": workload, "side": side, "status": "ok", **r})
-    sides = ",".join(sorted({r["side"] for r in rows if "/" not in r["side"]}))
-    summary = ", ".join(f"{r['workload']} {r['side']} {r['peak_gb']:.2f} GB" for r in rows if r["side"] == "oxrl")
+        toy = ["--hidden", 64, "--layers", 1, "--steps", 1, "--warmup", 0, "--threads", 1, "--device", "cpu"]
+        text = ["--only", "sft,sgrpo", "--sides", "oxrl", "--vocab", 1024, "--row-tokens", 128, "--prompt-tokens", 64]
+        vlm = ["--only", "vlm", "--sides", "oxrl,trl", "--vlm-vocab", 1024, "--vlm-row-tokens", 128]
+        text, vlm = text + toy, vlm + toy  # the VLM row's TRL side too: its vision path is the one most apt to move
+    else:  # its defaults: every side (TRL when installed)
+        text = ["--only", "sft,dpo,sgrpo", "--device", "cuda"]
+        vlm = ["--only", "vlm", "--device", "cuda"]
+    rows, info = [], {}
+    for label, args, timeout in (("memory", text, 240), ("memory_vlm", vlm, 120)):
+        try:
+            figures = check.script("memory.py", args, timeout=timeout, label=label)
+        except (Skipped, ScriptFailed) as exc:
+            status = "skipped" if isinstance(exc, Skipped) else "failed"
+            row = {"workload": "vlm" if label == "memory_vlm" else "sft,dpo,sgrpo", "side": "—", "status": status}
+            rows.append({**row, "reason": str(exc), "stderr_tail": getattr(exc, "tail", "")})
+            continue
+        info[label] = figures
+        for workload, entry in figures["figures"].items():
+            for side, r in entry.items():
+                if "/" in side:
+                    rows.append({"workload": workload, "side": side, "status": "ok", "peak_ratio": r["peak"]})
+                    rows[-1]["tokens_per_s_ratio"] = r["tokens_per_s"]
+                else:
+                    rows.append({"workload": workload, "side": side, "status": "ok", **r})
+    ok = [r for r in rows if r["status"] == "ok"]
+    sides = ",".join(sorted({r["side"] for r in ok if "/" not in r["side"]}))
+    summary = ", ".join(f"{r['workload']} {r['side']} {r['peak_gb']:.2f} GB" for r in ok if r["side"] == "oxrl")
+    summary += "".join(
+        f", vlm oxrl/trl peak {r['peak_ratio']:.2f}×" for r in ok if (r["workload"], r["side"]) == ("vlm", "oxrl/trl")
+    )
     note = "" if check.importable("trl") or check.dry_run else " (no TRL installed: no TRL side)"
-    return {
-        "rows": rows,
-        "work": f"vocabulary {figures['vocab']:,}, hidden {figures['hidden']}, {figures['layers']} layers, "
-        f"batch {figures['batch']} × ~{figures['row_tokens']} tokens; sides {sides}{note}",
-        "summary": summary,
-    }
+    work = []
+    if "memory" in info:
+        f = info["memory"]
+        work.append(
+            f"text: vocabulary {f['vocab']:,}, hidden {f['hidden']}, {f['layers']} layers, batch {f['batch']} × "
+            f"~{f['row_tokens']} tokens"
+        )
+    out = {"rows": rows}
+    if "memory_vlm" in info:
+        v = info["memory_vlm"]["vlm"]
+        work.append(f"vlm: {v['model']}; {v['work']}")
+        out["vlm_check"] = {k: v.get(k) for k in ("same_inputs", "first_loss", "first_loss_diff", "loss_diff_per_step")}
+        if v.get("first_loss_diff") is not None:
+            summary += f" (step-1 loss |Δ| {v['first_loss_diff']:.1e})"
+    return {**out, "work": "; ".join(work) + f"; sides {sides}{note}", "summary": summary}
 
 
 @dataclass
@@ -387,10 +413,10 @@ SECTIONS: list[Section] = [
     ),
     Section(
         "memory",
-        "peak memory at a 151,936-token vocabulary: oxRL chunked head, full logits, TRL",
+        "peak memory at a 151,936-token vocabulary: oxRL chunked head, full logits, TRL; a Gemma-3 VLM SFT row",
         memory,
-        timeout_s=240,  # 170 s on an H100 (2026-11-26): 150 cut it off
-        dry_timeout_s=120,
+        timeout_s=330,  # the text rows 170 s on an H100 (2026-11-26; 150 cut them off), then the VLM row
+        dry_timeout_s=180,
         gpu_gib=20,
     ),
     Section("images", "vision-language models (image inputs): not built yet"),

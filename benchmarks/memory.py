@@ -1,4 +1,4 @@
-"""Peak memory at a real vocabulary: oxRL (chunked LM head, and with it off) vs TRL 1.16, SFT / DPO / SGRPO.
+"""Peak memory at a real vocabulary: oxRL (chunked LM head, and with it off) vs TRL 1.16, SFT / DPO / SGRPO / VLM SFT.
 
 Each configuration runs in a fresh subprocess (this script with ``--child``), so its peak is its
 own: the child's peak resident set (``ru_maxrss``, CPU) or ``torch.cuda.max_memory_allocated``
@@ -18,15 +18,31 @@ AdamW, lr 1e-5, grad clipping 1.0, no activation checkpointing anywhere, batch 2
          oxrl: the RL loop's single-pass update (`loops.rl._forward` with the token-mean SGRPO loss,
          logp_old = the same forward's logp, detached); trl: `GRPOTrainer.compute_loss` with
          `loss_type="dapo"` (the same token-mean clipped objective) on the same tensors
+  vlm    SFT of a vision-language model on image rows: a Gemma-3 (`Gemma3ForConditionalGeneration`
+         built from its config classes, random weights) with Gemma-3's 262,208-token vocabulary, the
+         language model at --hidden × --layers (tied embeddings: 34.2M parameters at the defaults), a
+         2-layer SigLIP tower on 64×64 pictures (16 image tokens each, frozen: oxRL's default, and the
+         same parameters frozen on the TRL side); the tests' Gemma-3 tokenizer and chat template
+         (`tests/vlm_archs.py`) and its PIL processor (no torchvision); 16 rows of one picture and a
+         question (90 prompt tokens, the picture's 16 included) and a ~850-token response (--vlm-row-tokens
+         1000: ~940 tokens a row); batch 2
+         oxrl: `Trainer(alg="sft")` on the rows (each prompt through the model's processor);
+         trl: `SFTTrainer` with the processor as `processing_class` and an `images` column (its
+         vision collator), in TRL's standard prompt-completion format: the prompt as the processor's
+         chat template renders it, the completion the response + EOS, in the order oxRL deals the rows.
+         Before the runs, TRL's collator is checked to give, row by row, oxRL's token ids, labels,
+         token_type_ids and pixels; after them, the two step-1 losses must agree (≤ 1e-4 fp32), and
+         the later steps' loss gaps are printed (the same trainable parameters and AdamW: ~1e-6 on CPU).
 
 Sides: ``oxrl`` (the default, ``train.logits_chunk_size`` 1024), ``oxrl-plain``
 (``train.logits_chunk_size=0``: the model's full logits, what oxRL did before) and ``trl``.
 Printed per workload: peak GB, tokens/s over the measured steps (after ``--warmup``), and the
 ratios oxrl / trl and oxrl / oxrl-plain; then one JSON line with every figure.
 
-    python benchmarks/memory.py                          # all three workloads, all sides (CPU: ~20 min; oxrl-plain
+    python benchmarks/memory.py                          # all four workloads, all sides (CPU: ~25 min; oxrl-plain
                                                          # SGRPO alone peaks near 19 GB: run it on a quiet machine)
     python benchmarks/memory.py --only sft --steps 3
+    python benchmarks/memory.py --only vlm --threads 1                   # the VLM row alone (CPU: ~7 min, shared)
     python benchmarks/memory.py --sides oxrl,trl --chunk 512
 
 TRL is a benchmark-only dependency (`pip install trl`); without it the TRL side is skipped.
@@ -50,7 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sft_throughput import _filler  # the benchmarks' shared row filler
 
-WORKLOADS = ("sft", "dpo", "sgrpo")
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKLOADS = ("sft", "dpo", "sgrpo", "vlm")
 SIDES = ("oxrl", "oxrl-plain", "trl")
 IGNORE = -100
 
@@ -109,26 +127,34 @@ def _train_cfg(args, steps: int, chunk: int) -> dict:
 # ----------------------------------------------------------------------------- oxRL
 
 
-def oxrl_sl(alg: str, args, workdir: Path, chunk: int) -> dict:
-    """SFT or DPO through `oxrl_core.Trainer` (the CLI's code path); tokens/s from its metrics."""
+def oxrl_sl(workload: str, args, workdir: Path, chunk: int) -> dict:
+    """SFT or DPO through `oxrl_core.Trainer` (the CLI's code path); tokens/s from its metrics. ``vlm``: SFT of the
+    Gemma-3 VLM on the image rows (the vision tower frozen, oxRL's default, unless ``--vlm-train-vision``)."""
     from oxrl_core import Trainer
 
-    out = workdir / f"run-{alg}-{chunk}"
+    out = workdir / f"run-{workload}-{chunk}"
     shutil.rmtree(out, ignore_errors=True)
+    if workload == "vlm":
+        alg, model = "sft", {"name": str(workdir / "vlm-model"), "freeze_vision": not args.vlm_train_vision}
+    else:
+        alg, model = workload, str(workdir / "model")
     trainer = Trainer(
         alg=alg,
-        model=str(workdir / "model"),
-        data={"train": str(workdir / f"{alg}.jsonl"), "max_length": 4096},
+        model=model,
+        data={"train": str(workdir / f"{workload}.jsonl"), "max_length": 4096},
         output_dir=out,
         quiet=True,
         train=_train_cfg(args, args.warmup + args.steps, chunk),
         engine={"device": args.device},
     )
-    records = trainer.train().metrics[args.warmup :]
+    metrics = trainer.train().metrics
+    records = metrics[args.warmup :]
     return {
         "tokens": sum(r["perf/tokens"] for r in records),
         "seconds": sum(r["perf/step_s"] for r in records),
         "loss": records[-1]["loss"],
+        "first_loss": metrics[0]["loss"],  # step 1's, computed before the first update
+        "losses": [r["loss"] for r in metrics],
     }
 
 
@@ -378,6 +404,257 @@ def trl_grpo(args, workdir: Path) -> dict:
     return {"tokens": tokens, "seconds": seconds, "loss": float(loss)}
 
 
+# ----------------------------------------------------------------------------- VLM SFT (Gemma-3, image rows)
+
+#: Gemma-3's vocabulary (its checkpoints' ``vocab_size``): the VLM row's model has it, the tokenizer far fewer ids
+GEMMA3_VOCAB = 262_208
+#: pixels per side of a patch of the VLM row's SigLIP tower, and image tokens per image after Gemma-3's pooling
+VLM_PATCH, VLM_IMAGE_TOKENS = 8, 16
+
+
+def setup_vlm(workdir: Path, args) -> dict:
+    """A Gemma-3 VLM built from its config classes (random weights; a SigLIP tower of 2 layers, hidden 64, on
+    ``--vlm-image``-pixel images; the language model at ``--hidden`` × ``--layers`` with ``--vlm-vocab`` ids, tied
+    embeddings as Gemma-3's), the tests' Gemma-3 tokenizer and chat template (`tests/vlm_archs.py`, a byte-level BPE
+    of 570 ids), its PIL processor (no torchvision), and image rows: ``<image>`` + a ~60-token question, a response
+    of ~``--vlm-row-tokens`` minus the prompt, one PNG picture each (files beside ``vlm.jsonl``)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import torch
+    import transformers as tf
+    from PIL import Image, ImageDraw
+    from vlm_archs import build_tokenizer
+
+    tokenizer = build_tokenizer("gemma3")
+    ids = tokenizer.convert_tokens_to_ids
+    head_dim = 64
+    text = tf.Gemma3TextConfig(
+        vocab_size=args.vlm_vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // head_dim),
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=512,
+        layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(args.layers - 1)]
+        + ["full_attention"],
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    vision = tf.SiglipVisionConfig(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=1,
+        image_size=args.vlm_image,
+        patch_size=VLM_PATCH,
+    )
+    config = tf.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=VLM_IMAGE_TOKENS,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # the projector starts at zero (a real checkpoint's is trained): image features would be 0
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    processor = tf.Gemma3Processor(
+        tf.Gemma3ImageProcessorPil(size={"height": args.vlm_image, "width": args.vlm_image}),
+        tokenizer,
+        chat_template=tokenizer.chat_template,
+        image_seq_length=VLM_IMAGE_TOKENS,
+    )
+    model.save_pretrained(workdir / "vlm-model")
+    processor.save_pretrained(workdir / "vlm-model")
+
+    rng = random.Random(args.seed)
+    (workdir / "vlm-images").mkdir(exist_ok=True)
+    rows, side = [], args.vlm_image
+    per_char = 0.76  # tokens per character of `_filler` text with this tokenizer
+    response_chars = int(max(8, args.vlm_row_tokens - 60 - VLM_IMAGE_TOKENS) / per_char)
+    for i in range(args.batch * 8):
+        image = Image.new("RGB", (side, side), tuple(rng.randint(0, 60) for _ in range(3)))
+        draw = ImageDraw.Draw(image)
+        for _ in range(3):
+            x, y, w = rng.randint(0, side - 8), rng.randint(0, side - 8), rng.randint(4, side // 2)
+            fill = tuple(rng.randint(80, 255) for _ in range(3))
+            (draw.rectangle if rng.random() < 0.5 else draw.ellipse)((x, y, x + w, y + w), fill=fill)
+        image.save(workdir / "vlm-images" / f"{i}.png")
+        question = "<image>Describe the picture, then continue the chain. " + _filler(rng, 40)
+        rows.append(
+            {
+                "prompt": question,
+                "images": [f"vlm-images/{i}.png"],
+                "response": _filler(rng, int(response_chars * rng.uniform(0.9, 1.0))),
+            }
+        )
+    (workdir / "vlm.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    vision_params = sum(p.numel() for p in model.model.vision_tower.parameters())
+    return {
+        "model": f"Gemma-3 (Gemma3ForConditionalGeneration, random weights), {model.num_parameters() / 1e6:.1f}M "
+        f"parameters: language model vocabulary {args.vlm_vocab:,}, hidden {args.hidden}, {args.layers} layers, tied "
+        f"embeddings; SigLIP tower {vision_params / 1e6:.2f}M ({'trained' if args.vlm_train_vision else 'frozen'}), "
+        f"{args.vlm_image}×{args.vlm_image} images, {VLM_IMAGE_TOKENS} image tokens each",
+    }
+
+
+def vlm_plan_rows(workdir: Path, args, steps: int) -> list[dict]:
+    """The rows of ``vlm.jsonl`` in the order oxRL's SFT loop deals them (`BatchPlan`, seeded, no length grouping:
+    the loop's defaults), ``steps`` × ``--batch`` of them: TRL's sequential sampler then sees the same batches."""
+    from oxrl_core.data.batching import BatchPlan
+
+    rows = [json.loads(line) for line in (workdir / "vlm.jsonl").read_text().splitlines()]
+    plan = BatchPlan([0] * len(rows), args.batch, args.seed, group_by_length=False)
+    return [rows[i] for k in range(steps) for i in plan.micro_batch(k)]
+
+
+def trl_vlm_examples(workdir: Path, rows: list[dict], processor) -> list[dict]:
+    """The rows in TRL's standard prompt-completion format for vision datasets: ``images`` (PIL), ``prompt`` = the
+    prompt as the processor's chat template renders it with the generation prompt (the text oxRL's processor encodes),
+    ``completion`` = the response and the EOS token (oxRL's completion tokens: the response's, then EOS)."""
+    from PIL import Image
+
+    from oxrl_core.models.vision import image_messages
+
+    out = []
+    for row in rows:
+        images = [Image.open(workdir / path).convert("RGB") for path in row["images"]]
+        messages = image_messages(row["prompt"], images)
+        prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        out.append({"images": images, "prompt": prompt, "completion": row["response"] + processor.tokenizer.eos_token})
+    return out
+
+
+#: largest |Δ| between the two sides' step-1 losses (nats): fp32 on the CPU, bf16 autocast on a GPU
+VLM_LOSS_TOLERANCE = (1e-4, 5e-2)
+
+
+def vlm_info(workdir: Path, args, model: dict, with_trl: bool) -> dict:
+    """What the VLM row trains on, and (with TRL) the check that TRL's collator gives oxRL's inputs."""
+    if with_trl:
+        tokens = check_vlm_tokens(workdir, args)
+    else:
+        from oxrl_core.data.encode import prepare_examples
+        from oxrl_core.data.sources import load_source
+        from oxrl_core.models.vision import load_processing
+
+        vision = load_processing(str(workdir / "vlm-model"))
+        source = load_source(str(workdir / "vlm.jsonl"), "train")
+        examples = prepare_examples(source, "prompt_response", vision.tokenizer, 4096, vision=vision).examples
+        tokens = {
+            "rows": len(examples),
+            "tokens_per_row": sum(len(e["input_ids"]) for e in examples) / len(examples),
+            "labelled_per_row": sum(x != IGNORE for e in examples for x in e["labels"]) / len(examples),
+        }
+    work = (
+        f"{tokens['rows']} image rows of {tokens['tokens_per_row']:.0f} tokens on average ({tokens['labelled_per_row']:.0f}"
+        f" labelled), batch {args.batch}"
+    )
+    return {**model, **tokens, "work": work, "same_inputs": with_trl}
+
+
+def check_vlm_tokens(workdir: Path, args) -> dict:
+    """Both sides train on the same tokens: for every row of the measured run, TRL's collator
+    (`DataCollatorForVisionLanguageModeling`, completion-only loss) gives the token ids, loss labels, Gemma-3
+    ``token_type_ids`` and pixels that oxRL's data loading (`prepare_examples` through the model's processor) gives.
+    Raises when they differ; returns the token counts."""
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+    from oxrl_core.data.encode import prepare_examples
+    from oxrl_core.data.sources import load_source
+    from oxrl_core.models.vision import load_processing
+
+    vision = load_processing(str(workdir / "vlm-model"))
+    source = load_source(str(workdir / "vlm.jsonl"), "train")
+    examples = prepare_examples(source, "prompt_response", vision.tokenizer, 4096, vision=vision).examples
+    rows = [json.loads(line) for line in (workdir / "vlm.jsonl").read_text().splitlines()]
+    collator = DataCollatorForVisionLanguageModeling(vision.processor, max_length=4096, completion_only_loss=True)
+    batch = collator(trl_vlm_examples(workdir, rows, vision.processor))
+    tokens = labelled = 0
+    for i, ex in enumerate(examples):
+        keep = batch["attention_mask"][i].bool()
+        type_ids = ex["token_inputs"]["token_type_ids"]
+        same = (
+            batch["input_ids"][i][keep].tolist() == ex["input_ids"]
+            and batch["labels"][i][keep].tolist() == ex["labels"]
+            # oxRL keeps the prompt's token_type_ids (its collator pads the completion's with 0, as TRL's are)
+            and batch["token_type_ids"][i][keep].tolist() == type_ids + [0] * (len(ex["input_ids"]) - len(type_ids))
+            and torch.equal(batch["pixel_values"][i], ex["pixel_inputs"]["pixel_values"][0])
+        )
+        if not same:
+            raise RuntimeError(f"vlm row {i}: TRL's collator and oxRL's data loading give different inputs")
+        tokens += len(ex["input_ids"])
+        labelled += sum(x != IGNORE for x in ex["labels"])
+    return {
+        "rows": len(examples),
+        "tokens_per_row": tokens / len(examples),
+        "labelled_per_row": labelled / len(examples),
+    }
+
+
+def trl_vlm_sft(args, workdir: Path) -> dict:
+    """TRL's `SFTTrainer` on the image rows (its vision path: a processor as ``processing_class``, an ``images``
+    column, `DataCollatorForVisionLanguageModeling`), the vision tower frozen as oxRL's default freezes it."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from trl import SFTConfig, SFTTrainer
+
+    from oxrl_core.models.vision import freeze_vision
+
+    processor = AutoProcessor.from_pretrained(workdir / "vlm-model")
+    steps = args.warmup + args.steps
+    dataset = Dataset.from_list(trl_vlm_examples(workdir, vlm_plan_rows(workdir, args, steps), processor))
+    model = AutoModelForImageTextToText.from_pretrained(
+        workdir / "vlm-model", dtype=torch.float32, attn_implementation="sdpa"
+    )
+    if not args.vlm_train_vision:
+        freeze_vision(model)
+    clock, losses, counts = _Clock(args.warmup), [], []
+
+    class Trainer(SFTTrainer):
+        def compute_loss(self, model, inputs, *a, **k):
+            loss = super().compute_loss(model, inputs, *a, **k)
+            losses.append(float((loss[0] if isinstance(loss, tuple) else loss).detach()))
+            return loss
+
+    config = SFTConfig(
+        **_trl_common(args, workdir, steps),
+        packing=False,
+        padding_free=False,
+        completion_only_loss=True,
+        max_length=4096,
+    )
+    trainer = Trainer(
+        model=model, args=config, train_dataset=dataset, processing_class=processor, callbacks=[clock.callback]
+    )
+    collate = trainer.data_collator
+
+    def counting(examples):
+        batch = collate(examples)
+        counts.append(int(batch["attention_mask"].sum()))  # real tokens, image tokens included (as oxRL counts)
+        return batch
+
+    trainer.data_collator = counting
+    trainer.train()
+    return {
+        "tokens": sum(counts[args.warmup : steps]),
+        "seconds": clock.seconds,
+        "first_loss": losses[0],
+        "losses": losses,
+    }
+
+
 # ----------------------------------------------------------------------------- one configuration per process
 
 
@@ -396,7 +673,7 @@ def child(args) -> None:
     workdir = Path(args.workdir)
     chunk = 0 if side == "oxrl-plain" else args.chunk
     if side == "trl":
-        result = {"sft": trl_sft, "dpo": trl_dpo, "sgrpo": trl_grpo}[workload](args, workdir)
+        result = {"sft": trl_sft, "dpo": trl_dpo, "sgrpo": trl_grpo, "vlm": trl_vlm_sft}[workload](args, workdir)
     elif workload == "sgrpo":
         result = oxrl_sgrpo(args, workdir, chunk)
     else:
@@ -433,6 +710,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151_936)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vlm-vocab", type=int, default=GEMMA3_VOCAB, help="the VLM row's vocabulary (Gemma-3's)")
+    ap.add_argument("--vlm-row-tokens", type=int, default=1000, help="the VLM row's tokens per image row")
+    ap.add_argument("--vlm-image", type=int, default=64, help="the VLM row's image side, pixels (8-pixel patches)")
+    ap.add_argument("--vlm-train-vision", action="store_true", help="the VLM row trains the vision tower too")
     ap.add_argument("--chunk", type=int, default=1024, help="oxrl's train.logits_chunk_size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=42)
@@ -455,7 +736,12 @@ def main() -> None:
             sides.remove("trl")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="oxrl-memory-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    setup(workdir, args)
+    workloads = [w for w in args.only.split(",") if w]
+    if set(workloads) - set(WORKLOADS):
+        ap.error(f"unknown workloads {sorted(set(workloads) - set(WORKLOADS))}; known: {', '.join(WORKLOADS)}")
+    if set(workloads) - {"vlm"}:
+        setup(workdir, args)
+    vlm_model = setup_vlm(workdir, args) if "vlm" in workloads else {}
     argv = [
         a
         for pair in (
@@ -469,15 +755,24 @@ def main() -> None:
             ("--seed", str(args.seed)),
         )
         for a in pair
-    ]
+    ] + (["--vlm-train-vision"] if args.vlm_train_vision else [])
     print(
-        f"model: Llama, vocabulary {args.vocab:,}, {args.layers} layers, hidden {args.hidden}; batch {args.batch} × "
-        f"~{args.row_tokens} tokens; device {args.device}, {args.threads} threads; oxrl chunk {args.chunk}",
+        (
+            f"model: Llama, vocabulary {args.vocab:,}, {args.layers} layers, hidden {args.hidden}; batch {args.batch} × "
+            f"~{args.row_tokens} tokens; "
+            if set(workloads) - {"vlm"}
+            else ""
+        )
+        + f"device {args.device}, {args.threads} threads; oxrl chunk {args.chunk}",
         flush=True,
     )
     figures: dict = {}
+    vlm: dict = {}
     try:
-        for workload in [w for w in args.only.split(",") if w]:
+        for workload in workloads:
+            if workload == "vlm":
+                vlm = vlm_info(workdir, args, vlm_model, "trl" in sides)
+                print(f"  vlm: {vlm['model']}; {vlm['work']}", flush=True)
             results = {}
             for side in sides:
                 r = run_child(argv, workload, side)
@@ -486,6 +781,23 @@ def main() -> None:
                     f"  {workload:5s} {side:10s} peak {r['peak_gb']:6.2f} GB   {r['tokens'] / r['seconds']:8.1f} tokens/s",
                     flush=True,
                 )
+            if workload == "vlm":  # step 1's loss (before any update) of each side: the same rows, the same model
+                vlm["first_loss"] = {side: round(r["first_loss"], 6) for side, r in results.items()}
+                if "oxrl" in results and "trl" in results:
+                    diff = abs(results["oxrl"]["first_loss"] - results["trl"]["first_loss"])
+                    vlm["first_loss_diff"] = diff
+                    tol = VLM_LOSS_TOLERANCE[args.device == "cuda"]
+                    print(
+                        f"  vlm   step-1 loss oxrl {results['oxrl']['first_loss']:.6f}, trl "
+                        f"{results['trl']['first_loss']:.6f}: |Δ| {diff:.2e} ({'≤' if diff <= tol else 'NOT ≤'} {tol})",
+                        flush=True,
+                    )
+                    if diff > tol:
+                        raise RuntimeError(f"vlm: the two sides' step-1 losses differ by {diff:.2e} (> {tol})")
+                    # after the updates too (the same trainable parameters, the same AdamW): reported, not enforced
+                    pairs = list(zip(results["oxrl"]["losses"], results["trl"]["losses"]))
+                    vlm["loss_diff_per_step"] = [abs(a - b) for a, b in pairs]
+                    print(f"  vlm   per-step loss |Δ| {', '.join(f'{d:.1e}' for d in vlm['loss_diff_per_step'])}")
             entry = {
                 side: {"peak_gb": round(r["peak_gb"], 3), "tokens_per_s": round(r["tokens"] / r["seconds"], 1)}
                 for side, r in results.items()
@@ -522,6 +834,7 @@ def main() -> None:
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "threads": args.threads,
+                **({"vlm": vlm} if vlm else {}),
             }
         )
     )

@@ -278,8 +278,14 @@ class RolloutBackend(ABC):
         """The backend's own options (the ``rollout:`` keys beside ``rollout.backend``); none by default."""
 
     @abstractmethod
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt, with per-token logprobs of the sampled tokens."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingParams, images: list[dict] | None = None
+    ) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, with per-token logprobs of the sampled tokens.
+
+        ``images`` (a vision-language model's run): one entry per prompt, the image inputs the model's processor
+        made for it with its tokens ({} for a text prompt; see `image_support`): ``pixel_inputs`` (tensors),
+        ``token_inputs`` (one value per prompt token) and ``pixels_by``. None: every prompt is text."""
 
     @abstractmethod
     def update_weights(self, state: Any, policy_version: int) -> None:
@@ -290,6 +296,13 @@ class RolloutBackend(ABC):
         weights, from the raw logits (temperature 1, nothing truncated). The RL loop compares it with
         the trainer's own on a fixed probe after every weight sync (``rollout.sync_check``)."""
         raise NotImplementedError(f"rollout backend '{self.name}' cannot score a sequence")
+
+    @classmethod
+    def image_support(cls, model_path: str) -> str | None:
+        """Why this backend cannot generate from image prompts for the model at ``model_path`` (a sentence the RL
+        loop shows when the run starts, before anything is generated), or None when it can. A backend that
+        ignores `generate`'s ``images`` keeps this default."""
+        return f"the '{cls.name}' rollout backend takes no images"
 
     @classmethod
     def can_score(cls) -> bool:
@@ -320,6 +333,16 @@ class RolloutBackend(ABC):
 
     def close(self) -> None:
         """Release resources."""
+
+
+def generate_from(
+    backend: RolloutBackend, prompt_token_ids: list[list[int]], sampling: SamplingParams, images: list[dict] | None
+) -> list[list[Completion]]:
+    """``backend.generate``, given ``images`` only when a prompt has some: a text run calls every backend (a plugin
+    written before image prompts existed included) exactly as before."""
+    if images and any(images):
+        return backend.generate(prompt_token_ids, sampling, images=images)
+    return backend.generate(prompt_token_ids, sampling)
 
 
 class Environment(ABC):

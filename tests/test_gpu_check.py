@@ -100,5 +100,12 @@ def test_dry_run_figures(dry_run):
     assert step["status"] == "skipped" and step["reason"]  # the dry run leaves the vLLM step to the GPU
 
     memory = {(r["workload"], r["side"]): r for r in sections["memory"]["rows"]}
-    assert set(memory) == {("sft", "oxrl"), ("sgrpo", "oxrl")}
-    assert all(_positive(r["peak_gb"]) and _positive(r["tokens_per_s"]) for r in memory.values())
+    trl = importlib.util.find_spec("trl") is not None  # the VLM row's TRL side runs in the dry run too
+    vlm_sides = {("vlm", "oxrl")} | ({("vlm", "trl"), ("vlm", "oxrl/trl")} if trl else set())
+    assert set(memory) == {("sft", "oxrl"), ("sgrpo", "oxrl")} | vlm_sides
+    sides = [r for key, r in memory.items() if "/" not in key[1]]
+    assert all(_positive(r["peak_gb"]) and _positive(r["tokens_per_s"]) for r in sides)
+    if trl:  # both sides trained on the same inputs: checked, and the step-1 losses agree
+        assert _positive(memory[("vlm", "oxrl/trl")]["peak_ratio"])
+        check = sections["memory"]["vlm_check"]
+        assert check["same_inputs"] is True and 0 <= check["first_loss_diff"] <= 1e-4

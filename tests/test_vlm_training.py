@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import FAMILIES, IMAGE_SIZE, build_vlm
+from vlm_archs import FAMILIES, IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 
@@ -58,41 +58,6 @@ def _rows(folder: Path, swap: bool = False) -> list[dict]:
     ]
 
 
-def _processor(family: str, model_dir: Path):
-    """The model's own processor; Qwen2-VL's without its video part (torchvision is not installed), as
-    `tests/test_vision.py` checks gives the processor's own ids and pixels."""
-    from transformers import AutoProcessor
-
-    if family == "qwen2_vl":
-        from oxrl_core.models.vision import load_processor
-
-        return load_processor(str(model_dir))
-    return AutoProcessor.from_pretrained(str(model_dir))
-
-
-def _encode(processor, text: str, images: list) -> dict:
-    """The processor on the rendered prompt; BOS added unless the template wrote it (as transformers does)."""
-    bos = processor.tokenizer.bos_token
-    return processor(
-        text=[text],
-        images=[images] if images else None,
-        add_special_tokens=not (bos and text.startswith(bos)),
-        return_tensors="pt",
-    )
-
-
-def _messages(row: dict) -> tuple[list[dict], str]:
-    if "messages" in row:
-        return row["messages"][:-1], row["messages"][-1]["content"]
-    parts = []
-    for k, piece in enumerate(row["prompt"].split("<image>")):
-        if k:
-            parts.append({"type": "image"})
-        if piece:
-            parts.append({"type": "text", "text": piece})
-    return [{"role": "user", "content": parts if row.get("images") else row["prompt"]}], row["response"]
-
-
 @torch.no_grad()
 def independent_sft_loss(family: str, model_dir: Path, rows: list[dict], folder: Path) -> float:
     """Token-mean NLL of the responses, one sequence at a time, from the raw rows (module docstring)."""
@@ -100,14 +65,14 @@ def independent_sft_loss(family: str, model_dir: Path, rows: list[dict], folder:
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    processor = _processor(family, model_dir)
+    processor = processor_of(family, model_dir)
     tokenizer = processor.tokenizer
     total, count = 0.0, 0
     for row in rows:
-        messages, response = _messages(row)
+        messages, response = row_messages(row)
         images = [Image.open(folder / name).convert("RGB") for name in row.get("images", [])]
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = _encode(processor, text, images)
+        inputs = encode_rendered(processor, text, images)
         answer = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         prompt_len = inputs["input_ids"].shape[1]
         ids = torch.cat([inputs["input_ids"], torch.tensor([answer])], dim=1)  # (1, T)
@@ -215,14 +180,14 @@ def independent_logps(family: str, model_dir: Path, rows: list[dict], folder: Pa
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    processor = _processor(family, model_dir)
+    processor = processor_of(family, model_dir)
     tokenizer = processor.tokenizer
     out = []
     for row in rows:
-        messages, _ = _messages({**row, "response": ""}) if isinstance(row["prompt"], str) else (row["prompt"], "")
+        messages, _ = row_messages({**row, "response": ""}) if isinstance(row["prompt"], str) else (row["prompt"], "")
         images = [Image.open(folder / name).convert("RGB") for name in row.get("images", [])]
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        inputs = _encode(processor, text, images)
+        inputs = encode_rendered(processor, text, images)
         pair = []
         for answer_text in (row["chosen"], row["rejected"]):
             answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -462,9 +427,9 @@ def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exact
     assert type(merged).__name__ == "Qwen2VLForConditionalGeneration"
     base = AutoModelForImageTextToText.from_pretrained(str(vlms["qwen2_vl"]))
     adapted = PeftModel.from_pretrained(base, str(tmp_path / "lora" / "final" / "adapter")).eval()
-    processor = _processor("qwen2_vl", tmp_path / "lora" / "final")  # final/ keeps the processor
+    processor = processor_of("qwen2_vl", tmp_path / "lora" / "final")  # final/ keeps the processor
     image = Image.open(folder / "red.png").convert("RGB")
-    messages, _ = _messages(_rows(folder)[0])
+    messages, _ = row_messages(_rows(folder)[0])
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[text], images=[[image]], return_tensors="pt")
     with torch.no_grad():

@@ -430,3 +430,44 @@ def build_vlm(family: str, out_dir: Path, seed: int = 0) -> Path:
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     return out_dir
+
+
+# ----------------------------------------------------------------------------- the independent side
+
+
+def processor_of(family: str, model_dir: Path):
+    """The model's own processor (the independent side of `test_vlm_training` and `test_vlm_rl`); Qwen2-VL's
+    without its video part (torchvision is not installed), as `tests/test_vision.py` checks gives the processor's
+    own ids and pixels."""
+    from transformers import AutoProcessor
+
+    if family == "qwen2_vl":
+        from oxrl_core.models.vision import load_processor
+
+        return load_processor(str(model_dir))
+    return AutoProcessor.from_pretrained(str(model_dir))
+
+
+def encode_rendered(processor, text: str, images: list) -> dict:
+    """The processor on the rendered prompt; BOS added unless the template wrote it (as transformers does)."""
+    bos = processor.tokenizer.bos_token
+    return processor(
+        text=[text],
+        images=[images] if images else None,
+        add_special_tokens=not (bos and text.startswith(bos)),
+        return_tensors="pt",
+    )
+
+
+def row_messages(row: dict) -> tuple[list[dict], str | None]:
+    """A raw row as chat messages up to the answer, and the answer (None for a prompt-only row): ``<image>`` markers
+    become image parts, as the model's own chat template expects them."""
+    if "messages" in row:
+        return row["messages"][:-1], row["messages"][-1]["content"]
+    parts = []
+    for k, piece in enumerate(row["prompt"].split("<image>")):
+        if k:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return [{"role": "user", "content": parts if row.get("images") else row["prompt"]}], row.get("response")

@@ -12,6 +12,13 @@ and pass@1 is the greedy accuracy; with ``n > 1`` the default temperature is 1.0
 
 With ``env`` (``--env NAME``) each sample is a multi-turn episode with that environment, played as
 the RL loop plays them (`oxrl_core.loops.episodes`), and its reward is the episode's.
+
+Image rows (``images`` with ``<image>`` markers or ``{"type": "image"}`` parts, as the training loops take them) are
+evaluated with a vision-language model: with a VLM every prompt goes through the model's processor, as the run that
+trained it encoded its prompts (`loops.rollouts.prepare_prompts`), and each sample is generated with its prompt's
+pixel inputs (`interfaces.generate_from`). Image rows with a model that reads no images, with ``--env`` (episodes
+start from text prompts) or with a backend that takes no images are refused before the weights load, naming the
+row.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ import yaml
 from pydantic import ValidationError
 
 from oxrl_core.config import RolloutConfig, RunConfig
-from oxrl_core.data.encode import encode_row_prompt
-from oxrl_core.data.rows import normalise_row
-from oxrl_core.data.sources import load_data
+from oxrl_core.data.images import is_image_row
+from oxrl_core.data.rows import normalise_row, row_where
+from oxrl_core.data.sources import Source, load_data
 from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import SamplingParams
+from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.loops.episodes import Episodes
-from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+from oxrl_core.loops.rollouts import prepare_prompts
+from oxrl_core.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from oxrl_core.models.vision import is_vlm_config, load_config, load_processing
 from oxrl_core.observability.progress import counter
 from oxrl_core.plugins import registry as get_registry
 from oxrl_core.rollout.hf import check_generation_length
@@ -37,6 +46,7 @@ from oxrl_core.schema import format_validation_error
 from oxrl_core.scoring.rewards import RewardFailures, build_reward, score_batch
 
 CORRECT = 1.0 - 1e-9  # a reward at least this large counts as a correct sample
+NO_LIMIT = 1 << 30  # prompts are never cut here: a prompt too long for the model is `check_generation_length`'s
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -54,6 +64,44 @@ def ks_for(n: int) -> list[int]:
         ks.append(k)
         k *= 2
     return ks + [n]
+
+
+def check_image_rows(image_row: dict, origin: str, env: str, backend_cls, model: str) -> None:
+    """What an evaluation cannot do with image rows, refused before any model loads: multi-turn episodes (they
+    start from text prompts) and a backend that takes no images (its `image_support` says why)."""
+    where = f"{row_where(image_row, origin)}: field 'images'"
+    if env:
+        raise OxrlError(
+            f"--env {env}: multi-turn episodes start from text prompts and {where} holds images; evaluate image "
+            "rows without --env (single-turn samples)"
+        )
+    reason = backend_cls.image_support(resolve_model_path(model))
+    if reason is not None:
+        raise OxrlError(
+            f"--backend {backend_cls.name}: {where} holds images and {reason}; evaluate image rows with --backend hf "
+            "(transformers' generate, which takes the model's image inputs)"
+        )
+
+
+def load_vision(model: str, image_row: dict | None, origin: str):
+    """The model's image processing (`vision.VLMProcessing`) when ``model`` is a vision-language model whose
+    processor loads: its prompts then go through the processor, as the training loops encode them. Otherwise None,
+    and an image row (``image_row``, the first) is refused, naming it: its images would be silently dropped."""
+    path = resolve_model_path(model)
+    if is_vlm_config(load_config(path, "--model")):
+        try:
+            return load_processing(path, "--model")
+        except OSError as exc:  # a multimodal layout saved without its image processor: text rows only
+            reason = f"is a vision-language model whose processor does not load ({str(exc).split('. ')[0]})"
+    else:
+        reason = "is a text-only model"
+    if image_row is not None:
+        raise OxrlError(
+            f"{row_where(image_row, origin)}: field 'images': this row has images and --model {model} {reason}; "
+            "evaluate image rows with a vision-language model saved with its processor (e.g. the final/ of a run "
+            "on image rows), or leave the images out"
+        )
+    return None
 
 
 def evaluate_model(
@@ -91,6 +139,7 @@ def evaluate_model(
     rows = [normalise_row(r, "prompt", source.origin) for r in source.rows]
     if limit:
         rows = rows[:limit]
+    image_row = next((r for r in rows if is_image_row(r)), None)
     sections = {"reward": {"name": reward}, "rollout": {"max_new_tokens": max_new_tokens}}
     if env:
         sections["env"] = {"name": env, "max_turns": max_turns, "max_tokens": max_turns * max_new_tokens * 2}
@@ -100,16 +149,22 @@ def evaluate_model(
         raise format_validation_error(exc, RunConfig, "oxrl eval") from None
     scorer = build_reward(config, registry, dataset=source.dataset, source="--reward")
     environment = registry.build("environment", env, {}, field="--env") if env else None
+    rollout = RolloutConfig(backend=backend, n=n, max_new_tokens=max_new_tokens, temperature=temperature)
+    backend_cls, _ = registry.check("rollout_backend", backend, rollout, field="rollout")
+    if image_row is not None:
+        check_image_rows(image_row, source.origin, env, backend_cls, model)
 
     tokenizer = load_tokenizer(model, field="--model")
-    prompt_ids = [encode_row_prompt(tokenizer, r, source.origin) for r in rows]  # before the weights load
+    vision = load_vision(model, image_row, source.origin)
+    # before the weights load; a VLM's prompts through its processor, each image row with its pixel inputs
+    prompts = prepare_prompts(Source(source.rows[: len(rows)], source.origin), tokenizer, NO_LIMIT, vision)
+    rows, prompt_ids, images = prompts.rows, prompts.ids, prompts.images
     policy = load_causal_lm(model, field="--model", reporter=reporter)
     policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     check_generation_length(policy, max(map(len, prompt_ids)), max_new_tokens, "--max-new-tokens")
     if env:  # an episode's budget: up to two completions' worth per turn, within the model's context
         room = getattr(policy.config.get_text_config(), "max_position_embeddings", 0) or 1 << 30
         config.env.max_tokens = min(config.env.max_tokens, room - max(map(len, prompt_ids)))
-    rollout = RolloutConfig(backend=backend, n=n, max_new_tokens=max_new_tokens, temperature=temperature)
     generator = registry.build("rollout_backend", backend, rollout, field="rollout", args=(policy, tokenizer, model))
 
     sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
@@ -126,7 +181,8 @@ def evaluate_model(
                     update(len(played))
             else:
                 for start in range(0, len(rows), batch_size):
-                    for group in generator.generate(prompt_ids[start : start + batch_size], sampling):
+                    part = images[start : start + batch_size] if images is not None else None
+                    for group in generate_from(generator, prompt_ids[start : start + batch_size], sampling, part):
                         texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
                         lengths += [len(c.token_ids) for c in group]
                     update(len(texts))

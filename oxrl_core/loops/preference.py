@@ -14,7 +14,8 @@ responses of a pair also share one copy of their prompt, so each prompt is compu
 
 Self-play algorithms (``self_play``, SPIN) take ``prompt_response`` rows: the chosen response is
 the dataset's, the rejected one is generated for the prompt by the reference model, which is
-the policy as it was at the start of the current iteration.
+the policy as it was at the start of the current iteration. An image row's rejected response is generated
+from its prompt with the image (the backend gets the row's pixel inputs), and the pair trains with them as DPO's do.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import SamplingParams
+from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
 from oxrl_core.loops.setup import Setup
 from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
@@ -230,11 +231,14 @@ def policy_tokens(examples: list[dict], rejected: list[list[int]] | None = None,
 
 
 def generate_rejected(backend, examples: list[dict], ro, seed: int) -> list[list[int]]:
-    """Self-play: one completion per prompt from the reference model (the previous iteration's policy)."""
+    """Self-play: one completion per prompt from the reference model (the previous iteration's policy). An image
+    row's prompt is generated from with its image inputs (`images.image_fields_of`): the rejected answer is the
+    opponent's answer about that picture, as the chosen one is the dataset's."""
     sampling = SamplingParams(
         n=1, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, seed=seed
     )
-    groups = backend.generate([ex["prompt_ids"] for ex in examples], sampling)
+    prompts = [ex["prompt_ids"] for ex in examples]
+    groups = generate_from(backend, prompts, sampling, [image_fields_of(ex) for ex in examples])
     return [g[0].token_ids for g in groups]
 
 
@@ -433,7 +437,8 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
 
 def _check_images(cfg, algorithm, source, vision) -> None:
     """What this loop cannot do with a VLM or image rows, refused before any model loads: a reward model (``rm``:
-    a score head on a causal LM) and self-play (generating from image prompts comes with RL on images)."""
+    a score head on a causal LM). Self-play trains on image rows: its rejected answers are generated from the
+    prompt with its pixels (`generate_rejected`)."""
     image_row = next((r for r in source.rows if is_image_row(r)), None)
     if algorithm.head == "score" and image_row is not None:
         raise OxrlError(
@@ -445,13 +450,6 @@ def _check_images(cfg, algorithm, source, vision) -> None:
             f"model.name: '{cfg.algorithm}' trains a reward model (a scalar head on a causal language model) and "
             f"this is a vision-language model ({vision.family.model_type}); train the reward model on a text model"
         )
-    if algorithm.self_play and vision is not None:
-        if image_row is not None:
-            raise OxrlError(
-                f"{row_where(image_row, source.origin)}: field 'images': '{cfg.algorithm}' generates its rejected "
-                "answers, and generating from image prompts is not supported by this loop yet; use dpo with "
-                "chosen/rejected rows"
-            )
 
 
 def _check_options(cfg, algorithm, fmt: str) -> None:

@@ -59,14 +59,17 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             versions = check_on_policy(scored.completions, version, ro.strict_on_policy, step)
         with clock("train"):
             # 3. the rollout batch, on the trainer's device
-            batch = rollout_batch(scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine)
+            batch = rollout_batch(
+                scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine, scored.images
+            )
             check_finite("rewards", batch["rewards"], step, run.run_dir)
             lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do
             # 4-6. old/ref logprobs, advantages (ALGO), rollout.passes_per_batch × rollout.minibatches updates (ALGO inside)
             record = update(step, batch, keep_entropy=(logged := parts.rollout_log.due(step)))
             if logged:  # rollouts.jsonl: a bounded sample, every logging.rollout_samples_every steps
                 kept = {**batch, "entropy_old": update.entropy_old}
-                parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n)
+                images = parts.strategy.sample_images(picks)
+                parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n, images)
             # 7. the weight sync (the policy version + 1), verified by the probe
             version += 1
             with clock("sync"):

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.config import env_options
+from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import is_main, world_size
 from oxrl_core.errors import OxrlError
@@ -65,20 +66,23 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     setup = Setup(trainer, ckpt)
     cfg, algorithm, ro = setup.cfg, setup.algorithm, setup.cfg.rollout
 
-    # ---- data and reward (before any model loads, so bad input fails fast)
-    policy_path = initial_policy_path(cfg.model.name, tools=bool(cfg.env.name), reporter=setup.reporter)
-    tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    # ---- data and reward (before any model loads, so bad input fails fast); a VLM's prompts go through its processor
     train_source = load_data(cfg.data.train, "train", setup.registry)
-    rows, prompt_ids, dropped = prepare_prompts(train_source, tokenizer, cfg.data.max_length)
-    if dropped:
+    images = not cfg.model.name and any(is_image_row(r) for r in train_source.rows)  # the built-in VLM's warm start
+    policy_path = initial_policy_path(cfg.model.name, tools=bool(cfg.env.name), reporter=setup.reporter, images=images)
+    tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
+    vision = setup.vision(policy_path)
+    prompts = prepare_prompts(train_source, tokenizer, cfg.data.max_length, vision)
+    rows, prompt_ids = prompts.rows, prompts.ids
+    if prompts.dropped:
         setup.info(
-            f"[yellow]note:[/yellow] {dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
+            f"[yellow]note:[/yellow] {prompts.dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
         )
     setup.steps_from_epochs(len(rows), "prompts", accum=1)  # train.epochs: one pass = every prompt once
     held_out = eval_source(cfg.data, setup.registry)
-    eval_rows, eval_ids = (
-        ([], []) if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length)[:2]
-    )
+    eval_prompts = None if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length, vision)
+    eval_rows, eval_ids = ([], []) if eval_prompts is None else (eval_prompts.rows, eval_prompts.ids)
+    with_images = prompts.images is not None or (eval_prompts is not None and eval_prompts.images is not None)
     reward = build_reward(cfg, setup.registry, algorithm.default_reward, train_source.dataset)
     if ro.n < algorithm.min_group_size:
         raise OxrlError(
@@ -86,6 +90,8 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             f"{algorithm.min_group_size}, got {ro.n}"
         )
     backend_cls, _ = setup.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
+    if with_images:
+        _check_images(cfg, algorithm, backend_cls, policy_path)
     env = None
     if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here
         env = setup.registry.build("environment", cfg.env.name, env_options(cfg), field="env")
@@ -100,6 +106,9 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     if shared and env is not None:  # an episode's prompt can change mid-episode (fallback): padded rows
         shared = False
         setup.info("[yellow]note:[/yellow] data.packing: shared prompts do not apply to multi-turn episodes (env.name)")
+    if shared and vision is not None:  # a packed row would need each segment's own image positions: padded rows
+        shared = False
+        setup.info("[yellow]note:[/yellow] data.packing: a vision-language model's rollout rows are padded, not packed")
     start = setup.start_from(policy_path)
     model = load_causal_lm(start, attn_implementation=attn, trust_remote_code=cfg.model.trust_remote_code,
                            reporter=setup.reporter)  # fmt: skip
@@ -144,7 +153,7 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
         episodes = Episodes(type(env), env.config, cfg, tokenizer, backend)
         strategy = EpisodeRollouts(episodes, engine, cfg.env, shards, **common)
     else:
-        strategy = Completions(backend, engine, tokenizer, prompt_ids, eval_ids, shards, **common)
+        strategy = Completions(backend, engine, tokenizer, prompts, eval_prompts, shards, **common)
 
     def evaluate(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
         with engine.full_weights():
@@ -155,11 +164,12 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             torch.save(critic.state_dict(), tmp / "critic.pt")
 
     # ---- the run (resumes a checkpoint), then the verified weight sync
-    run = Run(setup, model, tokenizer, engine, evaluate if eval_rows else None, extra=extra_files, every_metric=True)
+    saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
+    run = Run(setup, model, saved_with, engine, evaluate if eval_rows else None, extra=extra_files, every_metric=True)
     # verified weight sync (oxrl_core.rollout.sync): the backend and the trainer score a fixed probe
     can_score = ro.sync_check and backend_cls.can_score()
     verify_sync = SyncCheck(
-        backend, can_score, model, engine, tokenizer, prompt_ids[0], ro, run.start_step, run.run_dir, run.info
+        backend, can_score, model, engine, tokenizer, _probe_prompt(prompts), ro, run.start_step, run.run_dir, run.info
     )
     try:
         if run.resumed:
@@ -173,10 +183,38 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids]
     plan = setup.plan(train_source, sources, lengths, group_by_length=False)  # prompts in seeded order
     samples = f"{cfg.train.batch_size}×{ro.n} samples/step"
-    run.banner("built-in tiny llama (warm start)", f"{train_source.origin} ({len(rows)} prompts) · "
+    builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
+    run.banner(builtin, f"{train_source.origin} ({len(rows)} prompts) · "
                f"reward {strategy.reward_name} · {samples}")  # fmt: skip
     rollout_log = RolloutLog(
         run.run_dir, cfg.logging.rollout_samples_every, cfg.train.max_steps, tokenizer, run.start_step if ckpt else None
     )
     return RLParts(run, tokenizer, plan, model, ref, critic, shared, backend, strategy, verify_sync, rollout_log,
                    extra_files)  # fmt: skip
+
+
+def _check_images(cfg, algorithm, backend_cls, policy_path: str) -> None:
+    """What an RL run cannot do with image prompts, refused before any model loads, with what to use instead."""
+    reason = backend_cls.image_support(policy_path)
+    if reason is not None:
+        raise OxrlError(
+            f"rollout.backend={cfg.rollout.backend}: the data has image prompts and {reason}; "
+            "generate with rollout.backend=hf (transformers' generate, which takes the model's image inputs)"
+        )
+    if cfg.env.name:
+        raise OxrlError(
+            f"env.name={cfg.env.name}: multi-turn episodes start from text prompts; the data has image prompts "
+            "(single-turn RL trains on them)"
+        )
+    if getattr(algorithm.config, "critic", "shared") == "separate":
+        raise OxrlError(
+            "alg.critic=separate: the separate critic is a copy of the language model alone, which reads no "
+            "images; with image prompts use alg.critic=shared (the value head on the policy's hidden states)"
+        )
+
+
+def _probe_prompt(prompts) -> list[int]:
+    """The weight-sync probe's prompt: the first text prompt (the probe is scored without images), or none."""
+    if prompts.images is None:
+        return prompts.ids[0]
+    return next((ids for ids, fields in zip(prompts.ids, prompts.images) if not fields), [])

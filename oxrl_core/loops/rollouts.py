@@ -13,17 +13,18 @@ rows: position t scores token t+1, ``mask`` is 1 where that token is a completio
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from oxrl_core.data.batching import token_budget_batches
-from oxrl_core.data.encode import encode_row_prompt
+from oxrl_core.data.encode import check_row_images, encode_row_prompt, image_fields
+from oxrl_core.data.images import check_image_row, collate_pixels
 from oxrl_core.data.rows import normalise_row
 from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import SamplingParams
+from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.models.packed_attention import SHARED_PREFIX
 from oxrl_core.models.token_head import on_grid, token_stats
 from oxrl_core.scoring.rewards import RewardFailures, score_batch
@@ -31,22 +32,46 @@ from oxrl_core.scoring.rewards import RewardFailures, score_batch
 # ----------------------------------------------------------------------------- prompts and rollouts
 
 
-def prepare_prompts(source, tokenizer, max_length: int) -> tuple[list[dict], list[list[int]], int]:
-    """Rows checked as prompt rows, their prompt token ids, and how many were too long (dropped)."""
+def prepare_prompts(source, tokenizer, max_length: int, vision=None) -> Prompts:
+    """Rows checked as prompt rows, their prompt token ids (and image inputs), and how many were too long (dropped).
+
+    ``vision`` (a VLM run's processing, `vision.VLMProcessing`): every prompt goes through the model's processor
+    (`encode.image_fields`), and an image row's example keeps its image inputs. Image rows are checked as the other
+    loops check them (`images.check_image_row`, `encode.check_row_images`: a text model refuses them, naming the
+    row)."""
     if not source.rows:
         raise OxrlError(f"{source.origin}: no rows")
-    rows, ids, dropped = [], [], 0
-    for row in source.rows:
-        row = normalise_row(row, "prompt", source.origin)
-        prompt_ids = encode_row_prompt(tokenizer, row, source.origin)  # 0 tokens: refused here, naming file and row
+    rows, ids, images, dropped = [], [], [], 0
+    for raw in source.rows:
+        n_images = check_image_row(raw, source.origin)
+        row = check_row_images(normalise_row(raw, "prompt", source.origin), "prompt", source.origin, vision, n_images)
+        if vision is not None:
+            prompt_ids, fields = image_fields(vision, row, source.origin, max_length)
+        else:  # 0 tokens: refused here, naming file and row
+            prompt_ids, fields = encode_row_prompt(tokenizer, row, source.origin), {}
         if len(prompt_ids) >= max_length:
             dropped += 1
             continue
         rows.append(row)
         ids.append(prompt_ids)
+        images.append(fields)
     if not rows:
         raise OxrlError(f"{source.origin}: every prompt is longer than data.max_length={max_length}")
-    return rows, ids, dropped
+    return Prompts(rows, ids, images if any(images) else None, dropped)
+
+
+@dataclass
+class Prompts:
+    """A prompt source, checked and encoded (`prepare_prompts`)."""
+
+    rows: list[dict]
+    ids: list[list[int]]  # (P,) each prompt's token ids
+    images: list[dict] | None  # (P,) each prompt's image inputs ({} for a text prompt); None when no prompt has any
+    dropped: int  # prompts longer than data.max_length, left out
+
+    def images_of(self, picks: list[int]) -> list[dict] | None:
+        """The image inputs of the prompts ``picks``, or None for text prompts."""
+        return None if self.images is None else [self.images[i] for i in picks]
 
 
 def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend: str) -> None:
@@ -113,16 +138,23 @@ def check_no_padding_holes(batch: dict[str, torch.Tensor], multi_turn: bool = Fa
         )
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, want_hidden: bool = False, where=None):
+def token_logprobs(
+    model, input_ids, attention_mask, temperature: float, want_hidden: bool = False, where=None, images=None
+):
     """logp (B, L-1) of each next token under logits / temperature, entropy (B, L-1), last hidden state (B, L, H).
 
     Computed where ``where`` (B, L-1) is non-zero (default: every attended next token), 0 elsewhere;
-    only those positions meet the LM head, chunk by chunk (`token_head`)."""
+    only those positions meet the LM head, chunk by chunk (`token_head`). ``images``: each row's image inputs
+    (a VLM's rows; {} for a text row), joined row by row (`images.collate_pixels`) and given to the model."""
     where = attention_mask[:, 1:] if where is None else where
     rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if images is not None:
+        pixels = collate_pixels(images, input_ids.shape[1])
+        inputs.update({k: v.to(input_ids.device) for k, v in pixels.items()})
     stats = token_stats(
         model,
-        {"input_ids": input_ids, "attention_mask": attention_mask},
+        inputs,
         rows,
         pos,
         input_ids[rows, pos + 1],
@@ -206,18 +238,27 @@ def sync_weights(backend, model, version: int) -> None:
         backend.update_weights(model, version)
 
 
-def generate_sharded(backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int):
+def generate_sharded(
+    backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int, images: list[dict] | None = None
+):
     """The rollout batch's groups, generated in ``shards`` seeded shards of whole prompts that are dealt
     to the ranks in contiguous blocks (each rank samples its own on whole weights) and gathered on
     every rank. The samples depend on ``shards``, not on the world size; one shard in one process is
     one ``generate`` call with ``sampling``. With rollout actors (``rollout.actors``) rank 0 has the
-    actors generate every shard and broadcasts the result."""
+    actors generate every shard and broadcasts the result. ``images``: each prompt's image inputs (None: text)."""
     size, per_rank = len(prompts) // shards, shards // world_size()
+
+    def images_of(k: int) -> list[dict] | None:
+        return None if images is None else images[k * size : (k + 1) * size]
+
     seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
     if backend is None or backend.remote:
         parts = (
             backend.generate_shards(
-                [(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k])) for k in range(shards)]
+                [
+                    (prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]), images_of(k))
+                    for k in range(shards)
+                ]
             )
             if is_main()
             else None
@@ -226,7 +267,9 @@ def generate_sharded(backend, engine, prompts: list[list[int]], sampling: Sampli
     local = []
     with engine.full_weights():
         for k in range(rank() * per_rank, (rank() + 1) * per_rank):
-            local += backend.generate(prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]))
+            local += generate_from(
+                backend, prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]), images_of(k)
+            )
     return [group for part in all_gather_object(local) for group in part]
 
 
@@ -260,12 +303,13 @@ def score_sharded(
 
 
 def rl_evaluate(
-    backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64, progress=None
+    backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64, progress=None, images=None
 ) -> dict:
     """The held-out prompts, answered greedily (``eval/reward``, and ``eval/accuracy`` when the data can
     check answers) and sampled as in training, ``rollout.n`` samples at ``rollout.temperature`` with a
     fixed seed (``eval/reward_sampled``: the expected reward of the policy, the quantity RL maximises).
-    ``progress(done, total)`` counts the completions (a `progress.Reporter.counter` update)."""
+    ``progress(done, total)`` counts the completions (a `progress.Reporter.counter` update); ``images``: each
+    prompt's image inputs (None: text prompts)."""
     if not rows:
         return {}
     metrics = {}
@@ -278,7 +322,8 @@ def rl_evaluate(
     for suffix, sampling in modes.items():
         texts: list[str] = []
         for start in range(0, len(prompt_ids), batch):
-            groups = backend.generate(prompt_ids[start : start + batch], sampling)
+            part = None if images is None else images[start : start + batch]
+            groups = generate_from(backend, prompt_ids[start : start + batch], sampling, part)
             texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             done += len(groups) * sampling.n
             update(done)
@@ -302,10 +347,13 @@ def check_on_policy(completions, version: int, strict: bool, step: int) -> set[i
     return versions
 
 
-def rollout_batch(prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine) -> dict:
+def rollout_batch(
+    prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine, images=None
+) -> dict:
     """The rollout batch the update reads, on the trainer's device: `rollout_tensors` of each sample's prompt
     (B of them) and completion, plus ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each
-    sample, ``prompt_len`` (B,)."""
+    sample, ``prompt_len`` (B,); with ``images`` (each sample's prompt's image inputs), ``images`` (B,): a list,
+    selected with the rows (`MicroBatches.rows_of`) and joined per micro-batch by the forward (`token_logprobs`)."""
     batch = rollout_tensors(prompts, completions, pad_id)
     check_no_padding_holes(batch, multi_turn=any(c.sampled is not None for c in completions))
     device = engine.device
@@ -314,6 +362,8 @@ def rollout_batch(prompts: list[list[int]], completions, scores: list[float], n:
     batch["group_size"] = n
     batch["group"] = torch.arange(len(completions), device=device) // n  # (B,)
     batch["prompt_len"] = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
+    if images is not None:
+        batch["images"] = images  # (B,) each row's image inputs, moved to the device per micro-batch
     return batch
 
 
@@ -328,7 +378,7 @@ def policy_forward(model, critic, mb: dict, temperature: float, shared: bool = F
     want_hidden = critic is not None and critic.shared
     # logprobs at the completion tokens only (``mask``): the prompt's positions never meet the LM head
     logp, entropy, hidden = token_logprobs(
-        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"]
+        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"], mb.get("images")
     )
     out = {"logp": logp, "entropy": entropy}
     if critic is not None:
@@ -357,13 +407,16 @@ class MicroBatches:
         return chunks(rows, self.micro)
 
     def rows_of(self, idx: list[int]) -> dict:
-        """The batch's per-row tensors at rows ``idx`` (scalars as they are)."""
+        """The batch's per-row tensors (and per-row lists: ``images``) at rows ``idx`` (scalars as they are)."""
         index = torch.tensor(idx, device=self.batch["input_ids"].device)
         B = self.B
-        return {
-            k: (v.index_select(0, index) if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v)
-            for k, v in self.batch.items()
-        }
+
+        def select(v):
+            if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B:
+                return v.index_select(0, index)
+            return [v[i] for i in idx] if isinstance(v, list) and len(v) == B else v
+
+        return {k: select(v) for k, v in self.batch.items()}
 
     def single(self) -> bool:
         """Whether the whole batch is one micro-batch."""

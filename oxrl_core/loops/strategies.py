@@ -13,9 +13,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from oxrl_core.data.images import row_images
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episodes
-from oxrl_core.loops.rollouts import check_completions, generate_sharded, rl_evaluate, score_sharded
+from oxrl_core.loops.rollouts import Prompts, check_completions, generate_sharded, rl_evaluate, score_sharded
 from oxrl_core.scoring.rewards import RewardFailures, RewardWatch
 
 
@@ -27,6 +28,7 @@ class Scored:
     completions: list[Completion]  # (B,) what the backend sampled (and an environment's tokens, mask 0)
     scores: list[float]  # (B,) the rewards
     metrics: dict[str, float]  # reward/..., env/... of the batch
+    images: list[dict] | None = None  # (B,) each sample's prompt's image inputs (a VLM's image prompts), else None
 
 
 class RolloutStrategy(ABC):
@@ -51,18 +53,26 @@ class RolloutStrategy(ABC):
     def evaluate(self, progress) -> dict:
         """Held-out metrics (rank 0, on whole parameters), ``progress(done, total)`` counting samples."""
 
+    def sample_images(self, picks: list[int]) -> list[list] | None:
+        """Each sample's prompt's images as PIL images (B,), for rollouts.jsonl; None where prompts have none."""
+        return None
+
 
 class Completions(RolloutStrategy):
     """One turn: n completions per prompt from the rollout backend, each rank generating and scoring its shards
     (`generate_sharded`, `score_sharded`)."""
 
-    def __init__(self, backend, engine, tokenizer, prompt_ids, eval_ids, shards: int, **common):
+    def __init__(
+        self, backend, engine, tokenizer, prompts: Prompts, eval_prompts: Prompts | None, shards: int, **common
+    ):
         super().__init__(**common)
         self.backend, self.engine, self.tokenizer, self.shards = backend, engine, tokenizer, shards
-        self.prompt_ids, self.eval_ids = prompt_ids, eval_ids
+        self.prompts, self.eval_prompts = prompts, eval_prompts
+        self.prompt_ids = prompts.ids
 
     def play(self, picks, sampling):
-        groups = generate_sharded(self.backend, self.engine, [self.prompt_ids[i] for i in picks], sampling, self.shards)
+        prompt_ids, images = [self.prompt_ids[i] for i in picks], self.prompts.images_of(picks)
+        groups = generate_sharded(self.backend, self.engine, prompt_ids, sampling, self.shards, images)
         ro = self.ro
         check_completions(groups, ro.n, ro.max_new_tokens, self.tokenizer.eos_token_id, ro.backend)
         return picks, [c for g in groups for c in g]  # (B = P·n)
@@ -75,11 +85,19 @@ class Completions(RolloutStrategy):
         prompts_text = [r["prompt"] for r in sample_rows]
         scores, metrics = score_sharded(self.reward, prompts_text, texts, sample_rows, failures)
         self.reward_watch.after_scoring(step, failures, self.run_dir)  # one line per step
-        return Scored([self.prompt_ids[i] for i in picks for _ in range(n)], completions, scores, metrics)
+        images = self.prompts.images_of([i for i in picks for _ in range(n)])  # (B,) references, not copies
+        return Scored([self.prompt_ids[i] for i in picks for _ in range(n)], completions, scores, metrics, images)
+
+    def sample_images(self, picks):
+        if self.prompts.images is None:
+            return None
+        return [row_images(self.rows[i], "") for i in picks for _ in range(self.ro.n)]
 
     def evaluate(self, progress):
-        args = (self.reward, self.eval_dataset, self.ro, self.seed)
-        return rl_evaluate(self.backend, self.tokenizer, self.eval_rows, self.eval_ids, *args, progress=progress)
+        held_out, args = self.eval_prompts, (self.reward, self.eval_dataset, self.ro, self.seed)
+        return rl_evaluate(
+            self.backend, self.tokenizer, held_out.rows, held_out.ids, *args, progress=progress, images=held_out.images
+        )
 
 
 class EpisodeRollouts(RolloutStrategy):

@@ -135,6 +135,16 @@ def image_token_id(config) -> int:
     raise OxrlError(f"the {config.model_type} config names no image token (image_token_id / image_token_index)")
 
 
+def placeholder_token_ids(config) -> list[int]:
+    """The tokens a VLM's forward counts against its image (and video) features: a sampled one in a completion
+    would make the training forward refuse the row ("image features and image tokens do not match"), so generation
+    never samples them. [] for a text model."""
+    if not is_vlm_config(config):
+        return []
+    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
+    return sorted({v for name in names if isinstance(v := getattr(config, name, None), int)})
+
+
 #: where each family's vision tower sits under the model's inner ``model`` (transformers 5 names)
 VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
 

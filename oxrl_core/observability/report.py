@@ -9,16 +9,18 @@ early) and, for RL runs, ``rollouts.jsonl`` (a sample of rollouts, `rollout_log`
   network): loss, reward mean ± std and its distribution over time, KL, entropy, response length and
   share clipped, trainer–rollout logprob gap, grad norm, lr, tokens/s, MFU, every held-out metric at
   every evaluation; then every other logged metric. Two or more runs overlay their curves;
-- for RL runs, the rollout viewer: the logged steps' prompts and completions with their rewards and
-  advantages, each completion's tokens coloured by a per-token quantity picked in a select box (a small
-  inline script reads the samples from an inline JSON block).
+- for RL runs, the rollout viewer: the logged steps' prompts (with their images, in an image run) and completions
+  with their rewards and advantages, each completion's tokens coloured by a per-token quantity picked in a select
+  box (a small inline script reads the samples from an inline JSON block).
 
 Nothing in the file points outside it: it opens from disk, offline.
 
 Every file of a run directory is treated as hostile (a tampered or damaged run directory, a name chosen by
 anyone): every value read from it reaches the page escaped (`esc`; in the viewer's JSON block `<`, `>`, `&`
-are escaped, `_json_for_script`; the viewer's script puts data into the page as text only), and the page's
-Content-Security-Policy (`CSP`) runs no script but the viewer's own, identified by its hash. A file of the
+are escaped, `_json_for_script`; the viewer's script puts data into the page as text only, and an image only as
+an ``<img>`` whose ``src`` is a base64 ``data:image/...`` URI — `run_files.IMAGE_SRC` drops any other value when
+the file is read, and the script checks each again), and the page's Content-Security-Policy (`CSP`) runs no script
+but the viewer's own, identified by its hash, and loads images from data: URIs only. A file of the
 wrong shape (a step that is not a number, a config that is a list, a summary that is not an object) is a
 note in the report ("Damaged files"), never a crash; an error.log that the run outlived (it finished
 later, e.g. after ``--resume``) is shown as an earlier failure, as `oxrl bug-report` decides.
@@ -382,7 +384,9 @@ VIEWER_SCRIPT = r"""
     mask: {label: "loss mask", kind: "mask"},
     kl: {label: "KL to the reference (k3)", kind: "seq"}
   };
-  // data reaches the page only as text (textContent, title, value): never as HTML
+  // data reaches the page only as text (textContent, title, value): never as HTML; an image only as img.src, and
+  // only a base64 data: URI of a raster image (run_files.IMAGE_SRC, checked again here): never a URL or script
+  var IMAGE_SRC = /^data:image\/(png|jpeg|gif|webp);base64,[A-Za-z0-9+\/=]+$/;
   function at(list, i) {
     var v = list ? list[i] : null;
     return typeof v === "number" && isFinite(v) ? v : null;
@@ -417,6 +421,21 @@ VIEWER_SCRIPT = r"""
   }
   function fmt(v) { return typeof v !== "number" || !isFinite(v) ? "–" : (Math.abs(v) < 1e-3 && v !== 0 ? v.toExponential(2) : v.toFixed(4)); }
   function ordinal(v) { return typeof v === "number" ? String(v + 1) : "?"; }
+  function pictures(s) {
+    var box = el("div", "images"), shown = 0, left = s.images_left_out;
+    (Array.isArray(s.images) ? s.images : []).forEach(function (src) {
+      if (typeof src !== "string" || !IMAGE_SRC.test(src)) { return; }
+      var img = el("img", "image");
+      shown += 1;
+      img.alt = "the prompt's image " + shown;
+      img.src = src;
+      box.appendChild(img);
+    });
+    if (typeof left === "number" && left > 0) {
+      box.appendChild(el("span", "more", left + " more image(s) not logged: past rollouts.jsonl's bound on image data per step"));
+    }
+    return box.firstChild ? box : null;
+  }
   function render(viewer, runData) {
     var step = viewer.querySelector("select.step").value;
     var q = viewer.querySelector("select.quantity").value;
@@ -438,6 +457,8 @@ VIEWER_SCRIPT = r"""
       var head = el("div", "head", "prompt " + ordinal(s.group) + ", sample " + ordinal(s.sample) + " · reward " + fmt(s.reward) +
         " · advantage " + fmt(s.advantage) + " · " + s.length + " tokens (" + s.finish_reason + ")");
       box.appendChild(head);
+      var images = pictures(s);
+      if (images) { box.appendChild(images); }
       box.appendChild(el("pre", "prompt", s.prompt));
       var comp = el("div", "completion");
       var vals = values(s, q);
@@ -477,8 +498,9 @@ def _viewer(run: RunData, index: int, several: bool) -> str:
     steps = "".join(f'<option value="{esc(d["step"])}">step {esc(d["step"])}</option>' for d in data)
     return (
         f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + esc(run.name) if several else ""}</h3>'
-        '<p class="note">Prompts and completions rollouts.jsonl logged (logging.rollout_samples_every): each token '
-        "coloured by the quantity chosen below; hover a token for all its values.</p>"
+        '<p class="note">Prompts (with their images, scaled down) and completions rollouts.jsonl logged '
+        "(logging.rollout_samples_every): each token coloured by the quantity chosen below; hover a token for all "
+        "its values.</p>"
         f'<label>step <select class="step">{steps}</select></label> '
         '<label>colour by <select class="quantity"></select></label>'
         '<div class="scale note"></div><div class="samples"></div>'
@@ -501,6 +523,7 @@ ul.findings{padding-left:1.2em}li.error{color:#b00}li.warning{color:#a60}p.ok{co
 details{margin-top:1em}summary{cursor:pointer;font-weight:600}
 .sample{border:1px solid #ddd;border-radius:6px;margin:.6em 0;padding:.5em;background:#fff}
 .sample .head{font-size:.85em;color:#444;margin-bottom:.3em}
+.images img{height:128px;width:auto;margin:.2em .4em .2em 0;border:1px solid #ddd;image-rendering:pixelated}
 pre.prompt{white-space:pre-wrap;background:#f4f4f4;margin:.2em 0;padding:.3em;font-size:.8em;max-height:12em;overflow:auto}
 .completion{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85em;white-space:pre-wrap;line-height:1.7}
 .tok{border-radius:2px;padding:1px 0;margin-right:1px}.more{color:#888}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,6 +241,30 @@ def _number_or_none(value):
 TOKEN_VALUES = ("ids", "logp", "logp_rollout", "entropy", "adv", "mask", "logp_ref")
 
 
+#: what a logged image may be (rollout_log writes PNG): a base64 data URI of a raster image and nothing else (no
+#: ``javascript:`` or http URL, no quote or angle bracket); the viewer's script checks the same before ``img.src``
+IMAGE_SRC = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=]+")
+
+
+def _clean_images(sample: dict, out: dict, where: str, notes: _Notes) -> None:
+    """A logged sample's ``images`` (an image run's; absent in a text run): only the strings `IMAGE_SRC` matches
+    whole are kept, the others left out with a note. ``images_left_out`` (how many images the log's bound left
+    out) is kept only where it is a count."""
+    images = sample.get("images")
+    if isinstance(images, list):
+        out["images"] = [v for v in images if isinstance(v, str) and IMAGE_SRC.fullmatch(v)]
+        if len(out["images"]) < len(images):
+            dropped = f"{len(images) - len(out['images'])} of the images are not"
+            notes.add("rollouts.jsonl", f"{where}: {dropped} a data: URI of a PNG, JPEG, GIF or WebP image; left out")
+    elif images is not None:
+        notes.add("rollouts.jsonl", f"{where}: images is {_describe(images)}, not a list; left out")
+        out["images"] = []
+    left = sample.get("images_left_out")
+    if left is not None and not (isinstance(left, int) and not isinstance(left, bool) and 0 <= left < 10**15):
+        notes.add("rollouts.jsonl", f"{where}: images_left_out is {_describe(left)}, not a count; left out")
+        del out["images_left_out"]
+
+
 def _clean_sample(sample, where: str, notes: _Notes) -> dict | None:
     """A logged sample the viewer can show: the fields rollout_log writes, each of its type (a field of another
     type is replaced: a number by null, text by its JSON form, a list by the values that fit); a sample that is
@@ -277,6 +302,7 @@ def _clean_sample(sample, where: str, notes: _Notes) -> dict | None:
             out[key] = _describe(sample.get(key))
     out.setdefault("prompt", "")
     out.setdefault("finish_reason", "")
+    _clean_images(sample, out, where, notes)
     if bad:
         fields = ", ".join(dict.fromkeys(bad))
         notes.add("rollouts.jsonl", f"{where}: {fields} not of the type oxRL writes; shown as far as readable")

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 from oxrl_core.config import RolloutConfig
 from oxrl_core.engines.distributed import env_for_actors, ray_reason
 from oxrl_core.errors import OxrlError
-from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, generate_from
 from oxrl_core.models.lora import policy_state_dict
 from oxrl_core.plugins import discover
 from oxrl_core.run_io.lifecycle import kept_signal_handlers
@@ -59,8 +59,11 @@ class RolloutWorker:
     def __repr__(self) -> str:  # how Ray names this actor in its messages
         return f"oxrl rollout actor {self.index}"
 
-    def generate(self, shards: list[tuple[list[list[int]], SamplingParams]]) -> list[list[list[Completion]]]:
-        return [self.backend.generate(prompts, sampling) for prompts, sampling in shards]
+    def generate(self, shards: list[tuple]) -> list[list[list[Completion]]]:
+        """Each shard: (prompts, sampling[, each prompt's image inputs])."""
+        return [
+            generate_from(self.backend, shard[0], shard[1], shard[2] if len(shard) > 2 else None) for shard in shards
+        ]
 
     def update_weights(self, state: dict, policy_version: int) -> None:
         self.backend.update_weights(state, policy_version)
@@ -135,8 +138,9 @@ class RolloutActors(RolloutBackend):
 
     # ------------------------------------------------------------------ rollouts
 
-    def generate_shards(self, shards: list[tuple[list[list[int]], SamplingParams]]) -> list[list[list[Completion]]]:
-        """Shard k goes to actor k mod M; the shards come back in order."""
+    def generate_shards(self, shards: list[tuple]) -> list[list[list[Completion]]]:
+        """Shard k, (prompts, sampling[, each prompt's image inputs]), goes to actor k mod M; the shards come back in
+        order."""
         if not self.actors:
             raise OxrlError("the rollout actors are closed")
         dealt = [list(range(i, len(shards), len(self.actors))) for i in range(len(self.actors))]
@@ -147,9 +151,11 @@ class RolloutActors(RolloutBackend):
                 out[k] = groups
         return out
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingParams, images: list[dict] | None = None
+    ) -> list[list[Completion]]:
         """One shard: the first actor generates it."""
-        return self.generate_shards([(prompt_token_ids, sampling)])[0]
+        return self.generate_shards([(prompt_token_ids, sampling, images)])[0]
 
     # ------------------------------------------------------------------ weights
 

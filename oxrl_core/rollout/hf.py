@@ -11,8 +11,10 @@ from typing import Any, ClassVar
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from oxrl_core.data.images import collate_pixels
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+from oxrl_core.models.vision import placeholder_token_ids
 
 
 def context_length(model) -> int | None:
@@ -65,7 +67,11 @@ class HFRolloutBackend(RolloutBackend):
 
     Nothing else may reshape the distribution: the model's own ``generation_config`` (which
     for a hub model may set top_k, repetition_penalty, min_p, ...) is set aside during the
-    call, and transformers' global ``top_k=50`` default is switched off.
+    call, and transformers' global ``top_k=50`` default is switched off. One exception, for a
+    vision-language model: its image placeholder tokens (`vision.placeholder_token_ids`) are never
+    sampled (their logits are -inf in the processed scores, so the logprobs are of the distribution
+    sampled from): the trainer's forward would count such a token against the image features and
+    refuse the row. A trained policy gives them almost no mass, which `rollout/logprob_diff` shows.
     """
 
     name: ClassVar[str] = "hf"
@@ -81,11 +87,15 @@ class HFRolloutBackend(RolloutBackend):
         self.eos_id: int = tokenizer.eos_token_id
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.policy_version = 0
+        self.suppressed = placeholder_token_ids(model.config) if hasattr(model, "config") else []
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt, in prompt order (see the class docstring for logprobs)."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingParams, images: list[dict] | None = None
+    ) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, in prompt order (see the class docstring for logprobs); ``images``:
+        each prompt's image inputs from the model's processor ({} for a text prompt), passed to ``generate``."""
         if self.model is None:
             raise OxrlError("the hf rollout backend is closed")
         if sampling.n < 1 or sampling.max_new_tokens < 1:
@@ -94,6 +104,8 @@ class HFRolloutBackend(RolloutBackend):
             raise OxrlError(f"sampling needs temperature >= 0 and 0 < top_p <= 1, got {sampling}")
         if any(len(p) == 0 for p in prompt_token_ids):
             raise OxrlError("every prompt needs at least one token")
+        if images is not None and len(images) != len(prompt_token_ids):
+            raise OxrlError(f"{len(images)} image entries for {len(prompt_token_ids)} prompts (one per prompt)")
 
         # `batch_size` prompts (each with its n samples) per generate call
         per_call = len(prompt_token_ids) if self.batch_size is None else self.batch_size
@@ -113,7 +125,8 @@ class HFRolloutBackend(RolloutBackend):
                 if sampling.seed is not None:
                     torch.manual_seed(sampling.seed)
                 for start in range(0, len(prompt_token_ids), per_call):
-                    flat += self._generate_batch(prompt_token_ids[start : start + per_call], sampling, device)
+                    part = None if images is None else images[start : start + per_call]
+                    flat += self._generate_batch(prompt_token_ids[start : start + per_call], sampling, device, part)
         finally:
             self.model.generation_config = saved_config
             self.model.train(was_training)
@@ -126,10 +139,16 @@ class HFRolloutBackend(RolloutBackend):
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
+            suppress_tokens=self.suppressed or None,  # a VLM's image placeholders (class docstring)
         )
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, device) -> list[Completion]:
-        """``sampling.n`` samples of each prompt, in one ``generate`` call over P·n left-padded rows."""
+    def _generate_batch(
+        self, prompts: list[list[int]], sampling: SamplingParams, device, images: list[dict] | None = None
+    ) -> list[Completion]:
+        """``sampling.n`` samples of each prompt, in one ``generate`` call over P·n left-padded rows. A prompt's image
+        inputs go with each of its n rows (`images.collate_pixels`, left-padded like the tokens): the vision tower
+        sees the image once per sample, and such a batch starts from transformers' own cache (the shared prefill
+        of `_prefilled_cache` numbers positions in one dimension; Qwen-VL's are three)."""
         width = max(map(len, prompts))
         check_generation_length(self.model, width, sampling.max_new_tokens)  # before any buffer is sized
         prompt_ids = torch.tensor(
@@ -139,7 +158,15 @@ class HFRolloutBackend(RolloutBackend):
         # each prompt repeated n times, its samples contiguous (greedy generate takes no num_return_sequences > 1)
         input_ids = prompt_ids.repeat_interleave(sampling.n, dim=0)  # (P·n, W)
         attention_mask = prompt_mask.repeat_interleave(sampling.n, dim=0)  # (P·n, W)
-        cache = self._prefilled_cache(prompt_ids, prompt_mask, sampling.n, width + sampling.max_new_tokens)
+        pixels: dict[str, torch.Tensor] = {}
+        if images and any(images):
+            per_row = [fields for fields in images for _ in range(sampling.n)]  # (P·n,) references, not copies
+            pixels = {k: v.to(device) for k, v in collate_pixels(per_row, width, left=True).items()}
+        cache = (
+            None
+            if pixels
+            else self._prefilled_cache(prompt_ids, prompt_mask, sampling.n, width + sampling.max_new_tokens)
+        )
         greedy = sampling.temperature == 0
         options: dict[str, Any] = (
             dict(do_sample=False)
@@ -157,6 +184,7 @@ class HFRolloutBackend(RolloutBackend):
             return_dict_in_generate=True,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
+            **pixels,
             **options,
         )
         new_tokens = out.sequences[:, width:]  # (B, steps)
@@ -242,6 +270,11 @@ class HFRolloutBackend(RolloutBackend):
         finally:
             self.model.train(was_training)
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+
+    @classmethod
+    def image_support(cls, model_path: str) -> str | None:
+        """Any model transformers generates with: the image inputs go to its own ``generate``."""
+        return None
 
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "HFRolloutBackend":

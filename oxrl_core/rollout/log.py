@@ -14,14 +14,25 @@ The per-token values are the trainer's logprob of each sampled token, the rollou
 policy's entropy there, the advantage, the loss mask (0 on an environment's tokens in a multi-turn
 episode) — read off the rollout batch the update trained on, at the completion's next-token positions.
 
+An image run (a VLM's image prompts) adds to each sample its prompt's images, ``"images": ["data:image/png;base64,
+...", ...]`` (`image_data_uri`: PNG, scaled down to at most `MAX_IMAGE_SIDE` pixels on the longest side), and, when
+the step's bound on image data was reached, ``"images_left_out": 2`` (how many of the sample's images were not
+recorded). A text run's samples have neither key. In the prompt's text a run of one special token (a VLM's image
+placeholder, repeated once per image token) is written once with its count: ``<|image_pad|>×64``.
+
 Bounded: the first `PROMPTS` prompts of the batch, the first `SAMPLES` samples of each, the first
 `MAX_TOKENS` tokens of each completion (``length`` keeps the full count), the prompt's text cut to
-`MAX_PROMPT_CHARS`. Written as metrics.jsonl is (`tracking.JsonlSink`: appended line by line, cut back
-to the checkpoint on resume, a torn line skipped), on rank 0 only.
+`MAX_PROMPT_CHARS`, at most `MAX_IMAGE_BYTES` bytes of image data URIs a step (every prompt's first sample
+gets its images before any prompt's second sample does; an image past the bound is left out and counted).
+Written as metrics.jsonl is (`tracking.JsonlSink`: appended line by line, cut back to the checkpoint on resume,
+a torn line skipped), on rank 0 only.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import itertools
 import math
 from pathlib import Path
 
@@ -29,6 +40,14 @@ from oxrl_core.engines.distributed import is_main
 from oxrl_core.run_io.tracking import JsonlSink
 
 PROMPTS, SAMPLES, MAX_TOKENS, MAX_PROMPT_CHARS = 2, 4, 1024, 2000
+#: a logged image's longest side in pixels, at most: a larger image is scaled down (never up) to keep the log small
+MAX_IMAGE_SIDE = 256
+#: the most bytes of image data URIs (ASCII) one logged step records: room for the largest 256×256 PNG (about
+#: 350 kB as base64) and a bound on the report (`oxrl report` embeds up to 20 steps); past it an image is left
+#: out and counted (``images_left_out``)
+MAX_IMAGE_BYTES = 512 * 1024
+#: the image modes PNG stores as they are; any other is converted to RGB (RGBA where it has an alpha band)
+PNG_MODES = ("1", "L", "LA", "P", "RGB", "RGBA")
 
 
 def _num(value: float, digits: int = 4):
@@ -37,27 +56,43 @@ def _num(value: float, digits: int = 4):
     return round(value, digits) if math.isfinite(value) else None
 
 
+def image_data_uri(image) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URI, scaled down (aspect kept) so that its longest side is
+    at most `MAX_IMAGE_SIDE`: what the report's rollout viewer shows inline, with nothing outside the file.
+    ``image`` itself is not changed."""
+    mode = image.mode if image.mode in PNG_MODES else ("RGBA" if "A" in image.getbands() else "RGB")
+    small = image.convert(mode)  # a copy: thumbnail() works in place
+    small.thumbnail((MAX_IMAGE_SIDE, MAX_IMAGE_SIDE))
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 class RolloutLog:
     """``due(step)`` says whether ``step`` is logged; ``write(...)`` logs it; ``close()`` at the end."""
 
     def __init__(self, run_dir: Path, every: int, max_steps: int, tokenizer, resume_step: int | None = None):
         self.every, self.max_steps, self.tokenizer = every, max_steps, tokenizer
         self.sink = JsonlSink(run_dir / "rollouts.jsonl", resume_step) if every > 0 and is_main() else None
+        # the tokenizer's added tokens (special tokens, a VLM's image placeholder): a run of one is written compactly
+        self.special_ids = set(tokenizer.get_added_vocab().values()) if self.sink is not None else set()
 
     def due(self, step: int) -> bool:
         """Every process agrees (the loop gathers extra values on a logged step)."""
         return self.every > 0 and (step == 1 or step % self.every == 0 or step == self.max_steps)
 
-    def write(self, step: int, prompts, completions, scores, batch: dict, n: int) -> None:
+    def write(self, step: int, prompts, completions, scores, batch: dict, n: int, images=None) -> None:
         """``prompts`` (B lists of ids), ``completions`` (B), ``scores`` (B), ``batch`` the rollout batch
         after the update (``logp_old``, ``logp_rollout``, ``mask``, ``adv``, ``entropy_old``, optional
-        ``logp_ref``; (B, T) over next-token positions), ``n`` samples per prompt."""
+        ``logp_ref``; (B, T) over next-token positions), ``n`` samples per prompt; ``images`` (B) each sample's
+        prompt's images (lists of PIL images) in an image run, None in a text run."""
         if self.sink is None:
             return
         names = {"logp": "logp_old", "logp_rollout": "logp_rollout", "entropy": "entropy_old", "mask": "mask"}
         names.update(adv="adv", logp_ref="logp_ref")  # an advantage and a reference where the algorithm has them
         keys = {name: key for name, key in names.items() if batch.get(key) is not None}
         rows = [g * n + s for g in range(min(PROMPTS, len(completions) // n)) for s in range(min(SAMPLES, n))]
+        image_fields = {} if images is None else _image_fields(rows, images, n)
         samples = []
         for i in rows:
             c, start = completions[i], len(prompts[i]) - 1  # position start + j predicts completion token j
@@ -85,17 +120,53 @@ class RolloutLog:
                     "ids": ids,
                     "tokens": [self.tokenizer.decode([t]) for t in ids],
                     **values,
+                    **image_fields.get(i, {}),
                 }
             )
         self.sink.log(step, {"rewards": [_num(s) for s in scores], "samples": samples})
 
     def _prompt_text(self, ids: list[int]) -> str:
-        text = self.tokenizer.decode(ids)
+        """The prompt's text, a run of one special token written once with its count (`_decode_compact`), cut
+        to `MAX_PROMPT_CHARS` in the middle."""
+        text = self._decode_compact(ids)
         if len(text) > MAX_PROMPT_CHARS:
             half = MAX_PROMPT_CHARS // 2
             text = f"{text[:half]} … [{len(text) - MAX_PROMPT_CHARS} characters left out] … {text[-half:]}"
         return text
 
+    def _decode_compact(self, ids: list[int]) -> str:
+        """``ids`` decoded, each run of two or more of the same special token as the token once and its count
+        (``<|image_pad|>×64``): a VLM's prompt repeats its image placeholder once per image token, which would
+        otherwise fill the prompt's text (and its `MAX_PROMPT_CHARS`)."""
+        pieces, plain = [], []
+        for token_id, run in itertools.groupby(ids):
+            count = len(list(run))
+            if count > 1 and token_id in self.special_ids:
+                pieces += [self.tokenizer.decode(plain), f"{self.tokenizer.decode([token_id])}×{count}"]
+                plain = []
+            else:
+                plain += [token_id] * count
+        return "".join(pieces) + self.tokenizer.decode(plain)
+
     def close(self) -> None:
         if self.sink is not None:
             self.sink.close()
+
+
+def _image_fields(rows: list[int], images: list, n: int) -> dict[int, dict]:
+    """The image keys of each logged sample (batch index in ``rows``): ``images``, its prompt's images as data
+    URIs (`image_data_uri`), and ``images_left_out``, how many did not fit in the step's `MAX_IMAGE_BYTES`.
+    Every prompt's first sample is filled before any prompt's second, so that each prompt's images are shown once
+    before any are repeated; each prompt's images are encoded once (the samples of a prompt share them)."""
+    encoded: dict[int, list[str]] = {}
+    left, out = MAX_IMAGE_BYTES, {i: {"images": []} for i in rows}
+    for i in sorted(rows, key=lambda i: (i % n, i // n)):
+        if i // n not in encoded:
+            encoded[i // n] = [image_data_uri(image) for image in images[i] or []]
+        for uri in encoded[i // n]:
+            if len(uri) <= left:
+                out[i]["images"].append(uri)
+                left -= len(uri)
+            else:
+                out[i]["images_left_out"] = out[i].get("images_left_out", 0) + 1
+    return out

