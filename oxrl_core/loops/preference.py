@@ -302,7 +302,8 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             eval_examples = prepare_examples(held_out, fmt, tokenizer, cfg.data.max_length, vision=vision).examples
         eval_dataset = held_out.dataset
         if algorithm.head == "lm" and can_verify(eval_dataset):
-            eval_rows = [r for r in held_out.rows if "prompt" in r]
+            # each row keeps its file: relative image paths are read beside it (`images.image_base_dir`)
+            eval_rows = [{"_origin": held_out.origin, **r} for r in held_out.rows if "prompt" in r]
     _check_options(cfg, algorithm, fmt)
     setup.steps_from_epochs(len(train.examples), "rows")  # train.epochs: the steps follow from the data
 

@@ -61,7 +61,8 @@ def _eval_data(cfg, registry, fmt, tokenizer, vision=None):
     if source is None:
         return [], [], None
     examples = prepare_examples(source, fmt, tokenizer, cfg.data.max_length, vision=vision).examples
-    rows = source.rows if "prompt" in source.rows[0] else []
+    # each row keeps the file it came from: relative image paths are read beside it (`images.image_base_dir`)
+    rows = [{"_origin": source.origin, **r} for r in source.rows] if "prompt" in source.rows[0] else []
     return examples, rows, source.dataset
 
 
