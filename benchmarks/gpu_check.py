@@ -26,7 +26,10 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
                   (chunked head), oxRL with full logits, and TRL when it is installed; then its VLM row
                   (`--only vlm`: SFT of a Gemma-3 on image rows at a 262,208-token vocabulary, TRL's
                   vision SFT on the same inputs, the step-1 losses compared), in a call of its own
-  images, async_rollouts, estimators
+  images          every VLM family of the test matrix (`tests/vlm_archs.py`: Qwen2-VL, Gemma-3, LLaVA,
+                  Idefics3, tiny random weights) on image rows in bf16: SFT steps, then SGRPO steps that
+                  generate from the image prompts, with finite losses and the rollout/trainer logprob gap
+  async_rollouts, estimators
                   later capabilities: `skipped`, "not built yet", until their section is written
 
 Adding a section: write `def my_section(check: Check) -> dict` returning `{"rows": [...],
@@ -386,6 +389,75 @@ class Section:
 
 #: The report's sections, in the order they run. Later capabilities add theirs here (or fill in the `run` of
 #: their "not built yet" entry); `--dry-run` must run each at toy size on the CPU.
+def images(check: Check) -> dict:
+    """Every VLM family of tests/vlm_archs.py on image rows: bf16 SFT steps and SGRPO steps (`--child images`)."""
+    args = ["--child", "images", "--device", check.device, "--steps", 2]
+    figures = check.script("gpu_check.py", args, timeout=150, label="images")
+    rows = figures["families"]
+    ran = [r for r in rows if r["status"] == "ok"]
+    worst = max((r["rollout_logprob_diff"] for r in ran), default=float("nan"))
+    return {
+        "rows": rows,
+        "summary": f"{len(ran)}/{len(rows)} VLM families: finite bf16 SFT and SGRPO losses on image rows "
+        f"(largest rollout/logprob_diff {worst:.2g} nats)",
+    }
+
+
+def images_child(args) -> None:
+    """Every family of tests/vlm_archs.py, in this process: SFT, then SGRPO (generation from image prompts with
+    their pixels) through `oxrl_core.Trainer` in bf16 on ``args.device``; losses, the rollout/trainer logprob gap."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from PIL import Image
+    from vlm_archs import FAMILIES, IMAGE_SIZE, build_vlm
+
+    from oxrl_core import Trainer
+    from oxrl_core.hf_env import quiet_transformers
+
+    quiet_transformers()
+    work = Path(tempfile.mkdtemp(prefix="oxrl-gpu-check-images-"))
+    rows = []
+    for i, (name, rgb) in enumerate((("red", (220, 30, 30)), ("green", (30, 200, 40)), ("blue", (30, 40, 220)))):
+        Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), rgb).save(work / f"{name}.png")
+        rows += [
+            {"prompt": "<image>What colour is it?", "images": [f"{name}.png"], "response": name, "answer": name},
+            {"prompt": f"Look: <image> is it {name}?", "images": [f"{name}.png"], "response": "yes", "answer": "yes"},
+        ]
+    data = work / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = {"precision": "bf16", "warmup_steps": 0, "max_steps": args.steps, "batch_size": 4}
+    families = []
+    try:
+        for family in FAMILIES:
+            row: dict = {"family": family}
+            start = time.perf_counter()
+            try:
+                model_dir = build_vlm(family, work / family, seed=0)
+                sft = Trainer(
+                    alg="sft", model=str(model_dir), data={"train": str(data)}, output_dir=work / f"sft-{family}",
+                    quiet=True, train=common, engine={"device": args.device},
+                ).train()  # fmt: skip
+                rl = Trainer(
+                    alg="sgrpo", model=str(model_dir), data={"train": str(data)}, output_dir=work / f"rl-{family}",
+                    quiet=True, train=common, engine={"device": args.device}, reward={"name": "exact_match"},
+                    rollout={"n": 4, "max_new_tokens": 8},
+                ).train()  # fmt: skip
+                losses = [m["loss"] for m in sft.metrics] + [m["loss"] for m in rl.metrics]
+                row["sft_losses"] = [round(m["loss"], 4) for m in sft.metrics]
+                row["sgrpo_losses"] = [round(m["loss"], 4) for m in rl.metrics]
+                row["rollout_logprob_diff"] = max(m["rollout/logprob_diff"] for m in rl.metrics)
+                row["sgrpo_step_s"] = round(sum(m["perf/step_s"] for m in rl.metrics) / len(rl.metrics), 3)
+                finite = len(losses) == 2 * args.steps and all(math.isfinite(x) for x in losses)
+                row.update(status="ok") if finite else row.update(status="failed", reason=f"losses {losses}")
+            except Exception as exc:  # noqa: BLE001 - one family's failure is its row's
+                row.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+            row["seconds"] = round(time.perf_counter() - start, 2)
+            families.append(row)
+            print(f"{family}: {row['status']} {row.get('reason', '')}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps({"families": families}))
+
+
 SECTIONS: list[Section] = [
     Section(
         "archs",
@@ -419,7 +491,14 @@ SECTIONS: list[Section] = [
         dry_timeout_s=180,
         gpu_gib=20,
     ),
-    Section("images", "vision-language models (image inputs): not built yet"),
+    Section(
+        "images",
+        "vision-language models: SFT and SGRPO steps on image rows in bf16, per VLM family",
+        images,
+        timeout_s=150,
+        dry_timeout_s=180,
+        gpu_gib=4,
+    ),
     Section("async_rollouts", "asynchronous rollouts (generation overlapping training): not built yet"),
     Section("estimators", "new advantage / loss estimators: not built yet"),
 ]
@@ -703,6 +782,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.child == "archs":
         archs_child(args)
+        return 0
+    if args.child == "images":
+        images_child(args)
         return 0
     names = [s.name for s in SECTIONS]
     only = [n for n in args.only.split(",") if n]

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SECTIONS = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
-MEASURED = ("archs", "sft_throughput", "sgrpo_step", "memory")  # the rest: "not built yet"
+MEASURED = ("archs", "sft_throughput", "sgrpo_step", "memory", "images")  # the rest: "not built yet"
 
 
 def _positive(value) -> bool:
@@ -56,7 +56,7 @@ def test_dry_run_reports_every_section(dry_run):
         section = report["sections"][name]
         assert section["status"] == "ok", (name, section.get("reason"), section.get("stderr_tail"))
         assert section["commands"] and section["seconds"] > 0, name
-    for name in ("images", "async_rollouts", "estimators"):  # the places later capabilities fill in
+    for name in ("async_rollouts", "estimators"):  # the places later capabilities fill in
         assert (report["sections"][name]["status"], report["sections"][name]["reason"]) == ("skipped", "not built yet")
     env = report["environment"]
     assert env["packages"]["torch"] and env["git_commit"] and env["date"]
@@ -67,6 +67,11 @@ def test_dry_run_reports_every_section(dry_run):
 @pytest.mark.slow
 def test_dry_run_figures(dry_run):
     sections = dry_run[0]["sections"]
+    vlm = sections["images"]["rows"]  # every VLM family: SFT, then SGRPO generating from its image prompts
+    assert [r["family"] for r in vlm] == ["qwen2_vl", "gemma3", "llava", "idefics3"]
+    for r in vlm:
+        assert r["status"] == "ok" and len(r["sft_losses"]) == len(r["sgrpo_losses"]) == 2, r
+        assert 0 <= r["rollout_logprob_diff"] < 0.05 and _positive(r["sgrpo_step_s"]), r
 
     from archs import FAMILIES
 

@@ -52,7 +52,7 @@ def prepare_prompts(source, tokenizer, max_length: int, vision=None) -> Prompts:
         if len(prompt_ids) >= max_length:
             dropped += 1
             continue
-        rows.append(row)
+        rows.append({"_origin": source.origin, **row})  # relative image paths are read beside its file
         ids.append(prompt_ids)
         images.append(fields)
     if not rows:
