@@ -222,3 +222,17 @@ def test_image_prompts_are_refused_where_they_cannot_be_trained(vlms, tmp_path, 
     assert "rollout.backend=vllm" in err and "rollout.backend=hf" in err and "torchvision" in err
     assert "env.name" in refused("env", "--set", "env.name=calculator")
     assert "alg.critic=separate" in refused("critic", "--set", "alg.critic=separate", alg="ppo")
+
+
+def test_flops_per_token_of_a_vlm_come_from_its_language_model(vlms):
+    """perf/mfu on a GPU: a VLM's layers and hidden size are its text config's (the top-level config has none; the
+    first GPU run stopped on it)."""
+    from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.models.perf import count_parameters, train_flops_per_token
+
+    model = load_causal_lm(str(vlms["gemma3"]))
+    text = model.config.get_text_config()
+    n = count_parameters(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expected = (4 + 2 * trainable / n) * n + 12 * text.num_hidden_layers * text.hidden_size * 100
+    assert train_flops_per_token(model, 100) == pytest.approx(expected)

@@ -48,13 +48,19 @@ def peak_flops(device) -> float | None:
     return None
 
 
+def attention_flops_per_position(model) -> float:
+    """12·L·H: the attention FLOPs per token per position of context, from the language model's sizes (a
+    vision-language model's config nests them under its text config)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return 12 * config.num_hidden_layers * config.hidden_size
+
+
 def train_flops_per_token(model, seq_len: float) -> float:
-    """(4 + 2f)·N + 12·L·H·T for ``model`` (f = trainable share of the N parameters) at sequence length ``seq_len``."""
+    """(4 + 2f)·N + 12·L·H·T for ``model`` (f = trainable share of the N parameters) at sequence length ``seq_len``.
+    A VLM's N includes its vision tower, counted for every token (an over-count by the tower's share)."""
     total = count_parameters(model)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-    config = model.config
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    return (4 + 2 * trainable / max(total, 1)) * total + 12 * layers * hidden * seq_len
+    return (4 + 2 * trainable / max(total, 1)) * total + attention_flops_per_position(model) * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, devices: int = 1) -> dict[str, float]:
@@ -75,7 +81,7 @@ class MfuMeter:
         self.peak, self.devices = peak_flops(device), devices
         if self.peak:
             self.weight_flops = train_flops_per_token(model, 0)  # (4 + 2f)·N
-            self.attention_flops = 12 * model.config.num_hidden_layers * model.config.hidden_size  # per position of T
+            self.attention_flops = attention_flops_per_position(model)  # per position of T
 
     def __call__(self, tokens_per_s: float, seq_len: float) -> dict[str, float]:
         if not self.peak:
