@@ -229,7 +229,12 @@ class ShapesDataset(Dataset):
     #: the built-in VLM's preference runs: plain DPO lowers greedy accuracy here (its rejected answers are one word
     #: of the same small vocabulary, and both log-likelihoods fall: 0.51 -> 0.22 at lr 3e-4), so DPO adds its NLL
     #: term on the chosen answers (RPO, TRL's ``rpo_alpha``; 0.51 -> 0.67 held-out)
-    tiny_defaults = {"preference": {"train": {"lr": 3e-4}, "alg": {"nll_alpha": 1.0}}}
+    #: and its RL runs: more prompts a step with fewer samples each, sampled at 0.7 (at the defaults, 16 prompts × 8 at
+    #: temperature 1, SGRPO moved held-out accuracy 0.51 -> 0.56 in 150 steps; this way 0.51 -> 0.69 in 100)
+    tiny_defaults = {
+        "preference": {"train": {"lr": 3e-4}, "alg": {"nll_alpha": 1.0}},
+        "rl": {"train": {"max_steps": 100, "batch_size": 32}, "rollout": {"n": 4, "temperature": 0.7}},
+    }
 
     def rows(self, split: str) -> list[dict]:
         return rows(split, self.config.task, self.config.train_size)
