@@ -238,7 +238,8 @@ def generate_rejected(backend, examples: list[dict], ro, seed: int) -> list[list
         n=1, max_new_tokens=ro.max_new_tokens, temperature=ro.temperature, top_p=ro.top_p, seed=seed
     )
     prompts = [ex["prompt_ids"] for ex in examples]
-    groups = generate_from(backend, prompts, sampling, [image_fields_of(ex) for ex in examples])
+    images = [image_fields_of(ex) for ex in examples]  # (P,); a batch of text rows trains without pixels: None
+    groups = generate_from(backend, prompts, sampling, images if any(images) else None)
     return [g[0].token_ids for g in groups]
 
 

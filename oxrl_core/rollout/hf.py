@@ -68,7 +68,7 @@ class HFRolloutBackend(RolloutBackend):
     Nothing else may reshape the distribution: the model's own ``generation_config`` (which
     for a hub model may set top_k, repetition_penalty, min_p, ...) is set aside during the
     call, and transformers' global ``top_k=50`` default is switched off. One exception, for a
-    vision-language model: its image placeholder tokens (`vision.placeholder_token_ids`) are never
+    vision-language model generating from image prompts (``images`` given): its image placeholder tokens (`vision.placeholder_token_ids`) are never
     sampled (their logits are -inf in the processed scores, so the logprobs are of the distribution
     sampled from): the trainer's forward would count such a token against the image features and
     refuse the row. A trained policy gives them almost no mass, which `rollout/logprob_diff` shows.
@@ -118,7 +118,9 @@ class HFRolloutBackend(RolloutBackend):
         was_training = self.model.training
         saved_config = self.model.generation_config
         self.model.eval()
-        self.model.generation_config = self._clean_generation_config()
+        # an image run (``images`` given, even all {} for a call of text prompts: their rows may share a training
+        # micro-batch with image rows) never samples the placeholders; a VLM trained on text samples them as text
+        self.model.generation_config = self._clean_generation_config(suppress=images is not None)
         try:
             # fork_rng: seeding makes this call reproducible without touching the caller's RNG state.
             with torch.random.fork_rng(devices=rng_devices, enabled=sampling.seed is not None), torch.no_grad():
@@ -132,14 +134,14 @@ class HFRolloutBackend(RolloutBackend):
             self.model.train(was_training)
         return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
-    def _clean_generation_config(self):
+    def _clean_generation_config(self, suppress: bool = False):
         from transformers import GenerationConfig
 
         return GenerationConfig(
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
-            suppress_tokens=self.suppressed or None,  # a VLM's image placeholders (class docstring)
+            suppress_tokens=(self.suppressed or None) if suppress else None,  # a VLM's placeholders (class docstring)
         )
 
     def _generate_batch(
