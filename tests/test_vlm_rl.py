@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages
+from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages, with_appended
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 
@@ -105,15 +105,7 @@ def _independent(family: str, model_dir: Path, model, row: dict, completion: lis
     images = [Image.open(p).convert("RGB") for p in row.get("images", [])]
     inputs = encode_rendered(processor, processor.apply_chat_template(messages, add_generation_prompt=True), images)
     prompt_len = inputs["input_ids"].shape[1]
-    ids = torch.cat([inputs["input_ids"], torch.tensor([completion])], dim=1)  # (1, T)
-    extra = {}
-    for name, value in inputs.items():
-        if name in ("input_ids", "attention_mask"):
-            continue
-        if name.endswith("token_type_ids"):  # one per token: 0 on the completion
-            value = torch.cat([value, value.new_zeros((1, len(completion)))], dim=1)
-        extra[name] = value
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0].float()  # (T, V)
+    logits = model(**with_appended(inputs, completion)).logits[0].float()  # (T, V)
     logp = torch.log_softmax(logits, dim=-1)[prompt_len - 1 : -1]  # (C, V): position t predicts token t+1
     taken = logp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)  # (C,)
     left_out = torch.log1p(-logp[:, placeholder_token_ids(model.config)].exp().sum(-1))  # (C,) log(1 - p_placeholder)

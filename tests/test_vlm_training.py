@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import FAMILIES, IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages
+from vlm_archs import FAMILIES, IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages, with_appended
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 
@@ -75,15 +75,9 @@ def independent_sft_loss(family: str, model_dir: Path, rows: list[dict], folder:
         inputs = encode_rendered(processor, text, images)
         answer = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         prompt_len = inputs["input_ids"].shape[1]
-        ids = torch.cat([inputs["input_ids"], torch.tensor([answer])], dim=1)  # (1, T)
-        extra = {}
-        for name, value in inputs.items():
-            if name in ("input_ids", "attention_mask"):
-                continue
-            if name.endswith("token_type_ids"):  # one per token: 0 on the answer
-                value = torch.cat([value, value.new_zeros((1, len(answer)))], dim=1)
-            extra[name] = value
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0]  # (T, V)
+        full = with_appended(inputs, answer)
+        ids = full["input_ids"]  # (1, T)
+        logits = model(**full).logits[0]  # (T, V)
         logp = torch.log_softmax(logits.float(), dim=-1)
         for t in range(prompt_len - 1, ids.shape[1] - 1):  # position t predicts token t+1
             total -= float(logp[t, ids[0, t + 1]])
@@ -192,13 +186,9 @@ def independent_logps(family: str, model_dir: Path, rows: list[dict], folder: Pa
         for answer_text in (row["chosen"], row["rejected"]):
             answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             prompt_len = inputs["input_ids"].shape[1]
-            ids = torch.cat([inputs["input_ids"], torch.tensor([answer])], dim=1)
-            extra = {
-                k: torch.cat([v, v.new_zeros((1, len(answer)))], dim=1) if k.endswith("token_type_ids") else v
-                for k, v in inputs.items()
-                if k not in ("input_ids", "attention_mask")
-            }
-            logp = torch.log_softmax(model(input_ids=ids, attention_mask=torch.ones_like(ids), **extra).logits[0], -1)
+            full = with_appended(inputs, answer)
+            ids = full["input_ids"]  # (1, T)
+            logp = torch.log_softmax(model(**full).logits[0], -1)
             pair.append(sum(float(logp[t, ids[0, t + 1]]) for t in range(prompt_len - 1, ids.shape[1] - 1)))
         out.append(tuple(pair))
     return out

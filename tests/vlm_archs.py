@@ -471,3 +471,20 @@ def row_messages(row: dict) -> tuple[list[dict], str | None]:
         if piece:
             parts.append({"type": "text", "text": piece})
     return [{"role": "user", "content": parts if row.get("images") else row["prompt"]}], row.get("response")
+
+
+def with_appended(inputs: dict, appended: list[int]) -> dict:
+    """The model's inputs for the processor's prompt ``inputs`` followed by the tokens ``appended`` (an answer or a
+    sampled completion): the ids joined, full attention, per-token inputs (``*token_type_ids``) 0 on the appended
+    tokens, the pixel inputs as they are."""
+    import torch
+
+    ids = torch.cat([inputs["input_ids"], torch.tensor([appended])], dim=1)  # (1, T)
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    for name, value in inputs.items():
+        if name in ("input_ids", "attention_mask"):
+            continue
+        if name.endswith("token_type_ids"):  # one per token: 0 on the appended tokens
+            value = torch.cat([value, value.new_zeros((1, len(appended)))], dim=1)
+        out[name] = value
+    return out
