@@ -71,6 +71,7 @@ _LAZY = {
     "load_causal_lm": "oxrl_core.models.loading",
     "encode_prompt": "oxrl_core.data.encode",
     "encode_completion": "oxrl_core.data.encode",
+    "prompt_text": "oxrl_core.data.images",
     "HFRolloutBackend": "oxrl_core.rollout.hf",
     "is_peft": "oxrl_core.models.lora",
     "policy_state_dict": "oxrl_core.models.lora",

@@ -1,8 +1,8 @@
 """`llm_judge`: an LLM grades each completion against a rubric (AI feedback, as in RLAIF).
 
 For each (prompt, completion) the rubric ``template`` is filled in — ``{prompt}`` with the prompt
-(a string as is; a list of chat messages as ``role: content`` lines) and ``{completion}`` with
-the completion — and sent to the judge model as one user message through its chat template with
+(a string as is; a list of chat messages as ``role: content`` lines; the judge reads text only, so each
+image of an image prompt is shown as an ``<image>`` marker) and ``{completion}`` with the completion's text — and sent to the judge model as one user message through its chat template with
 the generation prompt (`oxrl_core.data.encode.encode_prompt`). The judge answers greedily
 (temperature 0, ``max_new_tokens``) through the core's ``hf`` rollout backend, on its own copy
 of the judge model (``reward.model``; empty = the built-in tiny model).
@@ -43,7 +43,12 @@ PLACEHOLDER = re.compile(r"\{(prompt|completion)\}")
 
 
 def render_prompt(prompt: Any) -> str:
-    """A prompt as text for the template: a string as is, chat messages as ``role: content`` lines."""
+    """A prompt as text for the template: a string as is, chat messages as ``role: content`` lines. The judge
+    reads text only: an image is shown as an ``<image>`` marker (a string prompt's own; one per
+    ``{"type": "image"}`` part of a message, `oxrl_core.prompt_text`)."""
+    from oxrl_core import prompt_text
+
+    prompt = prompt_text(prompt)
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):

@@ -10,6 +10,10 @@ prompt is one user message, a list of chat messages is used as is), then the com
 tokens followed by EOS (`oxrl_core.data.encode.encode_completion`). A row longer than ``max_length``
 keeps its last ``max_length`` tokens, so the completion's end (where the score is read) survives.
 
+The reward model reads text only. An image prompt reaches it as its text with each image shown as an ``<image>``
+marker (`oxrl_core.prompt_text`: a string prompt's own markers; a ``{"type": "image"}`` part of a chat message
+becomes one), and the completion it scores is the sampled text; the pixels are the policy's alone.
+
 The score of a row is the head's output at its last token, the EOS, as a float32:
 
     r(x, y) = w · h_T        # h_T: the model's last hidden state at the EOS closing y
@@ -111,9 +115,9 @@ class RewardModelReward(Reward):
 
     def encode(self, prompt: Any, completion: str) -> list[int]:
         """Token ids of one row: chat-templated prompt, completion, EOS; the last ``max_length`` kept."""
-        from oxrl_core import encode_completion, encode_prompt
+        from oxrl_core import encode_completion, encode_prompt, prompt_text
 
-        ids = encode_prompt(self.tokenizer, prompt) + encode_completion(self.tokenizer, completion)
+        ids = encode_prompt(self.tokenizer, prompt_text(prompt)) + encode_completion(self.tokenizer, completion)
         return ids[-self.config.max_length :]
 
     def score(self, prompts: list[Any], completions: list[str], examples: list[dict]) -> list[float]:

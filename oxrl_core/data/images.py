@@ -169,6 +169,25 @@ def _is_image_part(part) -> bool:
 PART_SHAPES = '{"type": "text", "text": ...} or {"type": "image"}'
 
 
+def prompt_text(prompt):
+    """What a text-only reader (a reward model, an LLM judge) sees of a prompt: a string as it is (its images are
+    its ``<image>`` markers); chat messages with each content given as text, its text parts joined and each image
+    part shown as an ``<image>`` marker. Anything else comes back unchanged."""
+    if not isinstance(prompt, list):
+        return prompt
+    out = []
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            text = "".join(
+                IMAGE_MARKER if _is_image_part(part) else (part.get("text") or "") if isinstance(part, dict) else str(part)
+                for part in content
+            )
+            message = {**message, "content": text}
+        out.append(message)
+    return out
+
+
 def _message_image_parts(messages, field: str, where: str) -> int:
     """The number of image parts in the system/user/tool turns of ``messages`` (``field``), each list content
     checked part by part: an object of type ``text`` (with string ``text``), ``image`` or ``image_url``; keys that
