@@ -180,7 +180,11 @@ def prompt_text(prompt):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
             text = "".join(
-                IMAGE_MARKER if _is_image_part(part) else (part.get("text") or "") if isinstance(part, dict) else str(part)
+                IMAGE_MARKER
+                if _is_image_part(part)
+                else (part.get("text") or "")
+                if isinstance(part, dict)
+                else str(part)
                 for part in content
             )
             message = {**message, "content": text}
