@@ -122,5 +122,11 @@ class EpisodeRollouts(RolloutStrategy):
         self.reward_watch.after_scoring(step, failures, self.run_dir)
         return Scored(prompts, completions, scores, metrics, images)
 
+    def sample_images(self, picks):
+        """Each episode's row's images (the prompt's; the environment's own are not in rollouts.jsonl yet)."""
+        if self.episodes.vision is None or not any(self.rows[i].get("images") for i in picks):
+            return None
+        return [row_images(self.rows[i], "") for i in picks for _ in range(self.ro.n)]
+
     def evaluate(self, progress):
         return self.episodes.evaluate(self.eval_rows, self.reward, self.eval_dataset, self.ro, progress=progress)
