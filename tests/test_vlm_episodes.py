@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import oxrl, read_metrics
-from vlm_archs import IMAGE_SIZE, build_vlm, processor_of
+from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of
 
 from oxrl_core.config import RunConfig
 from oxrl_core.data.shapes import SecondLookEnv
@@ -49,7 +49,7 @@ class ScriptedVLM(RolloutBackend):
 
         text = self.turns[min(len(self.images_per_call), len(self.turns) - 1)]
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-        self.images_per_call.append([len(f["pixel_inputs"]["image_grid_thw"]) if f else 0 for f in images])
+        self.images_per_call.append([_image_count(f) for f in images])
         out = []
         for context, fields in zip(prompt_token_ids, images):
             row = torch.tensor([list(context) + ids])  # (1, T)
@@ -63,20 +63,28 @@ class ScriptedVLM(RolloutBackend):
         pass
 
 
+def _image_count(fields: dict) -> int:
+    """How many images a prompt's image inputs hold (Qwen-VL: one grid row each; else one pixel entry each)."""
+    pixels = fields.get("pixel_inputs", {})
+    return len(pixels.get("image_grid_thw", pixels.get("pixel_values", ())))
+
+
 def _config(**env) -> RunConfig:
     return RunConfig.model_validate(
         {"algorithm": "sgrpo", "env": {"name": "second_look", "max_turns": 3, **env}, "rollout": {"n": 2}}
     )
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory):
-    """A tiny Qwen2-VL, its processing, tokenizer and fp32 model, and one episode batch played on it: the row's
-    image prompt, a first answer, the environment's second look (an image), the final answer."""
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+def vlm(tmp_path_factory, request):
+    """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template), its
+    processing, tokenizer and fp32 model, and one episode batch played on it: the row's image prompt, a first
+    answer, the environment's second look (an image), the final answer."""
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
     from oxrl_core.models.vision import load_processing
 
-    model_dir = build_vlm("qwen2_vl", tmp_path_factory.mktemp("vlm") / "qwen2_vl")
+    family = request.param
+    model_dir = build_vlm(family, tmp_path_factory.mktemp("vlm") / family)
     vision, tokenizer = load_processing(str(model_dir)), load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir)).float().eval()
     backend = ScriptedVLM(model, tokenizer, ["red", "blue"])
@@ -84,13 +92,13 @@ def qwen2_vl(tmp_path_factory):
     rows = [{"prompt": "<image>What colour is the shape?", "images": [{"bytes": _png((220, 40, 40))}], "answer": "red"}]
     episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
     return SimpleNamespace(
-        dir=model_dir, vision=vision, tokenizer=tokenizer, model=model, backend=backend, runner=runner,
+        family=family, dir=model_dir, vision=vision, tokenizer=tokenizer, model=model, backend=backend, runner=runner,
         rows=rows, episodes=episodes,
     )  # fmt: skip
 
 
 @torch.no_grad()
-def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logprobs_equal_plain_transformers(qwen2_vl):
+def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logprobs_equal_plain_transformers(vlm):
     """Episode: row image + question | 'red' | the environment's second look (image + text) | 'blue'. The ids are
     the processor's rendering of the raw conversation, image placeholders expanded as it expands them; the second
     generate call gets both images; the environment's tokens (image tokens included) have mask 0; the trainer's
@@ -98,9 +106,9 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     on the processor's inputs to 1e-4."""
     from PIL import Image
 
-    q = qwen2_vl
+    q = vlm
     assert q.backend.images_per_call == [[1], [2, 2]]  # turn 1: the row's image (one group of n); turn 2: both
-    processor = processor_of("qwen2_vl", q.dir)
+    processor = processor_of(q.family, q.dir)
     picture = Image.open(io.BytesIO(q.rows[0]["images"][0]["bytes"])).convert("RGB")
     conversation = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
@@ -108,13 +116,12 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Take a second look. Your answer?"}]},
     ]
     text = processor.apply_chat_template(conversation, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[[picture, picture]], return_tensors="pt")
+    inputs = encode_rendered(processor, text, [picture, picture])
     final = q.tokenizer("blue", add_special_tokens=False)["input_ids"] + [q.tokenizer.eos_token_id]
     full = torch.cat([inputs["input_ids"][0], torch.tensor(final)])  # (T,)
     kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
-    kwargs["mm_token_type_ids"] = torch.cat(
-        [kwargs["mm_token_type_ids"], torch.zeros((1, len(final)), dtype=torch.long)], 1
-    )
+    for name in [k for k in kwargs if k.endswith("token_type_ids")]:  # one per token: 0 on the final answer
+        kwargs[name] = torch.cat([kwargs[name], torch.zeros((1, len(final)), dtype=torch.long)], 1)
     expected = torch.log_softmax(q.model(input_ids=full[None], **kwargs).logits[0].float(), -1)  # (T, V)
 
     for e in q.episodes:
@@ -126,7 +133,7 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
 
     prompts, completions, scores, metrics, images = q.runner.collect(
         q.episodes, None, _failures("r"), _env_failures()
-    )  # the dataset's check is not needed: scores are the environment's (its final answers go to `reward`)
+    )  # no reward: the scores are not what this test checks
     batch = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), images)
     logp = policy_forward(q.model, None, batch, temperature=1.0)["logp"]  # (B, T-1)
     assert metrics["env/images_shown"] == 1.0
@@ -139,12 +146,37 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
         assert torch.allclose(ours, theirs, atol=1e-4), (i, ours, theirs)
         assert (batch["mask"][i, start : start + len(c.token_ids)] == torch.tensor(c.sampled, dtype=torch.float)).all()
 
+    # the environment's picture is the one the later turn is scored on: another second picture changes the final
+    # answer's log-probabilities and leaves the first answer's (before it) as they were
+    other = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), _other_second(images))
+    swapped = policy_forward(q.model, None, other, temperature=1.0)["logp"]  # (B, T-1)
+    for i, c in enumerate(completions):
+        start = int(batch["prompt_len"][i]) - 1
+        turns = [start + j for j, s in enumerate(c.sampled) if s]
+        n_first = len(q.tokenizer("red", add_special_tokens=False)["input_ids"]) + 1  # 'red' + EOS
+        first, final = turns[:n_first], turns[n_first:]
+        assert torch.allclose(logp[i, first], swapped[i, first], atol=1e-6)
+        assert (logp[i, final] - swapped[i, final]).abs().max() > 1e-4
 
-def test_the_hf_backend_continues_an_episode_with_every_image_of_it(qwen2_vl):
+
+def _other_second(images: list[dict]) -> list[dict]:
+    """Each episode's image inputs with its second image's pixels negated (another picture, same size)."""
+    out = []
+    for fields in images:
+        pixels = dict(fields["pixel_inputs"])
+        grid = pixels.get("image_grid_thw")
+        first = int(grid[0].prod()) if grid is not None else 1  # patches (Qwen-VL) or one entry of the first image
+        values = pixels["pixel_values"].clone()
+        values[first:] = -values[first:]
+        out.append({**fields, "pixel_inputs": {**pixels, "pixel_values": values}})
+    return out
+
+
+def test_the_hf_backend_continues_an_episode_with_every_image_of_it(vlm):
     """The real `generate` takes a later turn's context with both images (placeholder counts match the pixels)."""
     from oxrl_core.rollout.hf import HFRolloutBackend
 
-    q = qwen2_vl
+    q = vlm
     e = q.episodes[0]
     context = e.prompt_ids + e.token_ids[: -len(q.tokenizer("blue", add_special_tokens=False)["input_ids"]) - 1]
     fields = e.image_inputs()
