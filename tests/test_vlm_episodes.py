@@ -186,6 +186,24 @@ def test_the_hf_backend_continues_an_episode_with_every_image_of_it(vlm):
     assert len(out[0][0].token_ids) >= 1
 
 
+def test_a_look_tool_call_is_answered_with_an_image_the_next_turn_is_generated_with(vlm):
+    """second_look's tool: a ``look`` call gets a tool message with the picture's left half (an image part); the
+    next generate call carries both images; env/tool_calls and env/images_shown count it."""
+    q = vlm
+    call = '<tool_call>\n{"name": "look", "arguments": {"region": "left"}}\n</tool_call>'
+    backend = ScriptedVLM(q.model, q.tokenizer, [call, "red"])
+    runner = Episodes(SecondLookEnv, SecondLookEnv.Config(offer=False), _config(), q.tokenizer, backend, q.vision)
+    episodes = runner.play(q.rows, SamplingParams(n=2, max_new_tokens=64))
+    assert backend.images_per_call == [[1], [2, 2]]
+    for e in episodes:
+        assert e.ended == "done" and e.images_shown == 1, (e.ended, e.error)
+        tool = e.messages[2]
+        assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["image", "text"]
+        assert tool["content"][1]["text"] == "the picture (left)"
+    metrics = runner.metrics(episodes)
+    assert metrics["env/tool_calls"] == 1.0 and metrics["env/images_shown"] == 1.0
+
+
 def test_a_text_model_shown_an_image_ends_the_episode_as_an_environment_error(tiny_model_dir):
     """A text model cannot be shown an image: the episode ends with error (counted in env/errors), naming why."""
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
