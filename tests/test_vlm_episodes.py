@@ -19,7 +19,7 @@ from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of
 
 from oxrl_core.config import RunConfig
 from oxrl_core.data.shapes import SecondLookEnv
-from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams
 from oxrl_core.loops.episodes import Episodes
 from oxrl_core.loops.rollouts import policy_forward, rollout_batch
 
@@ -220,6 +220,35 @@ def test_a_text_model_shown_an_image_ends_the_episode_as_an_environment_error(ti
     del model
 
 
+class TextParts(Environment):
+    """Step style: answers the first turn with a user message of two text parts, then ends."""
+
+    name = "text_parts"
+
+    def step(self, messages):
+        if sum(m["role"] == "assistant" for m in messages) > 1:
+            return [], 1.0, True
+        return (
+            [{"role": "user", "content": [{"type": "text", "text": "try "}, {"type": "text", "text": "again"}]}],
+            0.0,
+            False,
+        )
+
+
+def test_a_text_model_takes_text_parts_as_one_string(tiny_model_dir):
+    """Content parts without images reach a text model's template as one string (its template may take none)."""
+    from oxrl_core.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    runner = Episodes(TextParts, TextParts.Config(), _config(), tokenizer, _TextScripted(tokenizer))
+    episodes = runner.play([{"prompt": "What colour?", "answer": "red"}], SamplingParams(n=2, max_new_tokens=8))
+    for e in episodes:
+        assert e.ended == "done" and not e.error
+        assert e.messages[2]["content"] == "try again"
+        environment = [t for t, s in zip(e.token_ids, e.sampled) if not s]
+        assert "try again" in tokenizer.decode(environment)
+
+
 class _TextScripted(RolloutBackend):
     name = "scripted_text"
 
@@ -259,7 +288,7 @@ def _env_failures():
 def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     """`oxrl run --alg sgrpo --set env.name=second_look` (the built-in VLM on shapes, its tiny defaults): two
     steps, exit 0, and the environment showed images (its second look: every episode's first answer ends with EOS
-    on the warm start). About 12 s with the built-in VLM's warm start cached (the suite's visual demos build it once
+    on the warm start); `oxrl eval --env second_look` on the shapes rows with its final/. About 12 s with the built-in VLM's warm start cached (the suite's visual demos build it once
     per session), 55 s more when this test builds it."""
     run = tmp_path / "run"
     proc = oxrl(
@@ -274,3 +303,8 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     assert all(m["env/errors"] == 0 for m in metrics), metrics
     assert metrics[-1]["eval/turns"] >= 2.0  # held-out episodes got their second look too
     assert Path(run, "final", "config.json").exists()
+    # the trained VLM's held-out episodes through `oxrl eval --env`, from image rows
+    proc = oxrl("eval", "--model", str(run / "final"), "--data", "shapes", "--env", "second_look", "--limit", "4",
+                "--max-new-tokens", "16")  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "env/images_shown" in proc.stdout, proc.stdout[-3000:]

@@ -108,6 +108,12 @@ def _is_image(part) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
 
+def _as_text(message: dict) -> dict:
+    """A message whose content is text parts only, as one string (a text model's template may take no parts)."""
+    content = message["content"]
+    return message if isinstance(content, str) else {**message, "content": "".join(p["text"] for p in content)}
+
+
 def image_parts(messages: list[dict]) -> list:
     """The image values of ``messages``' image parts, in order."""
     return [
@@ -657,6 +663,8 @@ class Episodes:
         if refusal:  # an image this model cannot be shown: the episode's error, never a silently dropped picture
             e.error = refusal
             return e.end("error")
+        if self.vision is None:  # a text model's template takes strings: text parts joined
+            added = [_as_text(m) for m in added]
         rest = extension_text(self.renderer, self.tokenizer, before, e.turn, added, e.ended_eos, e.tools)
         e.messages += added
         try:
