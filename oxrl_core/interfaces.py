@@ -470,5 +470,7 @@ class ToolEnvironment(Environment):
         self.stats["tool_calls"] += 1
         result = method(*bound.args, **bound.kwargs)  # a tool that raises ends the episode (the loop counts it)
         # content parts (text and images, for a vision-language model) as they are; anything else as text
-        is_parts = isinstance(result, list) and all(isinstance(p, dict) and "type" in p for p in result)
+        is_parts = isinstance(result, list) and all(
+            isinstance(p, dict) and p.get("type") in ("text", "image") for p in result
+        )
         return result if is_parts and result else str(result)
