@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import oxrl, read_metrics
+from conftest import oxrl, read_metrics, write_jsonl
 from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of
 
 from oxrl_core.config import RunConfig
@@ -288,12 +288,23 @@ def _env_failures():
 def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     """`oxrl run --alg sgrpo --set env.name=second_look` (the built-in VLM on shapes, its tiny defaults): two
     steps, exit 0, and the environment showed images (its second look: every episode's first answer ends with EOS
-    on the warm start); `oxrl eval --env second_look` on the shapes rows with its final/. About 12 s with the built-in VLM's warm start cached (the suite's visual demos build it once
-    per session), 55 s more when this test builds it."""
+    on the warm start); `oxrl eval --env second_look` on image rows with its final/. Held out: 4 of the shapes
+    eval rows (the default 100 take 3 s an evaluation). The warm start of the built-in VLM (about 40 s) is built
+    once per test session (the visual demos share it)."""
+    import base64
+
+    from oxrl_core.data.shapes import rows as shapes_rows
+
+    held_out = [
+        {"prompt": r["prompt"], "images": [base64.b64encode(r["images"][0]["bytes"]).decode()], "answer": r["answer"]}
+        for r in shapes_rows("eval")[:4]
+    ]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", held_out)
     run = tmp_path / "run"
     proc = oxrl(
         "run", "--alg", "sgrpo", "--output-dir", str(run), "--set", "env.name=second_look",
         "--set", "train.max_steps=2", "--set", "train.batch_size=2", "--set", "rollout.n=2", "--set", "train.seed=0",
+        "--set", f"data.eval={eval_file}",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -304,7 +315,7 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     assert metrics[-1]["eval/turns"] >= 2.0  # held-out episodes got their second look too
     assert Path(run, "final", "config.json").exists()
     # the trained VLM's held-out episodes through `oxrl eval --env`, from image rows
-    proc = oxrl("eval", "--model", str(run / "final"), "--data", "shapes", "--env", "second_look", "--limit", "4",
-                "--max-new-tokens", "16")  # fmt: skip
+    proc = oxrl("eval", "--model", str(run / "final"), "--data", str(eval_file), "--env", "second_look",
+                "--reward", "exact_match", "--max-new-tokens", "16")  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "env/images_shown" in proc.stdout, proc.stdout[-3000:]
