@@ -17,3 +17,4 @@ def register_rollout_backends(register):
 @hookimpl
 def register_environments(register):
     register("calculator", "oxrl_core.data.task:CalculatorEnv")
+    register("second_look", "oxrl_core.data.shapes:SecondLookEnv")

@@ -454,8 +454,10 @@ class ToolEnvironment(Environment):
             out.append({"role": "tool", "name": call.name, "content": self.call_tool(call.name, call.arguments)})
         return out, 0.0, False
 
-    def call_tool(self, name: str, arguments: dict) -> str:
-        """One tool call's result as text; a call the tool cannot take is an error message for the model."""
+    def call_tool(self, name: str, arguments: dict) -> str | list[dict]:
+        """One tool call's result as text, or as the list of content parts the tool returned (``{"type": "text",
+        "text": ...}``, ``{"type": "image", "image": <path | base64 | bytes>}``: a vision-language model is shown
+        the image); a call the tool cannot take is an error message for the model."""
         if name not in self.tool_names():
             self.stats["bad_tool_calls"] += 1
             return f"error: unknown tool '{name}' (tools: {', '.join(self.tool_names())})"
@@ -466,4 +468,9 @@ class ToolEnvironment(Environment):
             self.stats["bad_tool_calls"] += 1
             return f"error: {name}(): {exc}"
         self.stats["tool_calls"] += 1
-        return str(method(*bound.args, **bound.kwargs))  # a tool that raises ends the episode (the loop counts it)
+        result = method(*bound.args, **bound.kwargs)  # a tool that raises ends the episode (the loop counts it)
+        # content parts (text and images, for a vision-language model) as they are; anything else as text
+        is_parts = isinstance(result, list) and all(
+            isinstance(p, dict) and p.get("type") in ("text", "image") for p in result
+        )
+        return result if is_parts and result else str(result)

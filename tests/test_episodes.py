@@ -371,7 +371,7 @@ def test_a_shard_plays_the_same_episodes_wherever_it_is_played():
     assert as_ids(alone) == as_ids(together) == as_ids(remote)
     assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12)))
     failures = EnvFailures("tool_echo")
-    prompts, completions, scores, metrics = local.collect(together, Right(), RewardFailures("right"), failures)
+    prompts, completions, scores, metrics, _ = local.collect(together, Right(), RewardFailures("right"), failures)
     assert prompts == [e.prompt_ids for e in together] and [c.token_ids for c in completions] == [
         e.token_ids for e in together
     ]

@@ -16,9 +16,9 @@ the RL loop plays them (`oxrl_core.loops.episodes`), and its reward is the episo
 Image rows (``images`` with ``<image>`` markers or ``{"type": "image"}`` parts, as the training loops take them) are
 evaluated with a vision-language model: with a VLM every prompt goes through the model's processor, as the run that
 trained it encoded its prompts (`loops.rollouts.prepare_prompts`), and each sample is generated with its prompt's
-pixel inputs (`interfaces.generate_from`). Image rows with a model that reads no images, with ``--env`` (episodes
-start from text prompts) or with a backend that takes no images are refused before the weights load, naming the
-row.
+pixel inputs (`interfaces.generate_from`); with ``--env`` an episode starts from its row's images and may be shown
+more by the environment (`loops.episodes`). Image rows with a model that reads no images or with a backend that
+takes no images are refused before the weights load, naming the row.
 """
 
 from __future__ import annotations
@@ -67,14 +67,10 @@ def ks_for(n: int) -> list[int]:
 
 
 def check_image_rows(image_row: dict, origin: str, env: str, backend_cls, model: str) -> None:
-    """What an evaluation cannot do with image rows, refused before any model loads: multi-turn episodes (they
-    start from text prompts) and a backend that takes no images (its `image_support` says why)."""
+    """What an evaluation cannot do with image rows, refused before any model loads: a backend that takes no
+    images (its `image_support` says why). (Multi-turn episodes, ``--env``, start from image prompts as the RL
+    loop's do.)"""
     where = f"{row_where(image_row, origin)}: field 'images'"
-    if env:
-        raise OxrlError(
-            f"--env {env}: multi-turn episodes start from text prompts and {where} holds images; evaluate image "
-            "rows without --env (single-turn samples)"
-        )
     reason = backend_cls.image_support(resolve_model_path(model))
     if reason is not None:
         raise OxrlError(
@@ -174,7 +170,7 @@ def evaluate_model(
     try:
         with counter(reporter, "evaluation", "samples", total=len(sample_rows)) as update:
             if environment is not None:  # multi-turn episodes, scored as the RL loop scores them
-                runner = Episodes(type(environment), environment.config, config, tokenizer, generator)
+                runner = Episodes(type(environment), environment.config, config, tokenizer, generator, vision)
                 played = []
                 for start in range(0, len(rows), batch_size):
                     played += runner.play(rows[start : start + batch_size], sampling)

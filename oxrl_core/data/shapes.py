@@ -45,7 +45,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Dataset, StrictModel
+from oxrl_core.interfaces import Dataset, StrictModel, ToolEnvironment
 
 #: the side of every picture, in pixels
 IMAGE_SIZE = 32
@@ -241,3 +241,83 @@ class ShapesDataset(Dataset):
 
     def verify(self, completion: str, row: dict) -> bool | None:
         return is_correct(completion, row["answer"])
+
+
+# ----------------------------------------------------------------------------- the "second look" environment
+
+#: the parts of the picture `SecondLookEnv.look` can show: the whole of it, or one half enlarged to the full size
+REGIONS = ("all", "left", "right", "top", "bottom")
+
+
+class SecondLookEnv(ToolEnvironment):
+    """``second_look``: the built-in example of an environment that shows the model an image (multi-turn RL on a
+    vision-language model, ``oxrl run --alg sgrpo --set env.name=second_look``; the ``shapes`` task by default).
+
+    The model may call ``look(region)`` for the row's picture again, whole or one half of it enlarged to the full
+    32×32 (a tool message whose content is an image part and a line of text). Its first turn without a tool call
+    is not yet final when ``offer`` is on: the environment answers as a user with the picture again and "Take a
+    second look. Your answer?", and the next turn without a tool call is the final answer, scored by the dataset's
+    check (``reward.name``). So every episode that is not cut shows at least one image (``env/images_shown``), even
+    from a model that never learnt to call tools."""
+
+    name = "second_look"
+    #: the built-in VLM on the shapes task (its warm start answers in one word and EOS)
+    tiny_defaults = {
+        "data": {"train": [{"source": "shapes"}]},  # a list: replaced, never merged
+        "rollout": {"max_new_tokens": 16},
+        "env": {"max_turns": 3, "max_tokens": 256},
+    }
+
+    class Config(StrictModel):
+        """`SecondLookEnv`'s options (``env:`` keys)."""
+
+        offer: bool = Field(True, description="show the picture again after the first answer, before the final one")
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.picture = None  # the row's first image, as the row gives it
+        self.offered = False
+
+    def reset(self, row: dict) -> str | None:
+        images = row.get("images") or []
+        self.picture = images[0] if images else None
+        return None
+
+    def look(self, region: str = "all") -> list[dict]:
+        """Look at the picture again, whole or one half of it enlarged.
+
+        Args:
+            region: all, left, right, top or bottom
+        """
+        if self.picture is None:
+            return [{"type": "text", "text": "error: this question has no picture"}]
+        if region not in REGIONS:
+            self.stats["bad_tool_calls"] += 1
+            return [{"type": "text", "text": f"error: region must be one of {', '.join(REGIONS)}, got {region!r}"}]
+        return [
+            {"type": "image", "image": self._region_png(region)},
+            {"type": "text", "text": f"the picture ({region})"},
+        ]
+
+    def step(self, messages: list[dict]) -> tuple[list[dict], float, bool]:
+        added, reward, done = super().step(messages)
+        if done and self.config.offer and not self.offered and self.picture is not None:
+            self.offered = True  # a final answer, once: a second look before it counts
+            again = [{"type": "image", "image": self._region_png("all")},
+                     {"type": "text", "text": "Take a second look. Your answer?"}]  # fmt: skip
+            return [{"role": "user", "content": again}], reward, False
+        return added, reward, done
+
+    def _region_png(self, region: str) -> bytes:
+        """The picture, or one half of it scaled back to `IMAGE_SIZE`, as PNG bytes."""
+        from PIL import Image  # lazy: PIL in the episode's worker only
+
+        from oxrl_core.data.images import decode_image
+
+        picture = decode_image(self.picture, None, "second_look", "images[0]")
+        half = IMAGE_SIZE // 2
+        box = {"all": None, "left": (0, 0, half, IMAGE_SIZE), "right": (half, 0, IMAGE_SIZE, IMAGE_SIZE),
+               "top": (0, 0, IMAGE_SIZE, half), "bottom": (0, half, IMAGE_SIZE, IMAGE_SIZE)}[region]  # fmt: skip
+        if box is not None:
+            picture = picture.crop(box).resize((IMAGE_SIZE, IMAGE_SIZE), Image.NEAREST)
+        return _png(picture)

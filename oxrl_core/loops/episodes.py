@@ -24,6 +24,18 @@ the template's rendering of the whole conversation so far, the turns before it a
 and the episode goes on from those ids (``env/retemplate_fallbacks`` counts it). What the model is
 trained on is still exactly what it was given and what it sampled.
 
+Images (a vision-language model, `models.vision.VLMProcessing`): an episode may start from an image prompt (the
+row's ``images``, placed in its messages as `vision.image_messages` places them), and ``step`` may return messages
+whose ``content`` is a list of parts, ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": <path |
+base64 string | bytes | {"bytes"|"path": ...}>}`` (the forms rows take, `data.images.decode_image`). The
+environment's tokens are still the template's text extension, encoded by the model's processor with the new images,
+which expands each image's placeholder exactly as the processor does (`Episodes.encode_text`); the episode keeps the
+image inputs of every image in its sequence, in order (`Episode.pixels`), and each later ``generate`` call and the
+trainer's forwards get exactly those. Image tokens are environment tokens (mask 0). A text model cannot take an
+image: an environment image part ends that episode as an environment error naming why (``env/errors``; the run stops
+if it keeps happening, `EnvWatch`), rather than dropping the picture the model was meant to see. A family whose
+pixels are one entry per row (Idefics3, ``pixels_by = row``) cannot add an image mid-episode and fails likewise.
+
 Each episode's environment lives in a worker process of its own (`oxrl_core.rollout.env_worker`: one instance per
 episode, forked from a host process that loaded the environment once; about a millisecond each), so a call
 that hangs can be stopped: the worker is killed, and nothing of it keeps running. The calls of a turn go to
@@ -46,6 +58,8 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
+from oxrl_core.data.images import TOKEN_INPUTS, decode_image, image_base_dir
+from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
@@ -64,6 +78,7 @@ EPISODE_MEANS = (
     "env/episode_tokens",
     "env/cut_by_max_tokens",
     "env/cut_by_max_new_tokens",
+    "env/images_shown",
 )
 #: reward failures, counted over the episodes scored on their final answers
 COUNTS = ("reward/errors", "reward/timeouts")
@@ -73,9 +88,37 @@ COUNTS = ("reward/errors", "reward/timeouts")
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
+    """The chat template's text of ``messages`` (``tokenizer``: a tokenizer, or a VLM's processor, whose template
+    writes each image part as the family's placeholder; the images themselves are not read here)."""
     return tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=False
-    )
+        [_without_pixels(m) for m in messages], tools=tools or None, add_generation_prompt=generation_prompt,
+        tokenize=False,
+    )  # fmt: skip
+
+
+def _without_pixels(message: dict) -> dict:
+    """``message`` with its image parts as bare ``{"type": "image"}`` (the template writes the placeholder)."""
+    content = message.get("content")
+    if isinstance(content, str) or content is None:
+        return message
+    return {**message, "content": [{"type": "image"} if _is_image(p) else p for p in content]}
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _as_text(message: dict) -> dict:
+    """A message whose content is text parts only, as one string (a text model's template may take no parts)."""
+    content = message["content"]
+    return message if isinstance(content, str) else {**message, "content": "".join(p["text"] for p in content)}
+
+
+def image_parts(messages: list[dict]) -> list:
+    """The image values of ``messages``' image parts, in order."""
+    return [
+        p.get("image") for m in messages if isinstance(m.get("content"), list) for p in m["content"] if _is_image(p)
+    ]
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -88,8 +131,15 @@ def extension_ids(tokenizer, before: list[dict], turn: dict, added: list[dict], 
 
     ``before`` is the conversation the model answered, ``turn`` its answer as sampled (``ended_eos``: the
     sampled tokens ended with EOS, which the template's end of turn may repeat and is then not added twice)."""
-    prompt = render(tokenizer, before, tools, True)  # what the model answered, as the template writes it
-    full = render(tokenizer, before + [turn] + added, tools, True)
+    rest = extension_text(tokenizer, tokenizer, before, turn, added, ended_eos, tools)
+    return None if rest is None else encode(tokenizer, rest)
+
+
+def extension_text(renderer, tokenizer, before, turn, added, ended_eos: bool, tools) -> str | None:
+    """`extension_ids`' text (placeholders not yet expanded): ``renderer`` renders (a tokenizer or a VLM's
+    processor), ``tokenizer`` names EOS. None when the template breaks the extension."""
+    prompt = render(renderer, before, tools, True)  # what the model answered, as the template writes it
+    full = render(renderer, before + [turn] + added, tools, True)
     if not full.startswith(prompt):
         return None  # the template rewrote the conversation before the model's turn
     rest = full[len(prompt) :]
@@ -99,7 +149,7 @@ def extension_ids(tokenizer, before: list[dict], turn: dict, added: list[dict], 
     eos = tokenizer.eos_token or ""
     if ended_eos and eos and rest.startswith(eos):
         rest = rest[len(eos) :]  # the model sampled the template's end of turn
-    return encode(tokenizer, rest)
+    return rest
 
 
 # ----------------------------------------------------------------------------- one episode
@@ -131,6 +181,19 @@ class Episode:
     ended_eos: bool = False  # ... and whether it ended with EOS
     start_failure: str = ""  # error | timeout: the environment failed to start (one model turn, reward 0)
     error: str = ""  # what failed, when ended is error | timeout (`describe_failure`)
+    #: a VLM's image inputs of every image in prompt_ids + token_ids, in order (`encode.image_fields`' form:
+    #: ``pixel_inputs``, ``token_inputs`` lists as long as the ids up to the last image, ``pixels_by``); {} for none
+    pixels: dict = field(default_factory=dict)
+    images_shown: int = 0  # images the environment added (``env/images_shown``)
+
+    def image_inputs(self) -> dict:
+        """`pixels` with each per-token input as long as the whole sequence (0 after the last image), as
+        `images.collate_pixels` lines them up with the ids ({} for an episode without images)."""
+        if not self.pixels:
+            return {}
+        width = len(self.prompt_ids) + len(self.token_ids)
+        tokens = {k: list(v) + [0] * (width - len(v)) for k, v in self.pixels["token_inputs"].items()}
+        return {**self.pixels, "token_inputs": tokens}
 
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids += ids
@@ -141,7 +204,7 @@ class Episode:
     def end(self, why: str) -> None:
         self.ended = why
         if not any(self.sampled) and self.earlier is not None:  # nothing of the model since the fallback
-            self.prompt_ids, self.token_ids, self.logprobs, self.sampled = self.earlier
+            self.prompt_ids, self.token_ids, self.logprobs, self.sampled, self.pixels = self.earlier
 
     @property
     def failed(self) -> bool:
@@ -163,14 +226,30 @@ def _check_step(result) -> tuple[list[dict], float, bool]:
         raise Malformed(f"step() must return (messages, reward, done), got {type(result).__name__}")
     messages, reward, done = result
     if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+        isinstance(m, dict) and isinstance(m.get("role"), str) and _content_ok(m.get("content")) for m in messages
     ):
-        raise Malformed("step() must return a list of {role, content} messages with string values")
+        raise Malformed(
+            "step() must return a list of {role, content} messages, content a string or a list of parts "
+            '{"type": "text", "text": str} / {"type": "image", "image": path | base64 string | bytes}'
+        )
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise Malformed(f"step() returned reward {reward!r}, not a finite number")
     if not isinstance(done, bool):
         raise Malformed(f"step() returned done={done!r}, not True/False")
     return messages, float(reward), done
+
+
+def _content_ok(content) -> bool:
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(p, dict)
+        and (
+            (p.get("type") == "text" and isinstance(p.get("text"), str))
+            or (p.get("type") == "image" and p.get("image") is not None)
+        )
+        for p in content
+    )
 
 
 # ----------------------------------------------------------------------------- failures of the environment
@@ -277,11 +356,15 @@ class EnvWatch(RewardWatch):
 class Episodes:
     """Plays the multi-turn episodes of a rollout batch against the rollout backend, set up once per run."""
 
-    def __init__(self, env_cls, env_config, cfg, tokenizer, backend):
+    def __init__(self, env_cls, env_config, cfg, tokenizer, backend, vision=None):
+        """``vision``: a VLM run's `VLMProcessing` (image prompts, environment images); None for a text model."""
         self.env_cls, self.env_config, self.tokenizer, self.backend = env_cls, env_config, tokenizer, backend
+        self.vision = vision
+        #: what renders the conversation: a VLM's processor (its template writes image parts), else the tokenizer
+        self.renderer = vision.processor if vision is not None else tokenizer
         self.max_turns, self.max_tokens = cfg.env.max_turns, cfg.env.max_tokens
         self.max_new_tokens = cfg.rollout.max_new_tokens
-        if not getattr(tokenizer, "chat_template", None):
+        if not getattr(self.renderer, "chat_template", None) and not getattr(tokenizer, "chat_template", None):
             raise OxrlError(
                 f"env.name={cfg.env.name}: the model's tokenizer has no chat template, so the environment's "
                 "messages cannot be rendered; use a model with a chat template (oxrl check-model shows it)"
@@ -291,6 +374,85 @@ class Episodes:
         self.calls_reward = env_cls.reward is not Environment.reward
         #: the tool schemas when the interface's own tools() gives them (they depend on the class alone)
         self.tools = class_tools(env_cls)
+
+    # ---- images (a VLM run)
+
+    def row_messages(self, row: dict, prompt) -> list[dict]:
+        """The first turn's messages: ``prompt`` (the row's, or `reset`'s text) as chat messages; in a VLM run the
+        row's ``images`` go into its image parts (`vision.image_messages`: ``<image>`` markers or image parts), as
+        given (paths, base64, bytes: plain data for the environment's worker)."""
+        if self.vision is not None and row.get("images"):
+            from oxrl_core.models.vision import image_messages  # lazy: the runner stays importable without torch
+
+            try:
+                return image_messages(prompt, list(row["images"]))
+            except ValueError as exc:
+                raise Malformed(f"the prompt does not place the row's {len(row['images'])} image(s): {exc}") from None
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+    def decode(self, e: Episode, values: list, what: str) -> list:
+        """Image values of episode ``e`` (a row's or an environment's) -> RGB PIL images; relative paths from the
+        row's data file's directory. A bad one is `OxrlError` naming the row and ``what``."""
+        origin = e.row.get("_origin", "")
+        base, where = image_base_dir(e.row, origin), row_where(e.row, origin)
+        return [decode_image(v, base, where, f"{what}[{i}]") for i, v in enumerate(values)]
+
+    def encode_text(self, text: str, images: list) -> tuple[list[int], dict]:
+        """Rendered ``text`` -> (token ids, image fields): without images the tokenizer's ids; with ``images`` (PIL,
+        in placeholder order) the model's processor's, each placeholder expanded as the processor expands it, and
+        the fields in `encode.image_fields`' form (``pixel_inputs``, ``token_inputs``, ``pixels_by``)."""
+        if not images:
+            return encode(self.tokenizer, text), {}
+        out = self.vision.processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
+        ids = out["input_ids"][0].tolist()
+        pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
+        tokens = {name: pixels.pop(name)[0].tolist() for name in TOKEN_INPUTS if name in pixels}
+        return ids, {"pixel_inputs": pixels, "token_inputs": tokens, "pixels_by": self.vision.family.pixels_by}
+
+    def encode_messages(self, e: Episode, messages: list[dict], tools) -> tuple[list[int], dict]:
+        """A whole conversation with its generation prompt -> (ids, image fields) (`encode_text`)."""
+        images = self.decode(e, image_parts(messages), "images") if self.vision is not None else []
+        return self.encode_text(render(self.renderer, messages, tools, True), images)
+
+    def image_refusal(self, added: list[dict]) -> str:
+        """Why this run cannot show the environment's images (empty when it can, or when there are none)."""
+        if not image_parts(added):
+            return ""
+        if self.vision is None:
+            return (
+                "step() returned an image part, but the model is a text model (it has no processor and reads no "
+                "pixels); use a vision-language model (model.name) or return text"
+            )
+        if self.vision.family.pixels_by == "row":
+            return (
+                f"step() returned an image part, but a {self.vision.family.model_type} model's pixels are one entry "
+                "per row (its tiles), which an image added mid-episode cannot join; return text"
+            )
+        return ""
+
+    @staticmethod
+    def join_pixels(e: Episode, fields: dict, offset: int) -> None:
+        """Add an environment turn's image fields (its tokens start at ``offset`` in the sequence) to ``e``'s:
+        pixel inputs concatenated image after image (families whose first dimension counts patches or images),
+        per-token inputs placed at their tokens."""
+        import torch
+
+        if not fields:
+            return
+        if not e.pixels:
+            e.pixels = {"pixel_inputs": {}, "token_inputs": {}, "pixels_by": fields["pixels_by"]}
+        old = e.pixels["pixel_inputs"]
+        e.pixels = {
+            **e.pixels,
+            "pixel_inputs": {
+                k: torch.cat([old[k], v], dim=0) if k in old else v for k, v in fields["pixel_inputs"].items()
+            },
+            "token_inputs": {
+                k: list(e.pixels["token_inputs"].get(k, [])) + [0] * (offset - len(e.pixels["token_inputs"].get(k, [])))
+                + list(v)
+                for k, v in fields["token_inputs"].items()
+            },
+        }  # fmt: skip
 
     # ---- one rollout batch
 
@@ -316,12 +478,20 @@ class Episodes:
                     lives.append(live)
             if not requests:
                 break
+            # (a VLM run: each prompt's image inputs go with it, every image of the episode so far)
             if self.backend.remote:  # rollout actors: the shards of this turn generated in parallel
-                results = self.backend.generate_shards([(prompts, params) for prompts, params, _ in requests])
+                results = self.backend.generate_shards(
+                    [(prompts, params) if images is None else (prompts, params, images)
+                     for prompts, params, _, images in requests]
+                )  # fmt: skip
             else:
-                results = [self.backend.generate(prompts, params) for prompts, params, _ in requests]
+                results = [
+                    self.backend.generate(prompts, params) if images is None
+                    else self.backend.generate(prompts, params, images=images)
+                    for prompts, params, _, images in requests
+                ]  # fmt: skip
             waiting = []
-            for live, (_, _, grouped), groups in zip(lives, requests, results):
+            for live, (_, _, grouped, _), groups in zip(lives, requests, results):
                 self.take_turn(live, [c for g in groups for c in g] if grouped else [g[0] for g in groups])
                 waiting += [e for e in live if not e.ended]
             self.env_turns(waiting)  # the environments of every shard answer at once, each in its own process
@@ -344,7 +514,8 @@ class Episodes:
         """Every process's episodes of the step on every process: ``(prompt ids, completions, scores,
         metrics)`` in batch order. Each process scores its own episodes (their environments live there);
         the reward failures of all of them are added to ``failures``, the environment's to ``env_failures``
-        (the metrics get ``env/error_share`` and, when any failed, the first failure's text ``env/first_error``)."""
+        (the metrics get ``env/error_share`` and, when any failed, the first failure's text ``env/first_error``).
+        A VLM run adds each episode's image inputs (B,) as a fifth item (None for a text model)."""
         local = RewardFailures(failures.reward)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
         mine = (
@@ -354,12 +525,14 @@ class Episodes:
             self.metrics(played) if played else {},
             local,
             EnvFailures(env_failures.env).count(played),
+            [e.image_inputs() for e in played] if self.vision is not None else None,
         )
         parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
         samples = [s for part in parts for s in part[0]]
         scores = [s for part in parts for s in part[1]]
         metrics: dict[str, float | str] = defaultdict(float)
-        for _, part_scores, part_counts, part_metrics, part_failures, part_env_failures in parts:
+        images = None if self.vision is None else [fields for part in parts for fields in part[6]]
+        for _, part_scores, part_counts, part_metrics, part_failures, part_env_failures, _ in parts:
             failures.merge(part_failures)
             env_failures.merge(part_env_failures)
             for k, v in part_counts.items():
@@ -372,7 +545,7 @@ class Episodes:
         metrics["env/error_share"] = env_failures.share
         if env_failures.failed:
             metrics["env/first_error"] = env_failures.first()  # text: metrics.jsonl keeps it, trackers skip it
-        return [p for p, _ in samples], [c for _, c in samples], scores, dict(metrics)
+        return [p for p, _ in samples], [c for _, c in samples], scores, dict(metrics), images
 
     def start(self, rows: list[dict]) -> list[Episode]:
         """One episode per row (the n of a row contiguous), each with its environment in a worker process of its
@@ -390,8 +563,10 @@ class Episodes:
             if kind != "ok":
                 self._broken(e, kind, text)
                 continue
-            prompt = e.row["prompt"] if text is None else text
-            e.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            try:
+                e.messages = self.row_messages(e.row, e.row["prompt"] if text is None else text)
+            except Malformed as exc:
+                self._broken(e, "error", f"reset(): {exc}")
         live = [e for e in live if not e.start_failure]
         if self.tools is not None:
             calls = [("ok", list(self.tools))] * len(live)
@@ -402,31 +577,35 @@ class Episodes:
                 self._broken(e, kind, tools)
                 continue
             e.tools = tools
-            e.prompt_ids = encode(self.tokenizer, render(self.tokenizer, e.messages, e.tools, True))
+            e.prompt_ids, e.pixels = self.encode_messages(e, e.messages, e.tools)
         return episodes
 
     def _broken(self, episode: Episode, why: str, error: str) -> None:
         """An episode whose environment failed to start (``why``: error | timeout): the row's own prompt, one
         model turn, reward 0; its worker is gone (killed at a timeout) or closed now."""
-        prompt = episode.row["prompt"]
-        episode.messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        episode.messages = self.row_messages(episode.row, episode.row["prompt"])
         episode.tools = []
-        episode.prompt_ids = encode(self.tokenizer, render(self.tokenizer, episode.messages, [], True))
+        episode.prompt_ids, episode.pixels = self.encode_messages(episode, episode.messages, [])
         episode.start_failure, episode.error = why, error
         episode.env.close()
 
     def turn_request(self, live, episodes, rows, sampling: SamplingParams, turn: int):
-        """One backend call for the live episodes of a shard: ``(prompt ids, sampling, grouped)``. On the
-        first turn the n episodes of a row share their prompt and are sampled as one group of n."""
+        """One backend call for the live episodes of a shard: ``(prompt ids, sampling, grouped, images)``. On the
+        first turn the n episodes of a row share their prompt and are sampled as one group of n. ``images``: in a
+        VLM run each prompt's image inputs ({} for a text one: the backend then knows it is an image run), else
+        None."""
         budget = max(self.max_tokens - e.used for e in live)
         params = replace(sampling, max_new_tokens=min(self.max_new_tokens, budget))
         if sampling.seed is not None:
             params = replace(params, seed=sampling.seed + TURN_SEED_STRIDE * turn)
         n = sampling.n
         first = [episodes[i * n : (i + 1) * n] for i in range(len(rows))] if turn == 0 else []
+        vlm = self.vision is not None
         if first and all(len({tuple(e.prompt_ids) for e in group}) == 1 for group in first):
-            return [group[0].prompt_ids for group in first], params, True  # n samples per prompt
-        return [e.prompt_ids + e.token_ids for e in live], replace(params, n=1), False
+            images = [group[0].image_inputs() for group in first] if vlm else None
+            return [group[0].prompt_ids for group in first], params, True, images  # n samples per prompt
+        images = [e.image_inputs() for e in live] if vlm else None
+        return [e.prompt_ids + e.token_ids for e in live], replace(params, n=1), False, images
 
     def take_turn(self, live: list[Episode], completions: list[Completion]) -> None:
         """Each live episode gets its turn's tokens and logprobs (cut at its own token budget)."""
@@ -480,21 +659,38 @@ class Episodes:
             return e.end("done")
         if e.turns >= self.max_turns:
             return e.end("max_turns")
-        ids = extension_ids(self.tokenizer, before, e.turn, added, e.ended_eos, e.tools)
+        refusal = self.image_refusal(added)
+        if refusal:  # an image this model cannot be shown: the episode's error, never a silently dropped picture
+            e.error = refusal
+            return e.end("error")
+        if self.vision is None:  # a text model's template takes strings: text parts joined
+            added = [_as_text(m) for m in added]
+        rest = extension_text(self.renderer, self.tokenizer, before, e.turn, added, e.ended_eos, e.tools)
         e.messages += added
-        if ids is None:  # the template rewrote history: a new training sample from this turn
-            prompt = encode(self.tokenizer, render(self.tokenizer, e.messages, e.tools, True))
+        try:
+            if rest is None:  # the template rewrote history: a new training sample from this turn
+                prompt, pixels = self.encode_messages(e, e.messages, e.tools)
+            else:
+                new = self.decode(e, image_parts(added), "step() image") if self.vision is not None else []
+                ids, fields = self.encode_text(rest, new)
+        except Exception as exc:  # noqa: BLE001 - an image that does not decode or encode: the episode's error
+            e.error = f"step() returned an image the model's processor cannot take: {exc}"
+            return e.end("error")
+        if rest is None:
             grown = max(0, len(prompt) - len(e.prompt_ids) - len(e.token_ids))
             if e.used + grown >= self.max_tokens:
                 return e.end("max_tokens")
-            e.earlier = (e.prompt_ids, e.token_ids, e.logprobs, e.sampled)
-            e.prompt_ids, e.token_ids, e.logprobs, e.sampled = prompt, [], [], []
+            e.earlier = (e.prompt_ids, e.token_ids, e.logprobs, e.sampled, e.pixels)
+            e.prompt_ids, e.token_ids, e.logprobs, e.sampled, e.pixels = prompt, [], [], [], pixels
             e.used += grown
             e.fallbacks += 1
+            e.images_shown += len(image_parts(added))
             return None
         if e.used + len(ids) >= self.max_tokens:
-            return e.end("max_tokens")  # no room left for the model's next turn
+            return e.end("max_tokens")  # no room left for the model's next turn (an image is never cut)
+        self.join_pixels(e, fields, len(e.prompt_ids) + len(e.token_ids))
         e.add(ids, None)
+        e.images_shown += len(image_parts(added))
         return None
 
     # ---- rewards and metrics
@@ -554,6 +750,7 @@ class Episodes:
             "env/cut_by_max_tokens": sum(e.ended == "max_tokens" for e in episodes) / n,
             "env/cut_by_max_new_tokens": sum(e.ended == "length" for e in episodes) / n,
             "env/retemplate_fallbacks": float(sum(e.fallbacks for e in episodes)),
+            "env/images_shown": sum(e.images_shown for e in episodes) / n,
         }
 
     # ---- held-out evaluation

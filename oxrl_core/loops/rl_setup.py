@@ -92,6 +92,11 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     backend_cls, _ = setup.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
     if with_images:
         _check_images(cfg, algorithm, backend_cls, policy_path)
+    elif cfg.env.name and vision is not None and (reason := backend_cls.image_support(policy_path)) is not None:
+        raise OxrlError(  # an environment may show a VLM images mid-episode: the backend must take them
+            f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "
+            f"may be shown images by the environment and {reason}; generate with rollout.backend=hf"
+        )
     env = None
     if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here
         env = setup.registry.build("environment", cfg.env.name, env_options(cfg), field="env")
@@ -150,7 +155,7 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
         eval_dataset=held_out.dataset if held_out is not None else None, seed=cfg.train.seed,
     )  # fmt: skip
     if env is not None:
-        episodes = Episodes(type(env), env.config, cfg, tokenizer, backend)
+        episodes = Episodes(type(env), env.config, cfg, tokenizer, backend, vision)
         strategy = EpisodeRollouts(episodes, engine, cfg.env, shards, **common)
     else:
         strategy = Completions(backend, engine, tokenizer, prompts, eval_prompts, shards, **common)
@@ -200,11 +205,6 @@ def _check_images(cfg, algorithm, backend_cls, policy_path: str) -> None:
         raise OxrlError(
             f"rollout.backend={cfg.rollout.backend}: the data has image prompts and {reason}; "
             "generate with rollout.backend=hf (transformers' generate, which takes the model's image inputs)"
-        )
-    if cfg.env.name:
-        raise OxrlError(
-            f"env.name={cfg.env.name}: multi-turn episodes start from text prompts; the data has image prompts "
-            "(single-turn RL trains on them)"
         )
     if getattr(algorithm.config, "critic", "shared") == "separate":
         raise OxrlError(

@@ -116,10 +116,17 @@ class EpisodeRollouts(RolloutStrategy):
     def score(self, played, step):
         failures, env_failures = RewardFailures(self.reward_name), EnvFailures(self.env_name)
         # each process scores its own episodes; every process gets all of them, in batch order
-        prompts, completions, scores, metrics = self.episodes.collect(played, self.reward, failures, env_failures)
+        played = self.episodes.collect(played, self.reward, failures, env_failures)
+        prompts, completions, scores, metrics, images = played  # images: a VLM's, every image of each episode
         self.env_watch.after_scoring(step, env_failures, self.run_dir)
         self.reward_watch.after_scoring(step, failures, self.run_dir)
-        return Scored(prompts, completions, scores, metrics)
+        return Scored(prompts, completions, scores, metrics, images)
+
+    def sample_images(self, picks):
+        """Each episode's row's images (the prompt's; the environment's own are not in rollouts.jsonl yet)."""
+        if self.episodes.vision is None or not any(self.rows[i].get("images") for i in picks):
+            return None
+        return [row_images(self.rows[i], "") for i in picks for _ in range(self.ro.n)]
 
     def evaluate(self, progress):
         return self.episodes.evaluate(self.eval_rows, self.reward, self.eval_dataset, self.ro, progress=progress)

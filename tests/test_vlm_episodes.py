@@ -1,0 +1,321 @@
+"""Issue 29, item 4: multi-turn episodes on a vision-language model — image prompts, and an environment whose
+messages carry images (`oxrl_core.loops.episodes`, the built-in ``second_look`` environment).
+
+The independent side never sees oxRL's ids or pixels: the whole conversation (the row's image and question, the
+model's turns as text, the environment's message with its image) is rendered by the model's own processor and chat
+template, and plain transformers scores the sampled tokens on it.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import oxrl, read_metrics, write_jsonl
+from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of
+
+from oxrl_core.config import RunConfig
+from oxrl_core.data.shapes import SecondLookEnv
+from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams
+from oxrl_core.loops.episodes import Episodes
+from oxrl_core.loops.rollouts import policy_forward, rollout_batch
+
+
+def _png(colour: tuple[int, int, int]) -> bytes:
+    from PIL import Image
+
+    image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), colour)
+    image.paste(Image.new("RGB", (8, 8), (255, 255, 255)), (0, 0))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class ScriptedVLM(RolloutBackend):
+    """Answers every context with ``turns[k]`` + EOS on generate call k, logprobs from a plain forward of the
+    model on the ids with the pixels it was given; records how many images each call's prompts carried."""
+
+    name = "scripted_vlm"
+
+    def __init__(self, model, tokenizer, turns: list[str]):
+        self.model, self.tokenizer, self.turns, self.images_per_call = model, tokenizer, turns, []
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids, sampling, images=None):
+        from oxrl_core.data.images import collate_pixels
+
+        text = self.turns[min(len(self.images_per_call), len(self.turns) - 1)]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        self.images_per_call.append([_image_count(f) for f in images])
+        out = []
+        for context, fields in zip(prompt_token_ids, images):
+            row = torch.tensor([list(context) + ids])  # (1, T)
+            logits = self.model(input_ids=row, **collate_pixels([{**fields, "input_ids": row[0]}], row.shape[1])).logits
+            logp = torch.log_softmax(logits[0].float(), -1)
+            lp = [float(logp[len(context) - 1 + j, t]) for j, t in enumerate(ids)]
+            out.append([Completion(list(ids), lp, "stop", 0) for _ in range(sampling.n)])
+        return out
+
+    def update_weights(self, state, policy_version):
+        pass
+
+
+def _image_count(fields: dict) -> int:
+    """How many images a prompt's image inputs hold (Qwen-VL: one grid row each; else one pixel entry each)."""
+    pixels = fields.get("pixel_inputs", {})
+    return len(pixels.get("image_grid_thw", pixels.get("pixel_values", ())))
+
+
+def _config(**env) -> RunConfig:
+    return RunConfig.model_validate(
+        {"algorithm": "sgrpo", "env": {"name": "second_look", "max_turns": 3, **env}, "rollout": {"n": 2}}
+    )
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+def vlm(tmp_path_factory, request):
+    """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template), its
+    processing, tokenizer and fp32 model, and one episode batch played on it: the row's image prompt, a first
+    answer, the environment's second look (an image), the final answer."""
+    from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+    from oxrl_core.models.vision import load_processing
+
+    family = request.param
+    model_dir = build_vlm(family, tmp_path_factory.mktemp("vlm") / family)
+    vision, tokenizer = load_processing(str(model_dir)), load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir)).float().eval()
+    backend = ScriptedVLM(model, tokenizer, ["red", "blue"])
+    runner = Episodes(SecondLookEnv, SecondLookEnv.Config(), _config(), tokenizer, backend, vision)
+    rows = [{"prompt": "<image>What colour is the shape?", "images": [{"bytes": _png((220, 40, 40))}], "answer": "red"}]
+    episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
+    return SimpleNamespace(
+        family=family, dir=model_dir, vision=vision, tokenizer=tokenizer, model=model, backend=backend, runner=runner,
+        rows=rows, episodes=episodes,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logprobs_equal_plain_transformers(vlm):
+    """Episode: row image + question | 'red' | the environment's second look (image + text) | 'blue'. The ids are
+    the processor's rendering of the raw conversation, image placeholders expanded as it expands them; the second
+    generate call gets both images; the environment's tokens (image tokens included) have mask 0; the trainer's
+    log-probabilities of the sampled tokens (rollout batch with each row's pixels, fp32) equal plain transformers'
+    on the processor's inputs to 1e-4."""
+    from PIL import Image
+
+    q = vlm
+    assert q.backend.images_per_call == [[1], [2, 2]]  # turn 1: the row's image (one group of n); turn 2: both
+    processor = processor_of(q.family, q.dir)
+    picture = Image.open(io.BytesIO(q.rows[0]["images"][0]["bytes"])).convert("RGB")
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Take a second look. Your answer?"}]},
+    ]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    inputs = encode_rendered(processor, text, [picture, picture])
+    final = q.tokenizer("blue", add_special_tokens=False)["input_ids"] + [q.tokenizer.eos_token_id]
+    full = torch.cat([inputs["input_ids"][0], torch.tensor(final)])  # (T,)
+    kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    for name in [k for k in kwargs if k.endswith("token_type_ids")]:  # one per token: 0 on the final answer
+        kwargs[name] = torch.cat([kwargs[name], torch.zeros((1, len(final)), dtype=torch.long)], 1)
+    expected = torch.log_softmax(q.model(input_ids=full[None], **kwargs).logits[0].float(), -1)  # (T, V)
+
+    for e in q.episodes:
+        assert e.ended == "done" and e.images_shown == 1 and not e.error
+        assert e.prompt_ids + e.token_ids == full.tolist()  # the processor's own ids, both images expanded
+        image_tokens = torch.tensor(e.token_ids) == q.vision.image_token_id
+        assert image_tokens.sum() > 0 and all(s == 0 for s, img in zip(e.sampled, image_tokens) if img)
+    assert [m["role"] for m in q.episodes[0].messages] == ["user", "assistant", "user", "assistant"]
+
+    prompts, completions, scores, metrics, images = q.runner.collect(
+        q.episodes, None, _failures("r"), _env_failures()
+    )  # no reward: the scores are not what this test checks
+    batch = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), images)
+    logp = policy_forward(q.model, None, batch, temperature=1.0)["logp"]  # (B, T-1)
+    assert metrics["env/images_shown"] == 1.0
+    for i, c in enumerate(completions):
+        start = int(batch["prompt_len"][i]) - 1
+        positions = [start + j for j, s in enumerate(c.sampled) if s]  # the model's tokens
+        tokens = torch.tensor([c.token_ids[j] for j, s in enumerate(c.sampled) if s])
+        ours = logp[i, positions]
+        theirs = expected[torch.tensor(positions), tokens]
+        assert torch.allclose(ours, theirs, atol=1e-4), (i, ours, theirs)
+        assert (batch["mask"][i, start : start + len(c.token_ids)] == torch.tensor(c.sampled, dtype=torch.float)).all()
+
+    # the environment's picture is the one the later turn is scored on: another second picture changes the final
+    # answer's log-probabilities and leaves the first answer's (before it) as they were
+    other = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), _other_second(images))
+    swapped = policy_forward(q.model, None, other, temperature=1.0)["logp"]  # (B, T-1)
+    for i, c in enumerate(completions):
+        start = int(batch["prompt_len"][i]) - 1
+        turns = [start + j for j, s in enumerate(c.sampled) if s]
+        n_first = len(q.tokenizer("red", add_special_tokens=False)["input_ids"]) + 1  # 'red' + EOS
+        first, final = turns[:n_first], turns[n_first:]
+        assert torch.allclose(logp[i, first], swapped[i, first], atol=1e-6)
+        assert (logp[i, final] - swapped[i, final]).abs().max() > 1e-4
+
+
+def _other_second(images: list[dict]) -> list[dict]:
+    """Each episode's image inputs with its second image's pixels negated (another picture, same size)."""
+    out = []
+    for fields in images:
+        pixels = dict(fields["pixel_inputs"])
+        grid = pixels.get("image_grid_thw")
+        first = int(grid[0].prod()) if grid is not None else 1  # patches (Qwen-VL) or one entry of the first image
+        values = pixels["pixel_values"].clone()
+        values[first:] = -values[first:]
+        out.append({**fields, "pixel_inputs": {**pixels, "pixel_values": values}})
+    return out
+
+
+def test_the_hf_backend_continues_an_episode_with_every_image_of_it(vlm):
+    """The real `generate` takes a later turn's context with both images (placeholder counts match the pixels)."""
+    from oxrl_core.rollout.hf import HFRolloutBackend
+
+    q = vlm
+    e = q.episodes[0]
+    context = e.prompt_ids + e.token_ids[: -len(q.tokenizer("blue", add_special_tokens=False)["input_ids"]) - 1]
+    fields = e.image_inputs()
+    fields["token_inputs"] = {k: v[: len(context)] for k, v in fields["token_inputs"].items()}
+    backend = HFRolloutBackend(q.model, q.tokenizer)
+    out = backend.generate([context], SamplingParams(n=1, max_new_tokens=2, temperature=0.0), images=[fields])
+    assert len(out[0][0].token_ids) >= 1
+
+
+def test_a_look_tool_call_is_answered_with_an_image_the_next_turn_is_generated_with(vlm):
+    """second_look's tool: a ``look`` call gets a tool message with the picture's left half (an image part); the
+    next generate call carries both images; env/tool_calls and env/images_shown count it."""
+    q = vlm
+    call = '<tool_call>\n{"name": "look", "arguments": {"region": "left"}}\n</tool_call>'
+    backend = ScriptedVLM(q.model, q.tokenizer, [call, "red"])
+    runner = Episodes(SecondLookEnv, SecondLookEnv.Config(offer=False), _config(), q.tokenizer, backend, q.vision)
+    episodes = runner.play(q.rows, SamplingParams(n=2, max_new_tokens=64))
+    assert backend.images_per_call == [[1], [2, 2]]
+    for e in episodes:
+        assert e.ended == "done" and e.images_shown == 1, (e.ended, e.error)
+        tool = e.messages[2]
+        assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["image", "text"]
+        assert tool["content"][1]["text"] == "the picture (left)"
+    metrics = runner.metrics(episodes)
+    assert metrics["env/tool_calls"] == 1.0 and metrics["env/images_shown"] == 1.0
+
+
+def test_a_text_model_shown_an_image_ends_the_episode_as_an_environment_error(tiny_model_dir):
+    """A text model cannot be shown an image: the episode ends with error (counted in env/errors), naming why."""
+    from oxrl_core.models.loading import load_causal_lm, load_tokenizer
+
+    tokenizer, model = load_tokenizer(str(tiny_model_dir)), load_causal_lm(str(tiny_model_dir)).eval()
+    backend = _TextScripted(tokenizer)
+    runner = Episodes(SecondLookEnv, SecondLookEnv.Config(), _config(), tokenizer, backend)
+    rows = [{"prompt": "What colour is the shape?", "images": [{"bytes": _png((40, 40, 220))}], "answer": "blue"}]
+    episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
+    for e in episodes:
+        assert e.ended == "error" and "text model" in e.error and "image" in e.error
+        assert e.images_shown == 0 and e.pixels == {}
+    assert runner.metrics(episodes)["env/errors"] == 2.0
+    del model
+
+
+class TextParts(Environment):
+    """Step style: answers the first turn with a user message of two text parts, then ends."""
+
+    name = "text_parts"
+
+    def step(self, messages):
+        if sum(m["role"] == "assistant" for m in messages) > 1:
+            return [], 1.0, True
+        return (
+            [{"role": "user", "content": [{"type": "text", "text": "try "}, {"type": "text", "text": "again"}]}],
+            0.0,
+            False,
+        )
+
+
+def test_a_text_model_takes_text_parts_as_one_string(tiny_model_dir):
+    """Content parts without images reach a text model's template as one string (its template may take none)."""
+    from oxrl_core.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    runner = Episodes(TextParts, TextParts.Config(), _config(), tokenizer, _TextScripted(tokenizer))
+    episodes = runner.play([{"prompt": "What colour?", "answer": "red"}], SamplingParams(n=2, max_new_tokens=8))
+    for e in episodes:
+        assert e.ended == "done" and not e.error
+        assert e.messages[2]["content"] == "try again"
+        environment = [t for t, s in zip(e.token_ids, e.sampled) if not s]
+        assert "try again" in tokenizer.decode(environment)
+
+
+class _TextScripted(RolloutBackend):
+    name = "scripted_text"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompt_token_ids, sampling):
+        ids = self.tokenizer("red", add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return [
+            [Completion(list(ids), [0.0] * len(ids), "stop", 0) for _ in range(sampling.n)] for _ in prompt_token_ids
+        ]
+
+    def update_weights(self, state, policy_version):
+        pass
+
+
+class _Engine:
+    device = torch.device("cpu")
+
+
+def _failures(name):
+    from oxrl_core.scoring.rewards import RewardFailures
+
+    return RewardFailures(name)
+
+
+def _env_failures():
+    from oxrl_core.loops.episodes import EnvFailures
+
+    return EnvFailures("second_look")
+
+
+# ----------------------------------------------------------------------------- through the real CLI
+
+
+@pytest.mark.slow
+def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
+    """`oxrl run --alg sgrpo --set env.name=second_look` (the built-in VLM on shapes, its tiny defaults): two
+    steps, exit 0, and the environment showed images (its second look: every episode's first answer ends with EOS
+    on the warm start); `oxrl eval --env second_look` on image rows with its final/. Held out: 4 of the shapes
+    eval rows (the default 100 take 3 s an evaluation). The warm start of the built-in VLM (about 40 s) is built
+    once per test session (the visual demos share it)."""
+    import base64
+
+    from oxrl_core.data.shapes import rows as shapes_rows
+
+    held_out = [
+        {"prompt": r["prompt"], "images": [base64.b64encode(r["images"][0]["bytes"]).decode()], "answer": r["answer"]}
+        for r in shapes_rows("eval")[:4]
+    ]
+    eval_file = write_jsonl(tmp_path / "eval.jsonl", held_out)
+    run = tmp_path / "run"
+    proc = oxrl(
+        "run", "--alg", "sgrpo", "--output-dir", str(run), "--set", "env.name=second_look",
+        "--set", "train.max_steps=2", "--set", "train.batch_size=2", "--set", "rollout.n=2", "--set", "train.seed=0",
+        "--set", f"data.eval={eval_file}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    metrics = read_metrics(run)
+    assert len(metrics) == 2
+    assert sum(m["env/images_shown"] for m in metrics) > 0, metrics
+    assert all(m["env/errors"] == 0 for m in metrics), metrics
+    assert metrics[-1]["eval/turns"] >= 2.0  # held-out episodes got their second look too
+    assert Path(run, "final", "config.json").exists()
+    # the trained VLM's held-out episodes through `oxrl eval --env`, from image rows
+    proc = oxrl("eval", "--model", str(run / "final"), "--data", str(eval_file), "--env", "second_look",
+                "--reward", "exact_match", "--max-new-tokens", "16")  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "env/images_shown" in proc.stdout, proc.stdout[-3000:]
