@@ -45,6 +45,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from oxrl_core.data.images import decode_image
 from oxrl_core.interfaces import Dataset, StrictModel, ToolEnvironment
 
 #: the side of every picture, in pixels
@@ -311,8 +312,6 @@ class SecondLookEnv(ToolEnvironment):
     def _region_png(self, region: str) -> bytes:
         """The picture, or one half of it scaled back to `IMAGE_SIZE`, as PNG bytes."""
         from PIL import Image  # lazy: PIL in the episode's worker only
-
-        from oxrl_core.data.images import decode_image
 
         picture = decode_image(self.picture, None, "second_look", "images[0]")
         half = IMAGE_SIZE // 2
