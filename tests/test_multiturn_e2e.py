@@ -33,10 +33,11 @@ def _ok(out: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_calculator_demo_raises_held_out_accuracy_above_the_model_without_the_tool(tmp_path):
     """`oxrl run --alg sgrpo --set env.name=calculator`: reward and held-out accuracy rise, and the trained
-    model with the tool is far above the same model answering without it."""
+    model with the tool is far above the same model answering without it. Ten steps (measured on 2 cores: held-out
+    0.36 -> 0.82 with the tool, 0.00 without it; twenty steps reach 0.90)."""
     run_dir = tmp_path / "calc"
     _ok(
-        oxrl("run", "--alg", "sgrpo", "--set", "env.name=calculator", "--set", "train.max_steps=20", "-o", str(run_dir))
+        oxrl("run", "--alg", "sgrpo", "--set", "env.name=calculator", "--set", "train.max_steps=10", "-o", str(run_dir))
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     before, after = summary["eval_before"]["eval/accuracy"], summary["eval_after"]["eval/accuracy"]
