@@ -15,21 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages, with_appended
+from vlm_archs import IMAGE_SIZE, VOWELS, build_vlm, encode_rendered, processor_of, row_messages, with_appended
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
-
-#: a reward that varies inside every group of a random model's samples (so the losses and gradients are not zero)
-VOWELS = """
-from oxrl_core import Reward
-
-
-class Vowels(Reward):
-    name = "vowels"
-
-    def score(self, prompts, completions, examples):
-        return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
-"""
 
 
 @pytest.fixture(scope="module")

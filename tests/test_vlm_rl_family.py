@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import IMAGE_SIZE, build_vlm
+from vlm_archs import IMAGE_SIZE, VOWELS, build_vlm
 
 COLOURS = {"red": (220, 30, 30), "blue": (30, 40, 220)}
 LOOK = [
@@ -26,17 +26,6 @@ LOOK = [
         "content": [{"type": "text", "text": "Look: "}, {"type": "image"}, {"type": "text", "text": " which colour?"}],
     }
 ]
-
-VOWELS = """
-from oxrl_core import Reward
-
-
-class Vowels(Reward):
-    name = "vowels"
-
-    def score(self, prompts, completions, examples):
-        return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
-"""
 
 
 @pytest.fixture(scope="module")

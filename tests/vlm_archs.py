@@ -488,3 +488,16 @@ def with_appended(inputs: dict, appended: list[int]) -> dict:
             value = torch.cat([value, value.new_zeros((1, len(appended)))], dim=1)
         out[name] = value
     return out
+
+
+#: a reward (a plugin file's source) that varies inside every group of a random model's samples (so the losses and gradients are not zero)
+VOWELS = """
+from oxrl_core import Reward
+
+
+class Vowels(Reward):
+    name = "vowels"
+
+    def score(self, prompts, completions, examples):
+        return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+"""
