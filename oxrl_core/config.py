@@ -387,6 +387,10 @@ class EngineConfig(StrictModel):
         return self
 
 
+#: rollout.tis_cap when unset in an asynchronous run (rollout.max_staleness >= 1)
+ASYNC_TIS_CAP = 2.0
+
+
 class RolloutConfig(StrictModel):
     """``backend`` picks the rollout backend plugin; any key beyond the ones below is that backend's own option
     (validated by its Config: vllm's tensor_parallel_size, dtype, gpu_memory_utilization, kv_cache_gb, ...; hf
@@ -431,11 +435,27 @@ class RolloutConfig(StrictModel):
         "sampled tokens) exceeds this stops the run, checkpoints kept; unset = by the trainer's precision: "
         "0.01 nats in float32, 0.25 under bf16/fp16 autocast; 0 = off",
     )
-    tis_cap: float = Field(
-        0.0,
+    tis_cap: Optional[float] = Field(
+        None,
         ge=0,
         description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is "
-        "weighted by min(π_old/π_rollout, tis_cap) against the rollout engine's numerics; 0 = off, e.g. 2",
+        "weighted by min(π_old/π_rollout, tis_cap) against the rollout engine's numerics and, with max_staleness, "
+        "the samples' older policy; 0 = off, e.g. 2; unset = off, or 2.0 with max_staleness >= 1",
+    )
+    is_mode: Literal["truncate", "mask"] = Field(
+        "truncate",
+        description="what the importance weight does outside its range: truncate = min(w, tis_cap); mask = the "
+        "token is dropped (weight 0) when w is outside [is_low, tis_cap]",
+    )
+    is_low: float = Field(
+        0.0, ge=0, le=1, description="is_mode=mask: the lower bound of the kept importance weights (0 = none)"
+    )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="asynchronous rollouts: the rollout actors generate the batches of the next k steps while the "
+        "trainer trains; the batch of step s comes from policy version max(0, s-1-k), checked; 0 = one step after "
+        "the other (needs rollout.actors >= 1 when above 0)",
     )
     max_reward_error_share: float = Field(
         0.5,
@@ -477,10 +497,50 @@ class RolloutConfig(StrictModel):
 
     @field_validator("tis_cap")
     @classmethod
-    def _tis_cap(cls, value: float) -> float:
-        if 0 < value < 1:
+    def _tis_cap(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < 1:
             raise ValueError("must be 0 (off) or at least 1: a cap below 1 scales down even on-policy tokens")
         return value
+
+    @model_validator(mode="after")
+    def _staleness(self) -> "RolloutConfig":
+        """What asynchronous rollouts (max_staleness >= 1) cannot do without, refused with the reason."""
+        if self.is_low and self.is_mode != "mask":
+            raise ValueError(
+                "rollout.is_low is the lower bound of rollout.is_mode=mask (truncation has no lower bound)"
+            )
+        if self.is_mode == "mask" and not self.importance_cap:
+            raise ValueError("rollout.is_mode=mask needs an importance weight: set rollout.tis_cap (e.g. 2)")
+        k = self.max_staleness
+        if k == 0:
+            return self
+        if self.actors == 0:
+            raise ValueError(
+                f"rollout.max_staleness={k} needs rollout.actors >= 1: without actors the rollout backend generates "
+                "with the very module being trained, so generation cannot overlap training (set rollout.actors: 1)"
+            )
+        if self.tis_cap == 0:
+            raise ValueError(
+                f"rollout.tis_cap=0 with rollout.max_staleness={k}: samples up to {k} policy versions old need the "
+                "importance weight that corrects for their older policy; leave tis_cap unset (2.0) or set it >= 1"
+            )
+        if not self.strict_on_policy:
+            raise ValueError(
+                f"rollout.strict_on_policy=false with rollout.max_staleness={k}: asynchronous runs check every "
+                "sample's policy version against the schedule max(0, step-1-k); the check cannot be turned off"
+            )
+        return self
+
+    @property
+    def importance_cap(self) -> float:
+        """The importance weight's cap in use: `tis_cap`, or when unset 2.0 with max_staleness >= 1, else 0 (off)."""
+        if self.tis_cap is not None:
+            return self.tis_cap
+        return ASYNC_TIS_CAP if self.max_staleness else 0.0
+
+    def policy_version_of(self, step: int) -> int:
+        """The policy version that generates the batch of ``step``: max(0, step − 1 − max_staleness)."""
+        return max(0, step - 1 - self.max_staleness)
 
 
 class RewardConfig(StrictModel):

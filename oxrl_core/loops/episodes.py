@@ -516,18 +516,28 @@ class Episodes:
         the reward failures of all of them are added to ``failures``, the environment's to ``env_failures``
         (the metrics get ``env/error_share`` and, when any failed, the first failure's text ``env/first_error``).
         A VLM run adds each episode's image inputs (B,) as a fifth item (None for a text model)."""
-        local = RewardFailures(failures.reward)
+        mine = self.share(played, reward, failures.reward, env_failures.env)
+        parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
+        return self.merge(parts, failures, env_failures)
+
+    def share(self, played: list[Episode], reward, reward_name: str, env_name: str) -> tuple:
+        """This process's episodes scored, with no collective: (each episode's (prompt ids, completion), scores,
+        reward counts, episode metrics, `RewardFailures`, `EnvFailures`, image inputs or None) — plain data that
+        `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
+        local = RewardFailures(reward_name)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
-        mine = (
+        return (
             [(e.prompt_ids, e.as_completion()) for e in played],
             scores,
             {k: v for k, v in counts.items() if k in COUNTS},
             self.metrics(played) if played else {},
             local,
-            EnvFailures(env_failures.env).count(played),
+            EnvFailures(env_name).count(played),
             [e.image_inputs() for e in played] if self.vision is not None else None,
         )
-        parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
+
+    def merge(self, parts: list[tuple], failures: RewardFailures, env_failures: EnvFailures):
+        """Every process's `share`, in batch order, as `collect` returns it."""
         samples = [s for part in parts for s in part[0]]
         scores = [s for part in parts for s in part[1]]
         metrics: dict[str, float | str] = defaultdict(float)

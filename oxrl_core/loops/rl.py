@@ -27,12 +27,13 @@ import torch
 
 from oxrl_core.engines.distributed import gather_rows, reduce_metrics, shard
 from oxrl_core.interfaces import SamplingParams
+from oxrl_core.loops.pipeline import check_schedule
 from oxrl_core.loops.rl_setup import build_rl
 from oxrl_core.loops.rollouts import MicroBatches, check_on_policy, chunks, policy_forward, rollout_batch
 from oxrl_core.loops.run import Run, RunResult, backward_share, check_finite
 from oxrl_core.loops.strategies import Scored
 from oxrl_core.ops import k3_kl, masked_mean_value
-from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, tis_weight
+from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 
 # ----------------------------------------------------------------------------- the loop
@@ -50,13 +51,21 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         clock, picks = Clock(), parts.plan.micro_batch(step - 1)
         run.position = step
         sampling = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, cfg.train.seed * 1_000_003 + step)
-        # 1. play: n samples for each of batch_size prompts (completions, or multi-turn episodes)
-        with clock("gen"):
-            played = parts.strategy.play(picks, sampling)
-        # 2. score them; every sample must come from the policy version being trained
-        with clock("reward"):
-            scored = parts.strategy.score(played, step)
-            versions = check_on_policy(scored.completions, version, ro.strict_on_policy, step)
+        if parts.pipeline is None:
+            # 1. play: n samples for each of batch_size prompts (completions, or multi-turn episodes)
+            with clock("gen"):
+                played = parts.strategy.play(picks, sampling)
+            # 2. score them; every sample must come from the policy version being trained
+            with clock("reward"):
+                scored = parts.strategy.score(played, step)
+                versions = check_on_policy(scored.completions, version, ro.strict_on_policy, step)
+        else:  # asynchronous rollouts (rollout.max_staleness = k): the batch the actors generated and scored ahead
+            with clock("gen_wait"):
+                produced, clock.pipeline = parts.pipeline.take(step)
+            with clock("reward"):  # every sample from version max(0, step-1-k), exactly
+                scored = parts.strategy.receive(produced, step)
+                expected = ro.policy_version_of(step)
+                versions = check_schedule(scored.completions, expected, step, ro.max_staleness, run.run_dir)
         with clock("train"):
             # 3. the rollout batch, on the trainer's device
             batch = rollout_batch(
@@ -72,7 +81,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
                 parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n, images)
             # 7. the weight sync (the policy version + 1), verified by the probe
             version += 1
-            with clock("sync"):
+            with clock("sync"):  # asynchronous: pushed without waiting, checked by the worker
                 record.update(parts.sync(version))
         return {**record, **scored.metrics, **step_metrics(run, scored, batch, versions, lr, clock, parts.plan, picks)}
 
@@ -85,6 +94,7 @@ class Clock:
 
     def __init__(self):
         self.start, self.seconds = time.perf_counter(), {}
+        self.pipeline: dict = {}  # asynchronous rollouts: the pipeline's metrics of the step (`AsyncRollouts.take`)
 
     @contextmanager
     def __call__(self, phase: str):
@@ -103,14 +113,30 @@ def step_metrics(run: Run, scored: Scored, batch: dict, versions: set[int], lr: 
         "response/length": sum(response) / len(response),
         "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "policy/version": float(min(versions)),
+        **(pipeline_metrics(run.position, completions, clock, seconds) if "gen_wait" in clock.seconds else {}),
         "lr": lr,
         **{f"perf/{phase}_s": s for phase, s in clock.seconds.items()},
         "perf/step_s": seconds,
+        "perf/elapsed_s": time.perf_counter() - run.train_start,  # wall-clock since training began (reward vs time)
         "perf/tokens": tokens,
         "perf/tokens_per_s": tokens / seconds,
         # MFU of the update phase: the rollout batch's training FLOPs (× passes) over perf/train_s
         **run.mfu(run.cfg.rollout.passes_per_batch * tokens / train_s, tokens / len(completions)),
         **plan.counts(picks),
+    }
+
+
+def pipeline_metrics(step: int, completions, clock: Clock, step_s: float) -> dict:
+    """Asynchronous rollouts: how stale the samples are (policy updates between generating and training them)
+    and how the step's time split — waiting for the batch vs the worker's seconds generating and scoring it."""
+    staleness = [step - 1 - c.policy_version for c in completions]  # (B,)
+    wait, gen = clock.seconds["gen_wait"], clock.pipeline.get("perf/gen_s", 0.0)
+    return {
+        "policy/staleness_mean": sum(staleness) / len(staleness),
+        "policy/staleness_max": float(max(staleness)),
+        **clock.pipeline,
+        "perf/idle_share": wait / step_s,  # of the step, the trainer waiting for its batch
+        "perf/overlap_share": max(0.0, 1 - wait / gen) if gen > 0 else 1.0,  # of the generation, hidden by training
     }
 
 
@@ -202,12 +228,18 @@ class Update:
         sums = {"rollout/logprob_diff": masked_mean_value(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
         # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
         autocast_dtype = getattr(engine, "autocast_dtype", None)
-        limit = default_max_logprob_diff(autocast_dtype) if ro.max_logprob_diff is None else ro.max_logprob_diff
+        # (asynchronous rollouts: the gap includes the policy's own updates since the samples' version; the alarm is
+        # off unless set, and the verified weight sync watches the actors' weights)
+        unset = 0.0 if ro.max_staleness else default_max_logprob_diff(autocast_dtype)
+        limit = unset if ro.max_logprob_diff is None else ro.max_logprob_diff
         last = latest_checkpoint(self.run_dir)
         check_logprob_diff(sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, last)
-        # TIS: w_t = min(π_old / π_rollout, rollout.tis_cap), detached; ones when off
-        batch["tis_weight"], tis_metrics = tis_weight(batch["logp_old"], batch["logp_rollout"], mask, ro.tis_cap)
+        # importance weights: w_t = min(π_old / π_rollout, C) (or masked outside [is_low, C]), detached; ones when off
+        logp_old, logp_rollout, cap = batch["logp_old"], batch["logp_rollout"], ro.importance_cap
+        batch["tis_weight"], tis_metrics = tis_weight(logp_old, logp_rollout, mask, cap, ro.is_mode, ro.is_low)
         sums.update(tis_metrics)
+        if cap > 0:  # how far the behaviour policy is from the proximal one
+            sums.update(off_policy_metrics(logp_old, logp_rollout, mask))
         if self.ref is not None:  # k3 estimator of KL(π || π_ref) at the sampling policy
             sums["kl/ref"] = masked_mean_value(k3_kl(batch["logp_old"], batch["logp_ref"]), mask)
         return sums

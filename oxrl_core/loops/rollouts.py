@@ -246,31 +246,29 @@ def generate_sharded(
     every rank. The samples depend on ``shards``, not on the world size; one shard in one process is
     one ``generate`` call with ``sampling``. With rollout actors (``rollout.actors``) rank 0 has the
     actors generate every shard and broadcasts the result. ``images``: each prompt's image inputs (None: text)."""
-    size, per_rank = len(prompts) // shards, shards // world_size()
-
-    def images_of(k: int) -> list[dict] | None:
-        return None if images is None else images[k * size : (k + 1) * size]
-
-    seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
     if backend is None or backend.remote:
-        parts = (
-            backend.generate_shards(
-                [
-                    (prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]), images_of(k))
-                    for k in range(shards)
-                ]
-            )
-            if is_main()
-            else None
-        )
+        parts = backend.generate_shards(seeded_shards(prompts, sampling, shards, images)) if is_main() else None
         return [group for part in broadcast_object(parts) for group in part]
-    local = []
+    per_rank, local = shards // world_size(), []
     with engine.full_weights():
-        for k in range(rank() * per_rank, (rank() + 1) * per_rank):
-            local += generate_from(
-                backend, prompts[k * size : (k + 1) * size], replace(sampling, seed=seeds[k]), images_of(k)
-            )
+        for shard in seeded_shards(prompts, sampling, shards, images)[rank() * per_rank : (rank() + 1) * per_rank]:
+            local += generate_from(backend, *shard)
     return [group for part in all_gather_object(local) for group in part]
+
+
+def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: int, images: list[dict] | None):
+    """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with seed + k ·
+    `SHARD_SEED_STRIDE`: (prompts, sampling, each prompt's image inputs or None) each."""
+    size = len(prompts) // shards
+    seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
+    return [
+        (
+            prompts[k * size : (k + 1) * size],
+            replace(sampling, seed=seeds[k]),
+            None if images is None else images[k * size : (k + 1) * size],
+        )
+        for k in range(shards)
+    ]
 
 
 def score_sharded(

@@ -161,16 +161,24 @@ class RolloutActors(RolloutBackend):
 
     def update_weights(self, state: Any, policy_version: int) -> None:
         """The trainer's weights (a module or a state_dict) into every actor, through the object store once."""
+        self.load_weights(self.put_weights(state), policy_version)
+
+    def put_weights(self, state: Any):
+        """The trainer's weights (a module or a state_dict) copied into Ray's object store once; a reference
+        `load_weights` hands to every actor. (Asynchronous rollouts put them at once and load them later.)"""
         import ray
         import torch
 
+        if isinstance(state, torch.nn.Module):
+            state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
+        return ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
+
+    def load_weights(self, ref, policy_version: int) -> None:
+        """Every actor loads the weights at ``ref`` (`put_weights`) and moves to ``policy_version``."""
         if not isinstance(policy_version, int) or policy_version <= self.policy_version:
             raise OxrlError(
                 f"policy_version must increase: the backend is at {self.policy_version}, got {policy_version!r}"
             )
-        if isinstance(state, torch.nn.Module):
-            state = policy_state_dict(state)  # under LoRA: the merged weights, under the base model's names
-        ref = ray.put({name: tensor.detach().cpu() for name, tensor in state.items()})
         self._get(
             [actor.update_weights.remote(ref, policy_version) for actor in self.actors],
             f"sync policy version {policy_version}",

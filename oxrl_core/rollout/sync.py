@@ -129,21 +129,47 @@ def check_weight_sync(
     return {"sync/probe_logprob_diff": gap, "sync/probe_tolerance": tolerance}
 
 
-def tis_weight(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, cap: float):
-    """TIS weights (B, T) and their metrics; ones (and no metrics) when ``cap`` is 0.
+def tis_weight(
+    logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, cap: float, mode="truncate", low=0.0
+):
+    """The importance weights (B, T) and their metrics; ones (and no metrics) when ``cap`` is 0.
 
-    logp_old, logp_rollout, mask (B, T): the trainer's and the rollout engine's logprobs of the
-    sampled tokens, 1 on completion tokens.
+    logp_old, logp_rollout, mask (B, T): the trainer's (proximal policy's) and the rollout engine's (behaviour
+    policy's) logprobs of the sampled tokens, 1 on completion tokens. ``mode`` (`rollout.is_mode`): ``truncate``
+    clips the weight at ``cap``; ``mask`` drops a token whose weight is outside [``low``, ``cap``] (weight 0;
+    it still counts in the loss's token normaliser, so the kept tokens' weights are not rescaled).
     """
     if cap <= 0:
         return torch.ones_like(logp_old), {}
-    # w_t = min(π_old(o_t) / π_rollout(o_t), C), detached
-    ratio = torch.exp(logp_old - logp_rollout).detach()  # (B, T)
-    weight = ratio.clamp(max=cap) * mask  # (B, T), 0 off the completion
+    ratio = torch.exp(logp_old - logp_rollout).detach()  # (B, T) r_t = π_old(o_t) / π_rollout(o_t)
     tokens = mask.sum().clamp(min=1)
-    return weight, {
-        "tis/weight_mean": float(weight.sum() / tokens),
-        "tis/clipped_frac": float(((ratio > cap).float() * mask).sum() / tokens),
+    if mode == "mask":
+        # w_t = r_t if low <= r_t <= C else 0
+        kept = ((ratio >= low) & (ratio <= cap)).float()  # (B, T)
+        weight = ratio * kept * mask  # (B, T), 0 off the completion and where dropped
+        share = {"tis/masked_frac": float(((1 - kept) * mask).sum() / tokens)}
+    else:
+        # w_t = min(r_t, C)
+        weight = ratio.clamp(max=cap) * mask  # (B, T), 0 off the completion
+        share = {"tis/clipped_frac": float(((ratio > cap).float() * mask).sum() / tokens)}
+    return weight, {"tis/weight_mean": float(weight.sum() / tokens), **share}
+
+
+def off_policy_metrics(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the behaviour policy (the rollout engine's, possibly older) is from the proximal one (the trainer's
+    current weights), over the completion tokens (B, T) sampled from the behaviour policy, with r_t = π_old / π_rollout:
+
+        offpolicy/kl_k3 = mean_t (r_t − 1) − log r_t        (k3 estimate of KL(π_rollout ‖ π_old), ≥ 0)
+        offpolicy/chi2  = mean_t (r_t − 1)²                 (χ² divergence estimate)
+        offpolicy/ess   = (Σ_t r_t)² / (N Σ_t r_t²)          (effective sample share, 1 = on-policy)
+    """
+    log_ratio = (logp_old - logp_rollout).detach()  # (B, T)
+    ratio = torch.exp(log_ratio) * mask
+    tokens = mask.sum().clamp(min=1)
+    return {
+        "offpolicy/kl_k3": float((((ratio - 1) - log_ratio) * mask).sum() / tokens),
+        "offpolicy/chi2": float((((ratio - 1) ** 2) * mask).sum() / tokens),
+        "offpolicy/ess": float(ratio.sum() ** 2 / (tokens * (ratio**2).sum()).clamp(min=1e-30)),
     }
 
 
