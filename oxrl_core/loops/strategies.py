@@ -120,15 +120,14 @@ class Completions(RolloutStrategy):
         sample_rows = [self.rows[i] for i in picks for _ in range(ro.n)]
         texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
         scores, metrics = score_batch(self.reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures)
-        return picks, completions, scores, metrics, failures
+        return picks, prompt_ids, completions, scores, metrics, failures  # prompt_ids (P,); the rest (B,)
 
     def receive(self, produced, step):
-        picks, completions, scores, metrics, failures = broadcast_object(produced)
+        picks, prompt_ids, completions, scores, metrics, failures = broadcast_object(produced)
         self.reward_watch.after_scoring(step, failures, self.run_dir)  # one line per step
-        images = self.prompts.images_of([i for i in picks for _ in range(self.ro.n)])  # (B,) references
-        return Scored(
-            [self.prompt_ids[i] for i in picks for _ in range(self.ro.n)], completions, scores, metrics, images
-        )
+        n = self.ro.n
+        images = self.prompts.images_of([i for i in picks for _ in range(n)])  # (B,) the data's, by reference
+        return Scored([ids for ids in prompt_ids for _ in range(n)], completions, scores, metrics, images)
 
     def sample_images(self, picks):
         if self.prompts.images is None:
