@@ -29,8 +29,10 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
   images          every VLM family of the test matrix (`tests/vlm_archs.py`: Qwen2-VL, Gemma-3, LLaVA,
                   Idefics3, tiny random weights) on image rows in bf16: SFT steps, then SGRPO steps that
                   generate from the image prompts, with finite losses and the rollout/trainer logprob gap
-  async_rollouts, estimators
-                  later capabilities: `skipped`, "not built yet", until their section is written
+  async_rollouts  SGRPO with one rollout actor (`hf`) at rollout.max_staleness 0 and 1 on a Llama of hidden 1024 × 8
+                  layers (random weights, the built-in tokenizer), 256-token completions (`async_rl.py`): training
+                  seconds, phase seconds, the overlap and the trainer's idle share; actor and trainer share the GPU
+  estimators      a later capability: `skipped`, "not built yet", until its section is written
 
 Adding a section: write `def my_section(check: Check) -> dict` returning `{"rows": [...],
 "summary": "..."}` (rows are flat dicts; a row may carry its own `status`/`reason`), drive a
@@ -458,6 +460,21 @@ def images_child(args) -> None:
     print(json.dumps({"families": families}))
 
 
+def async_rollouts(check: Check) -> dict:
+    """SGRPO with one rollout actor, k = 0 then k = 1 (`async_rl.py`): training seconds, phases, overlap."""
+    size = ["--steps", 10, "--batch-size", 16, "--n", 8, "--max-new-tokens", 256, "--hidden-size", 1024, "--layers", 8]
+    args = ["--device", check.device, "--ks", 0, 1, *(["--dry-run"] if check.dry_run else size)]
+    figures = check.script("async_rl.py", args, timeout=230, label="async_rl")
+    sides = {s["k"]: s for s in figures["sides"]}
+    one = sides[1]
+    return {
+        "rows": figures["sides"],
+        "setup": figures["setup"],
+        "summary": f"k=1: {one['speedup_vs_k0']}× k=0's training time ({one['steps_per_s']} vs {sides[0]['steps_per_s']} "
+        f"steps/s), {one['overlap_share']:.0%} of generation hidden, trainer idle {one['idle_share']:.0%}",
+    }
+
+
 SECTIONS: list[Section] = [
     Section(
         "archs",
@@ -499,7 +516,14 @@ SECTIONS: list[Section] = [
         dry_timeout_s=180,
         gpu_gib=4,
     ),
-    Section("async_rollouts", "asynchronous rollouts (generation overlapping training): not built yet"),
+    Section(
+        "async_rollouts",
+        "asynchronous rollouts: SGRPO with one rollout actor at rollout.max_staleness 0 and 1, wall time and overlap",
+        async_rollouts,
+        timeout_s=240,
+        dry_timeout_s=150,
+        gpu_gib=8,
+    ),
     Section("estimators", "new advantage / loss estimators: not built yet"),
 ]
 

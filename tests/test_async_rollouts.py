@@ -297,7 +297,6 @@ def test_k2_trains_each_step_on_its_scheduled_version_and_the_rollout_logprobs_a
     run, proc = _rl(tmp_path, tiny_model_dir, "k2", "--set", "rollout.max_staleness=2", "--set", "train.save_every=1",
                     "--set", "train.save_total_limit=0")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "rollout.max_staleness=2" in proc.stdout + proc.stderr  # said at the start
     metrics = read_metrics(run)
     assert [m["policy/version"] for m in metrics] == [0, 0, 0, 1, 2]
     assert [m["policy/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2]

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SECTIONS = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
-MEASURED = ("archs", "sft_throughput", "sgrpo_step", "memory", "images")  # the rest: "not built yet"
+MEASURED = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts")  # the rest: not built yet
 
 
 def _positive(value) -> bool:
@@ -56,7 +56,7 @@ def test_dry_run_reports_every_section(dry_run):
         section = report["sections"][name]
         assert section["status"] == "ok", (name, section.get("reason"), section.get("stderr_tail"))
         assert section["commands"] and section["seconds"] > 0, name
-    for name in ("async_rollouts", "estimators"):  # the places later capabilities fill in
+    for name in ("estimators",):  # the places later capabilities fill in
         assert (report["sections"][name]["status"], report["sections"][name]["reason"]) == ("skipped", "not built yet")
     env = report["environment"]
     assert env["packages"]["torch"] and env["git_commit"] and env["date"]
@@ -114,3 +114,8 @@ def test_dry_run_figures(dry_run):
         assert _positive(memory[("vlm", "oxrl/trl")]["peak_ratio"])
         check = sections["memory"]["vlm_check"]
         assert check["same_inputs"] is True and 0 <= check["first_loss_diff"] <= 1e-4
+
+    k0, k1 = sections["async_rollouts"]["rows"]  # rollout.max_staleness 0 then 1, one rollout actor each
+    assert (k0["k"], k1["k"]) == (0, 1) and k0["staleness_mean"] == 0 and k1["staleness_mean"] > 0
+    assert all(_positive(r["train_seconds"]) and 0 <= r["overlap_share"] <= 1 for r in (k0, k1))
+    assert k0["rewards"][0] == k1["rewards"][0]  # step 1 is version 0's batch on both sides
