@@ -487,7 +487,7 @@ def test_every_curve_kind_is_drawn_when_its_metric_is_logged(tmp_path):
     run.mkdir()
     (run / "config.yaml").write_text("algorithm: ppo\ntrain:\n  max_steps: 3\n")
     keys = [k for plot in PLOTS for k in plot.keys if not k.endswith("/")]
-    keys += ["loss/value", "eval/accuracy", "logps/chosen", "kl/ref", "reward/std", "values/mean"]
+    keys += ["loss/value", "eval/accuracy", "logps/chosen", "kl/ref", "reward/std", "values/mean", "perf/elapsed_s"]
     lines = [{"step": s, **{k: 0.1 * s + i for i, k in enumerate(keys)}} for s in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     summary = {"steps": 3, "train_seconds": 1.0, "eval_before": {"eval/accuracy": 0.1}, "eval_after": {}}

@@ -40,7 +40,7 @@ def _fmt(v: float) -> str:
 class Line:
     label: str
     color: str
-    points: list[tuple[float, float]]  # (step, value); NaN = non-finite
+    points: list[tuple[float, float]]  # (step, value), or (another x, value); NaN = non-finite
     dash: str = ""
     markers: bool = False
     band: list[tuple[float, float, float]] | None = None  # (step, low, high): e.g. mean ± std
@@ -110,7 +110,7 @@ def line_chart(lines: list[Line], ylog: bool = False, xlabel: str = "step") -> s
                 segments.append(segment)
                 out.append(
                     f'<text x="{px(x):.1f}" y="{MT + 10}" text-anchor="middle" font-size="12" fill="#d00" '
-                    f'class="nonfinite"><title>{esc(ln.label)}: not finite at step {x:g}</title>×</text>'
+                    f'class="nonfinite"><title>{esc(ln.label)}: not finite at {esc(xlabel)} {x:g}</title>×</text>'
                 )
         dash = f' stroke-dasharray="{ln.dash}"' if ln.dash else ""
         for seg in segments:

@@ -23,7 +23,18 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["HEADLINE", "Finding", "check_run", "is_finite", "print_summary", "series", "summary_rows", "versions"]
+__all__ = [
+    "HEADLINE",
+    "Finding",
+    "check_run",
+    "is_async",
+    "is_finite",
+    "pipeline_text",
+    "print_summary",
+    "series",
+    "summary_rows",
+    "versions",
+]
 
 #: held-out metrics that say whether training helped: (metric, higher is better)
 HEADLINE = (
@@ -100,6 +111,55 @@ def _float(text: str) -> float:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
+
+
+def is_async(records: list[dict]) -> bool:
+    """Whether the run's rollouts were asynchronous (rollout.max_staleness >= 1): only such a run logs
+    ``policy/staleness_max``."""
+    return bool(series(records, "policy/staleness_max"))
+
+
+def trained_stale(records: list[dict]) -> bool:
+    """Whether a step trained on samples of an older policy version (``policy/staleness_max`` > 0)."""
+    return any(math.isfinite(v) and v > 0 for _, v in series(records, "policy/staleness_max"))
+
+
+def _one(record: dict, key: str, missing: float) -> float:
+    """``record[key]`` as a float (NaN if not finite), ``missing`` if absent."""
+    found = series([record], key)
+    return found[0][1] if found else missing
+
+
+#: the phases of an RL step whose sum `pipeline_text` compares with the wall-clock (perf/step_s): generation and
+#: scoring, the trainer's reward phase, training. The weight sync (perf/sync_s) is timed inside the train phase
+#: (loops/rl.py: ``clock("sync")`` within ``clock("train")``), so perf/train_s holds it: adding it would count it twice
+PHASES = ("perf/gen_s", "perf/reward_s", "perf/train_s")
+
+
+def pipeline_text(records: list[dict]) -> str:
+    """An asynchronous RL run's speedup over its phases run one after the other: Σ(generation and scoring +
+    reward + training with its weight sync seconds: `PHASES`) / Σ wall-clock seconds of the steps, the trainer's idle share (Σ waiting for
+    a batch / Σ step), and the staleness (mean, max); "" for a synchronous run (its phases run in turn: the
+    ratio is 1 by construction, less the step's bookkeeping) or one that logged no phases. A step with a non-finite or missing time is left
+    out (a missing reward phase counts 0)."""
+    if not is_async(records):
+        return ""
+    phases = wall = wait = 0.0
+    counted = 0
+    for r in records:
+        parts = [_one(r, key, math.nan if key == "perf/gen_s" else 0.0) for key in PHASES]
+        step, waited = _one(r, "perf/step_s", math.nan), _one(r, "perf/gen_wait_s", 0.0)
+        if not all(math.isfinite(v) for v in (*parts, step, waited)) or step <= 0:
+            continue
+        phases, wall, wait, counted = phases + sum(parts), wall + step, wait + waited, counted + 1
+    if not counted:
+        return ""
+    mean = [v for _, v in series(records, "policy/staleness_mean") if math.isfinite(v)]
+    most = max((v for _, v in series(records, "policy/staleness_max") if math.isfinite(v)), default=math.nan)
+    return (
+        f"{phases / wall:.2f}× speedup over its phases run in turn (phases {phases:.1f} s, wall {wall:.1f} s; "
+        f"trainer idle {wait / wall:.0%}); staleness mean {_mean(mean):.2f}, max {most:g} policy updates"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -193,6 +253,12 @@ def _entropy_collapse(records, summary, max_steps, error) -> list[Finding]:
 
 
 def _logprob_gap_growing(records, summary, max_steps, error) -> list[Finding]:
+    # asynchronous rollouts (rollout.max_staleness >= 1): the trainer's logprobs are the current policy's, the
+    # samples' those of a version up to k updates older, so the gap also holds the policy's own updates since then
+    # (it grows as the policy moves, by design, and the importance weights correct for it): not a drift to warn
+    # about. Such a run is skipped; its off-policy metrics (offpolicy/kl_k3, offpolicy/ess) are in the report.
+    if trained_stale(records):
+        return []
     values = [v for _, v in series(records, "rollout/logprob_diff") if math.isfinite(v)]
     if len(values) < 6:
         return []
@@ -361,6 +427,8 @@ def summary_rows(
     if "reward/mean" in last:
         first = next(r["reward/mean"] for r in records if "reward/mean" in r)
         rows.append(("reward", f"{_value(first)} at the first step → {_value(last['reward/mean'])} at the last", ""))
+    if pipeline := pipeline_text(records):  # asynchronous rollouts: what overlapping bought
+        rows.append(("async rollouts", pipeline, ""))
     before, after = summary["eval_before"], summary["eval_after"]
     pairs = [(k, "held-out " + k.removeprefix("eval/")) for k in after] if held_out is None else held_out
     for key, label in pairs:

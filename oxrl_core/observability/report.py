@@ -6,7 +6,8 @@ early) and, for RL runs, ``rollouts.jsonl`` (a sample of rollouts, `rollout_log`
 
 - the config and environment of each run, and the warnings `health.check_run` finds in its metrics;
 - the curves of its algorithm family, drawn here as inline SVG (no plotting library, no script, no
-  network): loss, reward mean ± std and its distribution over time, KL, entropy, response length and
+  network): loss, reward mean ± std and its distribution over time, reward against wall-clock time, the samples'
+  staleness (asynchronous rollouts), KL, entropy, response length and
   share clipped, trainer–rollout logprob gap, grad norm, lr, tokens/s, MFU, every held-out metric at
   every evaluation; then every other logged metric. Two or more runs overlay their curves;
 - for RL runs, the rollout viewer: the logged steps' prompts (with their images, in an image run) and completions
@@ -41,7 +42,7 @@ import yaml
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.errors import OxrlError
 from oxrl_core.observability.charts import Line, esc, heatmap, line_chart
-from oxrl_core.observability.health import HEADLINE, Finding, check_run, is_finite, series
+from oxrl_core.observability.health import HEADLINE, Finding, check_run, is_finite, pipeline_text, series
 from oxrl_core.observability.health import versions as current_versions
 from oxrl_core.observability.run_files import RunData, load_run
 from oxrl_core.redact import redact, secret_values
@@ -66,11 +67,17 @@ class Plot:
     note: str = ""
     ylog: bool = False
     band: str = ""  # the key of a ± band around the first key (reward/std around reward/mean)
+    x: str = ""  # the key of the x axis (perf/elapsed_s: wall-clock time); "" = the step
 
 
 PLOTS = (
     Plot("loss", "Loss", ("loss", "loss/"), "the training loss and its parts"),
     Plot("reward", "Reward (mean ± std over the rollout batch)", ("reward/mean",), band="reward/std"),
+    Plot("reward_time", "Reward against wall-clock time (mean ± std)", ("reward/mean",),
+         "x = perf/elapsed_s, time since training began (a resumed run's clock goes on from its last step)",
+         band="reward/std", x="perf/elapsed_s"),
+    Plot("staleness", "Staleness of the trained samples (policy updates)", ("policy/staleness_mean", "policy/staleness_max"),
+         "asynchronous rollouts (rollout.max_staleness): updates between generating a sample and training on it"),
     Plot("heldout", "Held-out metrics", ("eval/",), "every evaluation (train.eval_every) and the last step"),
     Plot("rewards_pref", "Implicit rewards (preference)", ("rewards/chosen", "rewards/rejected", "rewards/margins")),
     Plot("pair_acc", "Pair accuracy (chosen scored above rejected)", ("rewards/accuracies",)),
@@ -120,7 +127,34 @@ def thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tup
     return out
 
 
-def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bool = False) -> list[Line]:
+def elapsed(run: RunData) -> dict[int, float]:
+    """Each step's wall-clock seconds since training began (``perf/elapsed_s``; steps without a finite one left
+    out), never going back: a resumed run's clock restarts at 0, so its steps go on from the last step logged
+    before (the time between that step and the restart is not counted)."""
+    out: dict[int, float] = {}
+    offset = last = 0.0
+    for step, seconds in series(run.records, "perf/elapsed_s"):
+        if not math.isfinite(seconds):
+            continue
+        if seconds + offset < last:
+            offset = last
+        out[step] = last = seconds + offset
+    return out
+
+
+def _time_axis(runs: list[RunData]) -> tuple[list[dict[int, float]], str]:
+    """Each run's x values of a wall-clock chart and the axis' label: minutes past 10 minutes, else seconds."""
+    clocks = [elapsed(run) for run in runs]
+    if max((t for clock in clocks for t in clock.values()), default=0.0) > 600:
+        return [{s: t / 60 for s, t in clock.items()} for clock in clocks], "wall-clock time (min)"
+    return clocks, "wall-clock time (s)"
+
+
+def _lines(
+    keys: list[str], runs: list[RunData], band: str = "", with_before: bool = False, xs: list[dict] | None = None
+) -> list[Line]:
+    """The curves of ``keys`` for each run; ``xs`` (one {step: x} per run) puts them on another x axis than the
+    step, a step without an x left out."""
     lines = []
     dashes = ("", "5,3", "2,2", "8,3,2,3")
     for r, run in enumerate(runs):
@@ -129,6 +163,8 @@ def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bo
             if with_before and run.summary and key in (run.summary.get("eval_before") or {}):
                 before = run.summary["eval_before"][key]
                 points = [(0.0, float(before) if is_finite(before) else math.nan)] + points
+            if xs is not None:
+                points = [(xs[r][int(s)], v) for s, v in points if int(s) in xs[r]]
             if not points:
                 continue
             if len(runs) > 1:  # a colour per run, a dash per metric
@@ -139,7 +175,9 @@ def _lines(keys: list[str], runs: list[RunData], band: str = "", with_before: bo
             spread = None
             if band and k == 0:
                 std = dict(series(run.records, band))
-                spread = [(x, y - std.get(int(x), math.nan), y + std.get(int(x), math.nan)) for x, y in points]
+                if xs is not None:  # the band's std by the x of its step
+                    std = {xs[r][s]: v for s, v in std.items() if s in xs[r]}
+                spread = [(x, y - std.get(x, math.nan), y + std.get(x, math.nan)) for x, y in points]
             sparse = len(points) < 0.5 * max(len(run.records), 1) or len(points) <= 3
             if spread is not None and len(spread) > MAX_POINTS:
                 spread = spread[:: -(-len(spread) // MAX_POINTS)]
@@ -185,11 +223,12 @@ def _plots(runs: list[RunData]) -> tuple[str, list[str]]:
                 parts.append(_figure(title, line_chart(lines), lines, plot.note, plot.id, f"heldout-{key}"))
                 ids.append(plot.id)
             continue
-        lines = _lines(keys, runs, plot.band)
-        if not lines:
+        xs, xlabel = _time_axis(runs) if plot.x == "perf/elapsed_s" else (None, "step")
+        lines = _lines(keys, runs, plot.band, xs=xs)
+        if not lines:  # (a wall-clock chart of runs that logged no perf/elapsed_s)
             continue
         positive = all(y > 0 for ln in lines for _, y in ln.points if math.isfinite(y))
-        svg = line_chart(lines, ylog=plot.ylog and positive)
+        svg = line_chart(lines, ylog=plot.ylog and positive, xlabel=xlabel)
         parts.append(
             _figure(plot.title + (" (log scale)" if plot.ylog and positive else ""), svg, lines, plot.note, plot.id)
         )
@@ -275,6 +314,8 @@ def _overview(run: RunData) -> str:
         rows.append(("rollouts", f"n={ro.get('n')} · max_new_tokens={ro.get('max_new_tokens')} · "
                                  f"temperature={ro.get('temperature')} · backend={ro.get('backend')}"))  # fmt: skip
         rows.append(("reward", str(run.section("reward").get("name") or "the dataset's default")))
+    if pipeline := pipeline_text(run.records):  # asynchronous rollouts: what overlapping bought
+        rows.append(("async rollouts", pipeline))
     if run.summary and "train_seconds" in run.summary:  # (a number: `_read_summary` checked it)
         rows.append(("training time", f"{run.summary['train_seconds']:.1f} s"))
     rows.append((f"versions ({where})", " · ".join(f"{k} {v}" for k, v in versions.items())))
