@@ -81,3 +81,22 @@ def test_multi_turn_episodes_on_two_zero3_ranks_equal_the_single_process_run(mul
         "--set", "engine.timeout_s=120",
     )  # fmt: skip
     _same(multiturn.local, ranks)
+
+
+@pytest.mark.slow
+def test_multi_turn_episodes_with_asynchronous_rollouts_on_two_zero3_ranks_keep_the_schedule(multiturn):
+    """rollout.max_staleness=1 with one rollout actor and two ZeRO-3 ranks: rank 0's worker plays and scores the
+    episodes ahead and every rank receives them; step 1 (version 0 either way) equals the synchronous run, and
+    every later step trains on version max(0, step - 2)."""
+    pytest.importorskip("deepspeed")
+    both = multiturn(
+        "async-ranks", "--set", "rollout.actors=1", "--set", "rollout.max_staleness=1", "--set", "engine.name=deepspeed",
+        "--set", "engine.zero_stage=3", "--set", "engine.world_size=2", "--set", "engine.timeout_s=120",
+    )  # fmt: skip
+    local = multiturn.local
+    for key in KEYS:
+        assert both[0][key] == pytest.approx(local[0][key], abs=1e-9), key
+    assert both[0]["loss"] == pytest.approx(local[0]["loss"], abs=1e-5)
+    assert [m["policy/version"] for m in both] == [0, 0, 1]
+    assert [m["policy/staleness_max"] for m in both] == [0, 1, 1]
+    assert all(m["env/turns"] > 1 and m["tis/weight_mean"] > 0 for m in both)
