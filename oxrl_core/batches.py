@@ -56,7 +56,9 @@ class RLAdvantagesBatch(_RLAdvantagesBatch, total=False):
 class _RLLossBatch(RLAdvantagesBatch):
     logp: torch.Tensor  # (B, T) log π_θ of the sampled tokens, with gradients (0 where mask is 0)
     entropy: torch.Tensor  # (B, T) entropy of π_θ at each position, with gradients (0 where mask is 0)
-    tis_weight: torch.Tensor  # (B, T) min(π_old / π_rollout, C), detached; ones when rollout.tis_cap is 0
+    tis_weight: (
+        torch.Tensor
+    )  # (B, T) min(π_old / π_rollout, C) (is_mode=mask: 0 outside [is_low, C]), detached; ones when off
 
 
 class RLLossBatch(_RLLossBatch, total=False):

@@ -93,6 +93,13 @@ def test_the_schedule_and_the_options_that_go_with_it():
             RolloutConfig(**settings)
 
 
+def test_the_cli_refuses_asynchronous_rollouts_without_actors_naming_the_fields(tmp_path):
+    proc = oxrl("run", "--alg", "sgrpo", "--set", "rollout.max_staleness=1", "-o", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "rollout.max_staleness=1 needs rollout.actors >= 1" in proc.stderr
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
 def test_a_sample_off_the_schedule_stops_the_run(tmp_path):
     done = [Completion([1, 2], [-0.1, -0.2], "stop", 1)]
     assert check_schedule(done, 1, 3, 1, tmp_path) == {1}
