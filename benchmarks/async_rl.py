@@ -48,8 +48,7 @@ def run_side(k: int, model_dir: Path, data_file: Path, args, workdir: Path) -> d
         values = [r[key] for r in m if key in r]
         return round(statistics.fmean(values), 4) if values else 0.0
 
-    phases = sum(r.get("perf/gen_s", 0) + r.get("perf/reward_s", 0) + r["perf/train_s"] + r.get("perf/sync_s", 0)
-                 for r in m)  # fmt: skip
+    phases = sum(r.get("perf/gen_s", 0) + r.get("perf/reward_s", 0) + r["perf/train_s"] for r in m)  # sync: in train
     steps_s = sum(r["perf/step_s"] for r in m)
     return {
         "k": k,
@@ -80,7 +79,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="toy size (2 steps), for the command's own test")
     args = parser.parse_args()
     if args.dry_run:
-        args.steps, args.batch_size, args.n, args.max_new_tokens, args.hidden_size, args.layers = 3, 2, 2, 4, 32, 1
+        args.steps, args.batch_size, args.n, args.max_new_tokens, args.hidden_size, args.layers = 3, 2, 2, 4, 64, 1
 
     from oxrl_core.data.task import rows as task_rows
     from oxrl_core.hf_env import quiet_transformers
