@@ -367,3 +367,19 @@ def test_a_backend_that_reports_another_version_stops_the_run(tmp_path, tiny_mod
     assert "step 3: samples from policy version(s) [2]" in proc.stderr
     assert "max(0, 3 - 1 - 1) = 1" in proc.stderr
     assert [m["step"] for m in read_metrics(run)] == [1, 2]  # it stopped before training on them
+
+
+def test_the_start_says_what_an_asynchronous_run_does_and_warns_of_stacked_off_policyness():
+    from oxrl_core.loops.rl_setup import _async_notes
+
+    said: list[str] = []
+    _async_notes(RolloutConfig(actors=1, max_staleness=2), said.append)
+    assert len(said) == 1 and "max(0, s-1-2)" in said[0] and "truncated at 2 (rollout.tis_cap unset)" in said[0]
+    assert "mismatch alarm is off" in said[0]
+    said.clear()
+    ro = RolloutConfig(
+        actors=1, max_staleness=1, is_mode="mask", is_low=0.5, tis_cap=3, minibatches=2, max_logprob_diff=1
+    )
+    _async_notes(ro, said.append)
+    assert "masked outside [0.5, 3]" in said[0] and "unset" not in said[0] and "alarm" not in said[0]
+    assert "rollout.minibatches=2" in said[1] and "more than 1 versions behind" in said[1]
