@@ -80,7 +80,8 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="toy size (2 steps), for the command's own test")
     args = parser.parse_args()
     if args.dry_run:
-        args.steps, args.batch_size, args.n, args.max_new_tokens, args.hidden_size, args.layers = 3, 2, 2, 4, 32, 1
+        # the tiny model's hidden size: a multiple of 64 (head_dim 64)
+        args.steps, args.batch_size, args.n, args.max_new_tokens, args.hidden_size, args.layers = 3, 2, 2, 4, 64, 1
 
     from oxrl_core.data.task import rows as task_rows
     from oxrl_core.hf_env import quiet_transformers
