@@ -76,9 +76,10 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dry-run", action="store_true", help="toy size (2 steps), for the command's own test")
+    parser.add_argument("--dry-run", action="store_true", help="toy size (3 steps), for the command's own test")
     args = parser.parse_args()
     if args.dry_run:
+        # the tiny model's hidden size: a multiple of 64 (head_dim 64)
         args.steps, args.batch_size, args.n, args.max_new_tokens, args.hidden_size, args.layers = 3, 2, 2, 4, 64, 1
 
     from oxrl_core.data.task import rows as task_rows

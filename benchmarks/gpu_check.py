@@ -25,7 +25,8 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
   memory          `memory.py`'s rows: peak memory and tokens/s at a 151,936-token vocabulary, oxRL
                   (chunked head), oxRL with full logits, and TRL when it is installed; then its VLM row
                   (`--only vlm`: SFT of a Gemma-3 on image rows at a 262,208-token vocabulary, TRL's
-                  vision SFT on the same inputs, the step-1 losses compared), in a call of its own
+                  vision SFT on the same inputs, the step-1 losses compared), in a call of its own (the
+                  dry run: one call, `--vlm-sides` giving the VLM row its TRL side)
   images          every VLM family of the test matrix (`tests/vlm_archs.py`: Qwen2-VL, Gemma-3, LLaVA,
                   Idefics3, tiny random weights) on image rows in bf16: SFT steps, then SGRPO steps that
                   generate from the image prompts, with finite losses and the rollout/trainer logprob gap
@@ -328,24 +329,29 @@ def sgrpo_step(check: Check) -> dict:
 def memory(check: Check) -> dict:
     """Peak memory at a 151,936-token vocabulary (memory.py's text rows), and its VLM row: SFT of a Gemma-3 on image
     rows at Gemma-3's 262,208-token vocabulary, oxRL against TRL's vision SFT on the same inputs (`--only vlm`)."""
-    if check.dry_run:
+    if check.dry_run:  # one call (one parent process fewer): the text rows' oxrl side, the VLM row's oxrl and trl
         toy = ["--hidden", 64, "--layers", 1, "--steps", 1, "--warmup", 0, "--threads", 1, "--device", "cpu"]
-        text = ["--only", "sft,sgrpo", "--sides", "oxrl", "--vocab", 1024, "--row-tokens", 128, "--prompt-tokens", 64]
-        vlm = ["--only", "vlm", "--sides", "oxrl,trl", "--vlm-vocab", 1024, "--vlm-row-tokens", 128]
-        text, vlm = text + toy, vlm + toy  # the VLM row's TRL side too: its vision path is the one most apt to move
-    else:  # its defaults: every side (TRL when installed)
+        text = ["--only", "sft,sgrpo,vlm", "--sides", "oxrl", "--vocab", 1024, "--row-tokens", 128]
+        text += ["--prompt-tokens", 64, "--vlm-vocab", 1024, "--vlm-row-tokens", 128]
+        text += ["--vlm-sides", "oxrl,trl"]  # the VLM row's TRL side too: its vision path is the one most apt to move
+        calls = [("memory", text + toy, 240, "sft,sgrpo,vlm")]
+    else:  # its defaults: every side (TRL when installed); the VLM row in a call of its own
         text = ["--only", "sft,dpo,sgrpo", "--device", "cuda"]
         vlm = ["--only", "vlm", "--device", "cuda"]
+        calls = [("memory", text, 240, "sft,dpo,sgrpo"), ("memory_vlm", vlm, 120, "vlm")]
     rows, info = [], {}
-    for label, args, timeout in (("memory", text, 240), ("memory_vlm", vlm, 120)):
+    for label, args, timeout, workloads in calls:
         try:
             figures = check.script("memory.py", args, timeout=timeout, label=label)
         except (Skipped, ScriptFailed) as exc:
             status = "skipped" if isinstance(exc, Skipped) else "failed"
-            row = {"workload": "vlm" if label == "memory_vlm" else "sft,dpo,sgrpo", "side": "—", "status": status}
+            row = {"workload": workloads, "side": "—", "status": status}
             rows.append({**row, "reason": str(exc), "stderr_tail": getattr(exc, "tail", "")})
             continue
-        info[label] = figures
+        if set(figures["figures"]) - {"vlm"}:
+            info["memory"] = figures
+        if "vlm" in figures:
+            info["memory_vlm"] = figures
         for workload, entry in figures["figures"].items():
             for side, r in entry.items():
                 if "/" in side:

@@ -44,6 +44,7 @@ ratios oxrl / trl and oxrl / oxrl-plain; then one JSON line with every figure.
     python benchmarks/memory.py --only sft --steps 3
     python benchmarks/memory.py --only vlm --threads 1                   # the VLM row alone (CPU: ~7 min, shared)
     python benchmarks/memory.py --sides oxrl,trl --chunk 512
+    python benchmarks/memory.py --only sft,vlm --sides oxrl --vlm-sides oxrl,trl     # TRL on the VLM row only
 
 TRL is a benchmark-only dependency (`pip install trl`); without it the TRL side is skipped.
 """
@@ -702,6 +703,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    ap.add_argument("--vlm-sides", default="", help="the VLM row's sides, when not --sides (one call, two side lists)")
     ap.add_argument("--steps", type=int, default=2, help="measured steps per configuration")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--batch", type=int, default=2)
@@ -728,12 +730,13 @@ def main() -> None:
     if args.child:
         return child(args)
     sides = [s for s in args.sides.split(",") if s]
-    if "trl" in sides:
+    vlm_sides = [s for s in args.vlm_sides.split(",") if s] or list(sides)
+    if "trl" in sides + vlm_sides:
         try:
             import trl  # noqa: F401
         except ImportError:
             print("trl is not installed: skipping the TRL side (pip install trl)")
-            sides.remove("trl")
+            sides, vlm_sides = [s for s in sides if s != "trl"], [s for s in vlm_sides if s != "trl"]
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="oxrl-memory-"))
     workdir.mkdir(parents=True, exist_ok=True)
     workloads = [w for w in args.only.split(",") if w]
@@ -771,10 +774,10 @@ def main() -> None:
     try:
         for workload in workloads:
             if workload == "vlm":
-                vlm = vlm_info(workdir, args, vlm_model, "trl" in sides)
+                vlm = vlm_info(workdir, args, vlm_model, "trl" in vlm_sides)
                 print(f"  vlm: {vlm['model']}; {vlm['work']}", flush=True)
             results = {}
-            for side in sides:
+            for side in vlm_sides if workload == "vlm" else sides:
                 r = run_child(argv, workload, side)
                 results[side] = r
                 print(

@@ -1,8 +1,9 @@
 """Progress you can trust: the warm start, the held-out evaluation and model loading say what they are doing
 (counts, not a silent minute), the step line shows reward and KL, and --quiet prints none of it.
 
-The end-to-end tests run the real CLI with a fresh OXRL_CACHE, so the built-in model's SFT warm start is
-really built (about 45 s each); their stderr is captured, not a terminal, so progress comes as plain lines.
+The end-to-end tests run the real CLI (the fresh-cache one through its entry point in this process, with a
+shortened warm start that really is built); their stderr is captured, not a terminal, so progress comes as plain
+lines.
 """
 
 from __future__ import annotations
@@ -150,27 +151,46 @@ def _progress_lines(stderr: str, label: str) -> list[tuple[int, int]]:
     ]
 
 
+#: the warm start of the fresh-cache run below: shorter than the built-in 450 steps (WARM_START_STEPS), the same loop
+SHORT_WARM_START = 40
+
+
 @pytest.mark.slow
-def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_path):
-    env = {"OXRL_CACHE": str(tmp_path / "fresh-cache")}
-    proc = oxrl(
-        "run", "--alg", "sgrpo", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2",
+def test_rl_run_on_a_fresh_cache_shows_warm_start_loading_and_evaluation(tmp_path, monkeypatch, capsys):
+    """`oxrl run` (its console entry point, in this process) on a fresh cache: the warm start is built with counted
+    steps, then the policy and reference load, then the held-out evaluation. The warm start is shortened to
+    SHORT_WARM_START steps (the built-in 450 took ~45 s on 2 cores for the same lines)."""
+    import sys
+
+    from oxrl_core import cli
+    from oxrl_core.models import tiny
+
+    assert tiny.WARM_START_STEPS == 450  # what a user's first RL run builds
+    monkeypatch.setattr(tiny, "WARM_START_STEPS", SHORT_WARM_START)
+    monkeypatch.setenv("OXRL_CACHE", str(tmp_path / "fresh-cache"))
+    monkeypatch.setattr(sys, "argv", [
+        "oxrl", "run", "--alg", "sgrpo", "-o", str(tmp_path / "run"), "--set", "train.max_steps=2",
         "--set", "train.eval_every=0", "--set", "alg.kl_coeff=0.05", "--set", "train.log_every=1",
-        env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    err = proc.stderr
+    ])  # fmt: skip
+    try:
+        cli.main()
+        status = 0
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    err = capsys.readouterr().err
+    assert status == 0, err
+    n = SHORT_WARM_START
     warm = _progress_lines(err, "warm start")  # (lines in between: one per tenth, 2 s apart at least)
-    assert warm[0] == (0, 450) and warm[-1] == (450, 450), err
+    assert warm[0] == (0, n) and warm[-1] == (n, n), err
     assert [d for d, _ in warm] == sorted(d for d, _ in warm) and len(set(warm)) == len(warm)
-    assert re.search(r"^warm start: 450/450 steps in [\d.]+ s$", err, re.M)
-    assert re.search(r"^loading model\.name .*warm450.* \.\.\.$", err, re.M)  # the policy
+    assert re.search(rf"^warm start: {n}/{n} steps in [\d.]+ s$", err, re.M)
+    assert re.search(rf"^loading model\.name .*warm{n}.* \.\.\.$", err, re.M)  # the policy
     assert re.search(r"^loading model\.ref .* \.\.\.$", err, re.M) or err.count("loading model.name") >= 2  # the ref
     evals = _progress_lines(err, "held-out evaluation")
     finished = [e for e in evals if e[0] == e[1]]
     assert len(finished) == 2, err  # before training and after the last step
     assert all(total > 0 for _, total in evals)
-    assert err.index("warm start: 0/450") < err.index("loading model.name") < err.index("held-out evaluation: 0/")
+    assert err.index(f"warm start: 0/{n}") < err.index("loading model.name") < err.index("held-out evaluation: 0/")
     steps = [line for line in err.splitlines() if line.startswith("step ")]
     assert steps and all(re.search(r" loss -?[\d.]+ reward [\d.]+ kl -?[\d.]+ lr ", s) for s in steps), steps
 
