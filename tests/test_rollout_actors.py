@@ -4,6 +4,8 @@ every sync verified on every actor; a dying actor stops the run clearly and keep
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import oxrl, read_metrics
 
@@ -176,3 +178,16 @@ def test_an_unreachable_RAY_ADDRESS_is_named_in_the_error(monkeypatch):
         RolloutActors.start(1, "hf", "model", None, 10.0)
     with pytest.raises(OxrlError, match=r"at engine.ray_address='127.0.0.1:2'"):
         RolloutActors.start(1, "hf", "model", None, 10.0, "127.0.0.1:2")
+
+
+@pytest.mark.slow
+def test_a_run_joins_the_cluster_at_RAY_ADDRESS_and_leaves_it_running(tmp_path, tiny_model_dir, ray_address):
+    from conftest import _RAY_HEAD
+
+    logs = Path(_RAY_HEAD["temp_dir"], "session_latest", "logs")
+    drivers = set(logs.glob("python-core-driver-*"))
+    run, proc = _run(tmp_path, tiny_model_dir, "joined", "--set", "rollout.actors=1", "--set", "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    assert set(logs.glob("python-core-driver-*")) - drivers  # this run's driver connected to the head
+    assert _RAY_HEAD["proc"].poll() is None  # which keeps running for the next run
