@@ -349,7 +349,9 @@ class EngineConfig(StrictModel):
         "ranks (0 = one per rank); runs with the same value draw the same samples whatever their world size",
     )
     ray_address: str = Field(
-        "", description="world_size > 1: the Ray cluster to join (e.g. 'auto'); empty = start a local one"
+        "",
+        description="world_size > 1 or rollout.actors: the Ray cluster to join (e.g. 'auto'); empty = $RAY_ADDRESS "
+        "when set (Ray's convention: `ray job submit`, a cluster's nodes), else start a local one",
     )
     timeout_s: float = Field(
         1800.0,

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from oxrl_core.engines import distributed
-from oxrl_core.engines.distributed import env_for_actors, ray_reason
+from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
 from oxrl_core.errors import OxrlError
 from oxrl_core.run_io import lifecycle
 
@@ -146,21 +146,18 @@ def launch(trainer, ckpt: Path | None):
 
     _prepare_shared(trainer)
     run_dir = Path(trainer.run_dir).resolve()
+    address, source = resolve_ray_address(engine.ray_address)
     try:
         with lifecycle.kept_signal_handlers():  # Ctrl-C / SIGTERM stay oxRL's (a checkpoint, then exit 130 / 143)
             ray.init(
-                address=engine.ray_address or "local",
+                address=address,
                 include_dashboard=False,
                 log_to_driver=True,
                 logging_level=logging.ERROR,
                 runtime_env={"env_vars": env_for_actors()},
             )
     except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
-        where = (
-            f"join the Ray cluster at engine.ray_address={engine.ray_address!r}"
-            if engine.ray_address
-            else "start a local Ray cluster"
-        )
+        where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
         raise OxrlError(f"could not {where}: {type(exc).__name__}: {exc}") from None
     actors, infos = [], []
     try:
@@ -191,7 +188,7 @@ def launch(trainer, ckpt: Path | None):
         for actor in actors:
             ray.kill(actor, no_restart=True)
         _flush_actor_output()
-        ray.shutdown()
+        ray.shutdown()  # a joined cluster is only disconnected from, and keeps running
 
 
 def _by_name(trainer) -> bool:

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import cli_zygote
@@ -119,13 +125,99 @@ def text_jsonl(tmp_path) -> Path:
     return write_jsonl(tmp_path / "text.jsonl", rows)
 
 
+# ----------------------------------------------------------------------------- one Ray head per worker
+
+#: this worker's Ray head once started: {"proc": the `ray start` process, "address": ..., "temp_dir": ...}
+_RAY_HEAD: dict = {}
+#: `rollout.actors=M` (M >= 1) or `engine.world_size=N` (N > 1) on the command line: the run uses Ray
+_RAY_ARG = re.compile(r"rollout\.actors=([1-9]\d*)|engine\.world_size=([2-9]|\d\d+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_head_address() -> str:
+    """The address of this worker's own Ray head, started the first time a test needs Ray and killed at the end of
+    the session (`pytest_unconfigure`). Runs join it through RAY_ADDRESS (`engine.ray_address` empty) instead of
+    each starting a local cluster of its own (gcs, raylet, agents: ~7 CPU-seconds and seconds of wall time a run).
+    Its CPUs are this machine's, what a local cluster counts, so each actor's share of threads is unchanged."""
+    if _RAY_HEAD:
+        return _RAY_HEAD["address"]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    temp_dir = tempfile.mkdtemp(prefix=f"oxrl-ray-{worker}-", dir="/tmp")  # short: Ray's sockets live under it
+    port = _free_port()
+    log = Path(temp_dir, "head.log")
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",  # as a local cluster: drivers join without a token
+        # what the launcher sets before it starts a local cluster (its processes inherit them)
+        "RAY_DISABLE_WORKER_LOG_PREFIX": "1",
+        "RAY_COLOR_PREFIX": "0",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    }
+    cmd = [
+        shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray",
+        "start", "--head", "--block", f"--port={port}", f"--num-cpus={os.cpu_count()}",
+        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _RAY_HEAD.update(proc=proc, address=f"127.0.0.1:{port}", temp_dir=temp_dir)
+    deadline = time.time() + 120
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            _stop_ray_head()
+            raise RuntimeError(f"the test Ray head did not start: {log.read_text() if log.exists() else ''}")
+        time.sleep(0.1)
+    return _RAY_HEAD["address"]
+
+
+def _stop_ray_head() -> None:
+    """The head's whole process group: SIGTERM (Ray's own clean-up), then SIGKILL for whatever is left."""
+    if not _RAY_HEAD:
+        return
+    proc = _RAY_HEAD["proc"]
+    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    shutil.rmtree(_RAY_HEAD["temp_dir"], ignore_errors=True)
+    _RAY_HEAD.clear()
+
+
+def pytest_unconfigure(config) -> None:
+    _stop_ray_head()
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> str:
+    """This worker's Ray head (`ray_head_address`), for tests that start `oxrl` themselves: pass it as RAY_ADDRESS."""
+    return ray_head_address()
+
+
 def oxrl(
     *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600, cold: bool = False
 ) -> subprocess.CompletedProcess:
     """Run the real `oxrl` console entry point; returns the completed process (text output). The process is
     forked from a warm one that has imported torch and transformers (`cli_zygote`); `cold=True` starts a fresh
-    interpreter instead (for what only a cold start shows: import times, what `--help` imports)."""
+    interpreter instead (for what only a cold start shows: import times, what `--help` imports).
+
+    A run whose arguments ask for Ray (`rollout.actors`, `engine.world_size` > 1), and once it runs any later
+    one (a `--resume` reads them from its run directory), joins this worker's Ray head (`ray_head_address`)
+    unless ``env`` sets RAY_ADDRESS itself (``""``: a local cluster of its own)."""
     full_env = {**os.environ, **(env or {})}
+    if "RAY_ADDRESS" not in (env or {}) and (_RAY_HEAD or any(_RAY_ARG.fullmatch(a) for a in args)):
+        full_env["RAY_ADDRESS"] = ray_head_address()
     exe = Path(sys.executable).with_name("oxrl")
     if cold or not cli_zygote.warm_call_possible(list(args), full_env):
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "oxrl_core.cli"]

@@ -328,7 +328,7 @@ def test_k2_trains_each_step_on_its_scheduled_version_and_the_rollout_logprobs_a
 
 
 @pytest.mark.slow
-def test_k1_killed_mid_pipeline_and_resumed_equals_the_uninterrupted_run(tmp_path, tiny_model_dir):
+def test_k1_killed_mid_pipeline_and_resumed_equals_the_uninterrupted_run(tmp_path, tiny_model_dir, ray_address):
     sets = ["--set", "rollout.max_staleness=1", "--set", "train.save_every=2"]
     whole, proc = _rl(tmp_path, tiny_model_dir, "whole", *sets, steps=6)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -337,12 +337,13 @@ def test_k1_killed_mid_pipeline_and_resumed_equals_the_uninterrupted_run(tmp_pat
     exe = Path(sys.executable).with_name("oxrl")
     cmd = [str(exe), "run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=6",
            *COMMON, *sets, "--set", "train.save_every=1", "-o", str(killed)]  # fmt: skip
-    child = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    env = {**os.environ, **ENV, "RAY_ADDRESS": ray_address}  # this worker's Ray head, as `oxrl()` runs join it
+    child = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step-3").is_dir() and child.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(child.pid, signal.SIGKILL)  # the trainer and its Ray processes, mid-pipeline
+    os.killpg(child.pid, signal.SIGKILL)  # the trainer mid-pipeline (its actors die with their driver)
     child.wait()
     steps_before = len(read_metrics(killed))
     assert 3 <= steps_before < 6, "the run was not killed mid-way"

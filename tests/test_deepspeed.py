@@ -438,7 +438,7 @@ def test_two_zero3_ranks_train_lora_like_one_process(work, tiny_model_dir):
 @requires_deepspeed
 @requires_ray
 @pytest.mark.slow
-def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_model_dir):
+def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_model_dir, ray_address):
     run = work / "killed"
     args = [
         "run",
@@ -467,7 +467,7 @@ def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_m
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ray_address},
     )
     deadline = time.time() + 300
     while not (run / "checkpoints" / "step-4").is_dir():

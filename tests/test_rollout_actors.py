@@ -4,8 +4,13 @@ every sync verified on every actor; a dying actor stops the run clearly and keep
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import oxrl, read_metrics
+
+from oxrl_core.engines.distributed import resolve_ray_address
+from oxrl_core.errors import OxrlError
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 
@@ -143,3 +148,46 @@ def test_a_dying_rollout_actor_stops_the_run_clearly_and_keeps_the_checkpoint(tm
     assert "rollout actors" in proc.stderr and "could not generate" in proc.stderr
     assert [m["step"] for m in read_metrics(run)] == [1, 2]
     assert (run / "checkpoints" / "step-2" / "trainer_state.json").is_file()
+
+
+def test_an_empty_engine_ray_address_means_RAY_ADDRESS_else_a_new_local_cluster(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert resolve_ray_address("") == ("local", "")  # not ray.init()'s default: a cluster on this machine
+    assert resolve_ray_address("auto") == ("auto", "engine.ray_address")
+    monkeypatch.setenv("RAY_ADDRESS", " ")
+    assert resolve_ray_address("") == ("local", "")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert resolve_ray_address("") == ("10.0.0.1:6379", "RAY_ADDRESS")
+    assert resolve_ray_address("auto") == ("auto", "engine.ray_address")  # the config wins
+
+
+def test_an_unreachable_RAY_ADDRESS_is_named_in_the_error(monkeypatch):
+    import ray
+
+    from oxrl_core.rollout.actors import RolloutActors
+
+    def unreachable(address, **kwargs):
+        assert kwargs["runtime_env"]["env_vars"]["OXRL_PROBE"] == "1"  # the actors' environment, as for a local one
+        raise ConnectionError(f"Failed to connect to Ray cluster at {address}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", unreachable)
+    monkeypatch.setenv("OXRL_PROBE", "1")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(OxrlError, match=r"could not join the Ray cluster at RAY_ADDRESS='127.0.0.1:1': Connection"):
+        RolloutActors.start(1, "hf", "model", None, 10.0)
+    with pytest.raises(OxrlError, match=r"at engine.ray_address='127.0.0.1:2'"):
+        RolloutActors.start(1, "hf", "model", None, 10.0, "127.0.0.1:2")
+
+
+@pytest.mark.slow
+def test_a_run_joins_the_cluster_at_RAY_ADDRESS_and_leaves_it_running(tmp_path, tiny_model_dir, ray_address):
+    from conftest import _RAY_HEAD
+
+    logs = Path(_RAY_HEAD["temp_dir"], "session_latest", "logs")
+    drivers = set(logs.glob("python-core-driver-*"))
+    run, proc = _run(tmp_path, tiny_model_dir, "joined", "--set", "rollout.actors=1", "--set", "train.max_steps=1")
+    assert proc.returncode == 0, proc.stderr
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    assert set(logs.glob("python-core-driver-*")) - drivers  # this run's driver connected to the head
+    assert _RAY_HEAD["proc"].poll() is None  # which keeps running for the next run

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from oxrl_core.engines.distributed import resolve_ray_address
 from oxrl_core.errors import OxrlError
 
 if TYPE_CHECKING:
@@ -123,7 +124,7 @@ def check_engine(config, needs_rollouts: bool) -> None:
         )
     if n > 1 and importlib.util.find_spec("ray") is None:
         raise OxrlError(f"engine.world_size={n} runs one Ray actor per rank and needs ray: pip install 'oxrl[ray]'")
-    if engine.name == "deepspeed" and not engine.ray_address:
+    if engine.name == "deepspeed" and resolve_ray_address(engine.ray_address)[0] == "local":
         check_local_gpus(engine)
 
 

@@ -348,6 +348,17 @@ def env_for_actors() -> dict:
     return env
 
 
+def resolve_ray_address(configured: str) -> tuple[str, str]:
+    """The Ray cluster a run uses, and where that came from: ``engine.ray_address``; when empty,
+    ``$RAY_ADDRESS`` (Ray's own convention: ``ray job submit``, a cluster's nodes); else ``("local", "")``,
+    a new local cluster (not ``ray.init()``'s default, which would join any cluster started on this machine)."""
+    if configured:
+        return configured, "engine.ray_address"
+    if os.environ.get("RAY_ADDRESS", "").strip():
+        return os.environ["RAY_ADDRESS"].strip(), "RAY_ADDRESS"
+    return "local", ""
+
+
 def ray_reason(exc) -> str:
     """Ray's explanation in one line (its messages run to a page): the first line, and for a dead
     worker the exit detail."""

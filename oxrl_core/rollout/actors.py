@@ -26,7 +26,7 @@ import os
 from typing import Any, ClassVar
 
 from oxrl_core.config import RolloutConfig
-from oxrl_core.engines.distributed import env_for_actors, ray_reason
+from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, generate_from
 from oxrl_core.models.lora import policy_state_dict
@@ -90,26 +90,27 @@ class RolloutActors(RolloutBackend):
 
     @classmethod
     def start(cls, count: int, backend_name: str, model_path: str, rollout, timeout_s: float, ray_address: str = ""):
-        """Start ``count`` actors (and a local Ray cluster when none is running) and wait until each has built its backend."""
+        """Start ``count`` actors (joining the cluster `resolve_ray_address` names, or starting
+        a local one, when this process is not connected to Ray yet) and wait until each has built its backend."""
         import ray
 
-        owns_ray = not ray.is_initialized()
+        owns_ray = not ray.is_initialized()  # a joined cluster is only disconnected from at close, and keeps running
         if owns_ray:
             import logging
 
+            address, source = resolve_ray_address(ray_address)
             try:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
                 with kept_signal_handlers():  # Ray's own would abort on SIGTERM instead of saving a checkpoint
                     ray.init(
-                        address=ray_address or "local",
+                        address=address,
                         include_dashboard=False,
                         log_to_driver=False,
                         logging_level=logging.ERROR,
                         runtime_env={"env_vars": env_for_actors()},
                     )
             except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
-                raise OxrlError(
-                    f"rollout.actors: could not start or join a Ray cluster: {type(exc).__name__}: {exc}"
-                ) from None
+                where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
+                raise OxrlError(f"rollout.actors: could not {where}: {type(exc).__name__}: {exc}") from None
         gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
         actor_cls = ray.remote(RolloutWorker).options(num_gpus=gpus, num_cpus=0, max_restarts=0)
         # CPU: generation and training take turns, so the actors share out the node's cores
