@@ -93,7 +93,17 @@ def main() -> None:
         data_file = workdir / "prompts.jsonl"  # the arithmetic task's prompts, no held-out split (no evaluation)
         rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in task_rows("train")[:256]]
         data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        sides = [run_side(k, model_dir, data_file, args, workdir) for k in args.ks]
+        import ray
+
+        from oxrl_core.engines.distributed import env_for_actors, resolve_ray_address
+
+        # one Ray cluster for every side (each run joins it and leaves it running): no side pays for its start
+        ray.init(address=resolve_ray_address("")[0], include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env_for_actors()})  # fmt: skip
+        try:
+            sides = [run_side(k, model_dir, data_file, args, workdir) for k in args.ks]
+        finally:
+            ray.shutdown()
     base = next((s for s in sides if s["k"] == 0), None)
     for s in sides:
         s["speedup_vs_k0"] = round(base["train_seconds"] / s["train_seconds"], 3) if base else None

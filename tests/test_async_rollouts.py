@@ -295,20 +295,28 @@ def _completion_logprobs(model, prompt: list[int], completion: list[int]) -> tor
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
+K2 = ["--set", "rollout.max_staleness=2", "--set", "train.save_every=1", "--set", "train.save_total_limit=0"]
+
+
+@pytest.fixture(scope="module")
+def k2_run(tmp_path_factory, tiny_model_dir):
+    """One uninterrupted 6-step run at rollout.max_staleness=2, a checkpoint after every step (all kept)."""
+    root = tmp_path_factory.mktemp("k2")
+    run, proc = _rl(root, tiny_model_dir, "k2", *K2, steps=6)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
 @pytest.mark.slow
-def test_k2_trains_each_step_on_its_scheduled_version_and_the_rollout_logprobs_are_that_versions(
-    tmp_path, tiny_model_dir
-):
+def test_k2_trains_each_step_on_its_scheduled_version_and_the_rollout_logprobs_are_that_versions(k2_run):
     from transformers import AutoModelForCausalLM
 
-    run, proc = _rl(tmp_path, tiny_model_dir, "k2", "--set", "rollout.max_staleness=2", "--set", "train.save_every=1",
-                    "--set", "train.save_total_limit=0")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = k2_run
     metrics = read_metrics(run)
-    assert [m["policy/version"] for m in metrics] == [0, 0, 0, 1, 2]
-    assert [m["policy/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2]
+    assert [m["policy/version"] for m in metrics] == [0, 0, 0, 1, 2, 3]
+    assert [m["policy/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2, 2]
     assert all(0 <= m["perf/overlap_share"] <= 1 and "offpolicy/ess" in m for m in metrics)
-    assert metrics[-1]["sync/probe_version"] == 5 and metrics[-1]["sync/probe_logprob_diff"] < 1e-5
+    assert metrics[-1]["sync/probe_version"] == 6 and metrics[-1]["sync/probe_logprob_diff"] < 1e-5
 
     # checkpoint 3 keeps the batches of steps 4 and 5 (versions 1 and 2): each one's rollout logprobs are its
     # version's weights' (checkpoint step-v), to 1e-5 in fp32, and not its neighbours'
@@ -328,15 +336,11 @@ def test_k2_trains_each_step_on_its_scheduled_version_and_the_rollout_logprobs_a
 
 
 @pytest.mark.slow
-def test_k1_killed_mid_pipeline_and_resumed_equals_the_uninterrupted_run(tmp_path, tiny_model_dir, ray_address):
-    sets = ["--set", "rollout.max_staleness=1", "--set", "train.save_every=2"]
-    whole, proc = _rl(tmp_path, tiny_model_dir, "whole", *sets, steps=6)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+def test_k2_killed_mid_pipeline_and_resumed_equals_the_uninterrupted_run(k2_run, tmp_path, tiny_model_dir, ray_address):
     killed = tmp_path / "killed"
     exe = Path(sys.executable).with_name("oxrl")
     cmd = [str(exe), "run", "--alg", "sgrpo", "--set", f"model.name={tiny_model_dir}", "--set", "train.max_steps=6",
-           *COMMON, *sets, "--set", "train.save_every=1", "-o", str(killed)]  # fmt: skip
+           *COMMON, *K2, "-o", str(killed)]  # fmt: skip
     env = {**os.environ, **ENV, "RAY_ADDRESS": ray_address}  # this worker's Ray head, as `oxrl()` runs join it
     child = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)  # fmt: skip
@@ -347,15 +351,15 @@ def test_k1_killed_mid_pipeline_and_resumed_equals_the_uninterrupted_run(tmp_pat
     child.wait()
     steps_before = len(read_metrics(killed))
     assert 3 <= steps_before < 6, "the run was not killed mid-way"
-    assert (killed / "checkpoints" / "step-3" / INFLIGHT_FILE).is_file()
+    assert (killed / "checkpoints" / "step-3" / INFLIGHT_FILE).is_file()  # steps 4 and 5, in flight
 
     proc = oxrl("run", "--resume", "-o", str(killed), cwd=tmp_path, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    a, b = read_metrics(whole), read_metrics(killed)
+    a, b = read_metrics(k2_run), read_metrics(killed)
     assert [m["step"] for m in b] == list(range(1, 7))
     for x, y in zip(a, b):  # the same samples, rewards and losses: one seed, one result, killed or not
         assert x["reward/mean"] == y["reward/mean"] and x["response/length"] == y["response/length"]
-        assert x["policy/version"] == y["policy/version"] == max(0, x["step"] - 2)
+        assert x["policy/version"] == y["policy/version"] == max(0, x["step"] - 3)
         assert x["loss"] == pytest.approx(y["loss"], abs=1e-6) and x["grad_norm"] == pytest.approx(y["grad_norm"])
 
 
