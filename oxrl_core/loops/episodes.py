@@ -353,6 +353,12 @@ class EnvWatch(RewardWatch):
 # ----------------------------------------------------------------------------- the runner
 
 
+def shard_blocks(rows: list[dict], shards: int) -> list[tuple[int, list[dict]]]:
+    """The rows of a rollout batch cut into ``shards`` contiguous shards of whole prompts: (k, rows) each."""
+    size = len(rows) // shards
+    return [(k, rows[k * size : (k + 1) * size]) for k in range(shards)]
+
+
 class Episodes:
     """Plays the multi-turn episodes of a rollout batch against the rollout backend, set up once per run."""
 
@@ -502,8 +508,7 @@ class Episodes:
         single-turn rollouts are (`generate_sharded`): with rollout actors rank 0 plays every shard and the
         actors generate them in parallel; else each rank plays its contiguous block of shards on whole
         weights. The episodes depend on ``shards``, not on the world size. `collect` brings them together."""
-        size = len(rows) // shards
-        blocks = [(k, rows[k * size : (k + 1) * size]) for k in range(shards)]
+        blocks = shard_blocks(rows, shards)
         if self.backend is None or self.backend.remote:
             return self.play_shards(blocks, sampling) if is_main() else []
         per_rank = shards // world_size()

@@ -41,6 +41,7 @@ from oxrl_core.engines.distributed import broadcast_object, is_main
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.loops.episodes import EnvFailures
+from oxrl_core.loops.rollouts import step_sampling
 from oxrl_core.rollout.sync import trainer_logprobs
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 from oxrl_core.scoring.rewards import RewardFailures
@@ -193,8 +194,7 @@ class AsyncRollouts:
 
     def sampling(self, step: int) -> SamplingParams:
         """A step's sampling: its seed depends on the step only (as in a synchronous run)."""
-        ro = self.ro
-        return SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, self.seed * 1_000_003 + step)
+        return step_sampling(self.ro, self.seed, step)
 
     def _play(self, step: int) -> None:
         picks, sampling = self.plan.micro_batch(step - 1), self.sampling(step)

@@ -26,10 +26,16 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines.distributed import gather_rows, reduce_metrics, shard
-from oxrl_core.interfaces import SamplingParams
 from oxrl_core.loops.pipeline import check_schedule
 from oxrl_core.loops.rl_setup import build_rl
-from oxrl_core.loops.rollouts import MicroBatches, check_on_policy, chunks, policy_forward, rollout_batch
+from oxrl_core.loops.rollouts import (
+    MicroBatches,
+    check_on_policy,
+    chunks,
+    policy_forward,
+    rollout_batch,
+    step_sampling,
+)
 from oxrl_core.loops.run import Run, RunResult, backward_share, check_finite
 from oxrl_core.loops.strategies import Scored
 from oxrl_core.ops import k3_kl, masked_mean_value
@@ -50,7 +56,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         nonlocal version
         clock, picks = Clock(), parts.plan.micro_batch(step - 1)
         run.position = step
-        sampling = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, cfg.train.seed * 1_000_003 + step)
+        sampling = step_sampling(ro, cfg.train.seed, step)
         if parts.pipeline is None:
             # 1. play: n samples for each of batch_size prompts (completions, or multi-turn episodes)
             with clock("gen"):

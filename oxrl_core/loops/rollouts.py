@@ -74,6 +74,12 @@ class Prompts:
         return None if self.images is None else [self.images[i] for i in picks]
 
 
+def step_sampling(ro, seed: int, step: int) -> SamplingParams:
+    """An RL step's sampling (``rollout.n`` samples per prompt); its seed depends on the step only, so a batch
+    generated ahead (asynchronous rollouts) or after a resume samples what it would have in a plain run."""
+    return SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed * 1_000_003 + step)
+
+
 def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend: str) -> None:
     """Catch a broken backend before its output is trained on: wrong counts, text after EOS, missing EOS.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from oxrl_core.data.images import row_images
 from oxrl_core.engines.distributed import broadcast_object
 from oxrl_core.interfaces import Completion, SamplingParams
-from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episodes
+from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episodes, shard_blocks
 from oxrl_core.loops.rollouts import (
     Prompts,
     check_completions,
@@ -98,13 +98,16 @@ class Completions(RolloutStrategy):
         check_completions(groups, ro.n, ro.max_new_tokens, self.tokenizer.eos_token_id, ro.backend)
         return picks, [c for g in groups for c in g]  # (B = P·n)
 
+    def reward_inputs(self, picks: list[int], completions) -> tuple[list, list[str], list[dict]]:
+        """What the reward scores, per sample (B,): the prompt, the decoded completion, the row."""
+        sample_rows = [self.rows[i] for i in picks for _ in range(self.ro.n)]
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        return [r["prompt"] for r in sample_rows], texts, sample_rows
+
     def score(self, played, step):
         picks, completions = played
         n, failures = self.ro.n, RewardFailures(self.reward_name)
-        sample_rows = [self.rows[i] for i in picks for _ in range(n)]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        prompts_text = [r["prompt"] for r in sample_rows]
-        scores, metrics = score_sharded(self.reward, prompts_text, texts, sample_rows, failures)
+        scores, metrics = score_sharded(self.reward, *self.reward_inputs(picks, completions), failures)
         self.reward_watch.after_scoring(step, failures, self.run_dir)  # one line per step
         images = self.prompts.images_of([i for i in picks for _ in range(n)])  # (B,) references, not copies
         return Scored([self.prompt_ids[i] for i in picks for _ in range(n)], completions, scores, metrics, images)
@@ -117,9 +120,7 @@ class Completions(RolloutStrategy):
         check_completions(groups, ro.n, ro.max_new_tokens, self.tokenizer.eos_token_id, ro.backend)
         completions = [c for g in groups for c in g]  # (B = P·n)
         failures = RewardFailures(self.reward_name)
-        sample_rows = [self.rows[i] for i in picks for _ in range(ro.n)]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        scores, metrics = score_batch(self.reward, [r["prompt"] for r in sample_rows], texts, sample_rows, failures)
+        scores, metrics = score_batch(self.reward, *self.reward_inputs(picks, completions), failures)
         return picks, prompt_ids, completions, scores, metrics, failures  # prompt_ids (P,); the rest (B,)
 
     def receive(self, produced, step):
@@ -164,8 +165,7 @@ class EpisodeRollouts(RolloutStrategy):
         return Scored(prompts, completions, scores, metrics, images)
 
     def produce(self, picks, sampling):
-        size, rows = len(picks) // self.shards, [self.rows[i] for i in picks]
-        blocks = [(k, rows[k * size : (k + 1) * size]) for k in range(self.shards)]
+        blocks = shard_blocks([self.rows[i] for i in picks], self.shards)
         played = self.episodes.play_shards(blocks, sampling)  # the actors generate the shards in parallel
         return self.episodes.share(played, self.reward, self.reward_name, self.env_name)
 
