@@ -12,6 +12,11 @@ Unlike PPO/GRPO, which drop the gradient of a token whose ratio leaves the clip 
 clips and detaches the importance weight, so every token keeps a gradient (rare "fork" tokens
 such as "However" or "Wait" included). Defaults follow the paper: no lower bound on the weight
 (ε_low = 1, so the weight is clipped at 0) and only ε_high tuned; no KL term.
+
+With one update per rollout batch every ratio is exactly 1 and CISPO is SGRPO; the clipping acts only on later
+updates of a batch. So CISPO declares ``rollout.minibatches = 4`` (four optimiser steps per rollout batch, as
+the paper's off-policy updates and verl's mini-batches; the banner says so; ``--set rollout.minibatches=1``
+undoes it). The shared options (`PolicyGradient.Config`) apply as in ``sgrpo.py``.
 """
 
 from __future__ import annotations
@@ -19,17 +24,19 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
-from oxrl_core.ops import group_advantages, masked_mean
+from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
+from oxrl_core.ops import group_advantages, masked_mean, policy_objective, shaped_rewards
 
 
-class CISPO(Algorithm):
+class CISPO(PolicyGradient):
     name = "cispo"
     loop = "rl"
     data_format = "prompt"
     min_group_size = 2
+    #: several optimiser steps per rollout batch, so that the ratio moves away from 1 and its clip acts
+    rollout_defaults = {"minibatches": 4}
 
-    class Config(StrictModel):
+    class Config(PolicyGradient.Config):
         eps_low: float = Field(
             1.0, ge=0, le=1, description="ε_low: IS weight clipped below at 1 − ε_low (1 = no bound)"
         )
@@ -38,10 +45,10 @@ class CISPO(Algorithm):
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
     def advantages(self, batch: RLAdvantagesBatch):
-        adv_seq = group_advantages(
-            batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps
-        )  # (B,)
-        return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": float(adv_seq.abs().mean())}  # (B, T)
+        rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
+        adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        adv = adv_seq[:, None] * batch["mask"]  # (B, T)
+        return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean()), **metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config
@@ -51,11 +58,15 @@ class CISPO(Algorithm):
         weight = ratio.clamp(1 - c.eps_low, 1 + c.eps_high).detach()  # (B, T)
         # TIS: w_tis = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
         tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
-        # L = −(1/Σ|o_i|) Σ_i Σ_t w · A · log π_θ · w_tis
-        loss = masked_mean(-weight * adv * logp * tis_weight, mask)
+        # ℓ = −w · A · log π_θ · w_tis, aggregated by loss_agg (token-mean: −(1/Σ|o_i|) Σ_i Σ_t ...)
+        policy_term = -weight * adv * logp * tis_weight  # (B, T)
+        loss, metrics = policy_objective(policy_term, batch, c)
         clipped = (ratio > 1 + c.eps_high) | (ratio < 1 - c.eps_low)
-        return loss, {
-            "loss/policy": loss.detach(),
-            "clip/frac": masked_mean(clipped.float(), mask).detach(),
-            "ratio/mean": masked_mean(ratio, mask).detach(),
-        }
+        metrics.update(
+            {
+                "loss/policy": masked_mean(policy_term, mask).detach(),
+                "clip/frac": masked_mean(clipped.float(), mask).detach(),
+                "ratio/mean": masked_mean(ratio, mask).detach(),
+            }
+        )
+        return loss, metrics

@@ -10,3 +10,7 @@ def register_algorithms(register):
     register("ppo", "oxrl_algs_rl.ppo:PPO")
     register("rlhf", "oxrl_algs_rl.rlhf:RLHF")
     register("rlaif", "oxrl_algs_rl.rlaif:RLAIF")
+    register("gspo", "oxrl_algs_rl.gspo:GSPO")
+    register("rloo", "oxrl_algs_rl.rloo:RLOO")
+    register("reinforce_pp", "oxrl_algs_rl.reinforce_pp:REINFORCEPP")
+    register("reinforce_pp_baseline", "oxrl_algs_rl.reinforce_pp_baseline:REINFORCEPPBaseline")

@@ -21,6 +21,12 @@ Deliberate deviations from GRPO as published, each for stability:
   verifiable rewards); with β > 0 the loop provides reference logprobs and the k3 term is in
   the loss, as in GRPO.
 - ``scale_rewards: false`` drops the division by the group std (Dr. GRPO, Liu et al. 2025).
+
+The options every group-based algorithm shares (`PolicyGradient.Config`: ``kl_estimator``, ``kl_in_reward``,
+``entropy_coeff``, ``loss_agg``, ``overlong_buffer``) act through ``shaped_rewards`` (before the advantages) and
+``policy_objective`` (around the policy term); their defaults give exactly the objective above. Dr. GRPO is
+``scale_rewards: false`` with ``loss_agg: seq-mean-token-sum-norm``; GRPO as published is ``loss_agg:
+seq-mean-token-mean``, ``kl_coeff: 0.04``, ``clip_high: 0.2``.
 """
 
 from __future__ import annotations
@@ -28,36 +34,29 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
-from oxrl_core.ops import group_advantages, k3_kl, masked_mean
+from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
+from oxrl_core.ops import group_advantages, masked_mean, policy_objective, shaped_rewards
 
 
-class SGRPO(Algorithm):
+class SGRPO(PolicyGradient):
     name = "sgrpo"
     loop = "rl"
     data_format = "prompt"
     #: samples compared within a group (rollout.n must be at least this)
     min_group_size = 2
 
-    class Config(StrictModel):
+    class Config(PolicyGradient.Config):
         clip_low: float = Field(0.2, ge=0, le=1, description="ε_low: the ratio is clipped below at 1 − ε_low")
         clip_high: float = Field(0.28, ge=0, description="ε_high: the ratio is clipped above at 1 + ε_high")
-        kl_coeff: float = Field(
-            0.0, ge=0, description="β: weight of the k3 KL to the reference model (0 = no reference)"
-        )
         scale_rewards: bool = Field(True, description="divide by the group std (false = Dr. GRPO's centred rewards)")
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
-    def uses_ref(self) -> bool:
-        return self.config.kl_coeff > 0
-
     def advantages(self, batch: RLAdvantagesBatch):
+        rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
-        adv_seq = group_advantages(
-            batch["rewards"], batch["group_size"], self.config.scale_rewards, self.config.eps
-        )  # (B,)
+        adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
-        return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean())}
+        return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean()), **metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config
@@ -69,14 +68,8 @@ class SGRPO(Algorithm):
         # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
         tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
         policy_term = -surrogate * tis_weight  # (B, T)
-        per_token = policy_term  # (B, T)
-        metrics = {}
-        if c.kl_coeff > 0:
-            kl = k3_kl(batch["logp"], batch["logp_ref"])  # (B, T)
-            per_token = per_token + c.kl_coeff * kl
-            metrics["loss/kl"] = masked_mean(kl, mask).detach()
-        # token-level aggregation: (1/Σ|o_i|) Σ_i Σ_t
-        loss = masked_mean(per_token, mask)
+        # + β·KL (k3 by default), − c_H·H; aggregated by loss_agg (token-mean: (1/Σ|o_i|) Σ_i Σ_t)
+        loss, metrics = policy_objective(policy_term, batch, c)
         clipped = ((ratio < 1 - c.clip_low) & (adv < 0)) | ((ratio > 1 + c.clip_high) & (adv > 0))
         metrics.update(
             {

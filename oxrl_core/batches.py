@@ -44,6 +44,7 @@ class _RLAdvantagesBatch(TypedDict):
     mask: torch.Tensor  # (B, T) 1 on completion tokens, 0 on prompt and padding
     logp_old: torch.Tensor  # (B, T) the trainer's log π of the sampled tokens when they were sampled
     group_size: int  # n, samples per prompt (rows i·n … i·n+n−1 share a prompt)
+    max_new_tokens: int  # L_max, rollout.max_new_tokens (overlong shaping, seq-mean-token-sum-norm)
 
 
 class RLAdvantagesBatch(_RLAdvantagesBatch, total=False):

@@ -631,10 +631,16 @@ class RunConfig(StrictModel):
     alg: dict[str, Any] = Field(default_factory=dict)
     #: deprecation notes of the old key names the config was read with (`read_run_config`)
     _notes: list[str] = PrivateAttr(default_factory=list)
+    #: the algorithm's own defaults in use (``{"rollout.minibatches": 4}``): not set by the user
+    _algorithm_defaults: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
     def notes(self) -> list[str]:
         return self._notes
+
+    @property
+    def algorithm_defaults(self) -> dict[str, Any]:
+        return self._algorithm_defaults
 
 
 #: Hyper-parameters that suit the built-in tiny model; applied under the user's
@@ -774,10 +780,18 @@ def load_run_config(
     return validate_run_config(read_run_config(config_path, overrides, algorithm, base), tiny_defaults)
 
 
-def validate_run_config(read: RawRunConfig, tiny_defaults: dict | None = None) -> RunConfig:
+def validate_run_config(
+    read: RawRunConfig, tiny_defaults: dict | None = None, rollout_defaults: dict | None = None
+) -> RunConfig:
     """Fill tiny-model defaults (``tiny_defaults``, default `TINY_DEFAULTS`) under ``read`` and validate; the
-    deprecation notes travel in `RunConfig.notes`."""
+    deprecation notes travel in `RunConfig.notes`. ``rollout_defaults`` (the algorithm's own
+    `Algorithm.rollout_defaults`) go under the user's settings and over the tiny-model defaults, whatever the
+    model; the ones in use are kept in `RunConfig.algorithm_defaults` (the banner names them)."""
     raw, source = read.raw, read.source
+    own_rollout = raw.get("rollout") if isinstance(raw.get("rollout"), dict) else {}
+    applied = {k: v for k, v in (rollout_defaults or {}).items() if k not in own_rollout}
+    if applied:
+        raw = _merge({"rollout": applied}, raw)
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
     train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
     if train.get("epochs") is not None and "max_steps" in train:  # one thing said two ways (the config's own keys)
@@ -805,6 +819,7 @@ def validate_run_config(read: RawRunConfig, tiny_defaults: dict | None = None) -
     if not config.algorithm:
         raise OxrlError("no algorithm given: pass --alg NAME or set `algorithm:` in the config (see `oxrl plugins`)")
     config._notes = list(read.notes)
+    config._algorithm_defaults = {f"rollout.{k}": v for k, v in applied.items()}
     return config
 
 

@@ -465,6 +465,9 @@ def _algorithm_problems(cls: type) -> list[str]:
         problems.append(f"min_group_size = {cls.min_group_size!r} must be an integer >= 1")
     if not isinstance(cls.default_reward, str):
         problems.append(f"default_reward = {cls.default_reward!r} must be a reward name (a string)")
+    defaults = getattr(cls, "rollout_defaults", {})
+    if not (isinstance(defaults, dict) and all(isinstance(k, str) for k in defaults)):
+        problems.append(f"rollout_defaults = {defaults!r} must be a dict of rollout keys (e.g. {{'minibatches': 4}})")
     if getattr(cls, "loop", None) == "rl" and cls.advantages is Algorithm.advantages:
         declared = "needs_rollouts = True" if getattr(cls, "needs_rollouts", False) is True else "loop = 'rl'"
         problems.append(f"{declared} but it does not define advantages() (the RL loop calls it on every rollout batch)")

@@ -250,7 +250,8 @@ class Trainer:
                 defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
         elif algorithm_cls.loop == "preference":  # ... and of the preference loop
             defaults = TINY_PREF_DEFAULTS
-        return validate_run_config(read, self._dataset_defaults(read, algorithm_cls, defaults))
+        rollout_defaults = algorithm_cls.rollout_defaults if algorithm_cls.loop == "rl" else None
+        return validate_run_config(read, self._dataset_defaults(read, algorithm_cls, defaults), rollout_defaults)
 
     def _dataset_defaults(self, read, algorithm_cls, defaults):
         """The tiny-model defaults with those of the dataset ``data.train`` names on top (`Dataset.tiny_defaults`

@@ -173,6 +173,7 @@ class Update:
         fresh = self.old_logprobs(batch, parts, unit, single_pass, keep_entropy)
         metrics = self.rollout_checks(step, batch)
         # 5. advantages
+        batch["max_new_tokens"] = ro.max_new_tokens  # L_max: overlong shaping, seq-mean-token-sum-norm
         added, adv_metrics = algorithm.advantages(batch)  # ALGO: the algorithm's advantage estimator
         for name, tensor in added.items():
             check_finite(name, tensor, step, self.run_dir)
@@ -256,8 +257,9 @@ class Update:
         metrics over the steps (every rank's shares), and the optimiser's metrics."""
         algorithm, engine, ro, B = self.algorithm, self.engine, self.ro, parts.B
 
-        def weight(rows: list[int]) -> float:
-            return float(batch["mask"][rows].sum()) if algorithm.loss_weighting == "tokens" else float(len(rows))
+        def weight(rows: list[int]) -> float:  # loss tokens, or sequences with at least one (`ops.aggregate_loss`)
+            tokens = batch["mask"][rows].sum(-1)  # (rows,)
+            return float(tokens.sum()) if algorithm.loss_weighting == "tokens" else float((tokens > 0).sum())
 
         gen = torch.Generator().manual_seed(self.seed * 7919 + step)
         updates, grad_norms, micro_batch_count = 0, [], 0

@@ -139,10 +139,14 @@ class Run:
             if train.epochs
             else ""
         )
+        own = self.cfg.algorithm_defaults  # the algorithm's own rollout.* defaults in use (several updates per batch)
+        defaults = (
+            f" · {self.cfg.algorithm}'s defaults: " + ", ".join(f"{k}={v}" for k, v in own.items()) if own else ""
+        )
         self.info(
             f"[bold]oxrl {self.cfg.algorithm}[/bold] · model {self.cfg.model.name or label} "
             f"({count_parameters(self.model) / 1e6:.2f}M params, {self.engine.device}) · data {data} · "
-            f"run dir {self.run_dir} · {self.saver.describe()}{epochs}"
+            f"run dir {self.run_dir} · {self.saver.describe()}{epochs}{defaults}"
         )
 
     def evaluate(self) -> dict:
