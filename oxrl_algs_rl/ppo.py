@@ -23,6 +23,12 @@ episode the environment's tokens are not time steps: GAE runs over the model's t
 V(s_{t+1}) at the end of a turn is the value at the start of the model's next turn. The truncated
 importance weight w_t corrects for the rollout engine's numerics (C = ``rollout.tis_cap``; w = 1 when
 off, the default); it weights the policy term only, not the value loss.
+
+The KL options are the group algorithms' (``kl_estimator``, ``kl_in_reward``, ``entropy_coeff``): the
+penalty above is ``kl_in_reward: true`` with k1 (log π_old − log π_ref), the default; ``kl_in_reward: false``
+adds β·KL(π_θ || π_ref) to the loss instead. ``alg.ent_coef`` is the old name of ``entropy_coeff``.
+PPO declares ``rollout.minibatches = 4``: four optimiser steps per rollout batch (as verl and OpenRLHF split
+a batch into mini-batches), so that the ratio leaves 1 and the clip acts; the banner says so.
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
-from oxrl_core.ops import masked_mean
+from pydantic import AliasChoices
+
+from oxrl_core.interfaces import Algorithm, KLEstimator, RLAdvantagesBatch, RLLossBatch, StrictModel
+from oxrl_core.ops import kl_estimate, masked_mean
 
 
 def discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
@@ -75,6 +83,8 @@ class PPO(Algorithm):
     loop = "rl"
     data_format = "prompt"
     needs_critic = True
+    #: four optimiser steps per rollout batch (mini-batches, as verl and OpenRLHF), so that the clip acts
+    rollout_defaults = {"minibatches": 4}
 
     class Config(StrictModel):
         gamma: float = Field(1.0, ge=0, le=1, description="γ: discount")
@@ -82,10 +92,15 @@ class PPO(Algorithm):
         clip_eps: float = Field(0.2, ge=0, le=1, description="ε: ratio clip range")
         value_clip: float = Field(0.2, ge=0, description="ε_V: value clip range around the old values")
         vf_coef: float = Field(0.5, ge=0, description="c_V: weight of the value loss")
-        ent_coef: float = Field(0.0, ge=0, description="c_H: weight of the entropy bonus")
-        kl_coeff: float = Field(
-            0.05, ge=0, description="β: per-token KL penalty to the reference, folded into the reward"
+        entropy_coeff: float = Field(
+            0.0,
+            ge=0,
+            validation_alias=AliasChoices("entropy_coeff", "ent_coef"),
+            description="c_H: weight of the entropy bonus (old name: ent_coef)",
         )
+        kl_coeff: float = Field(0.05, ge=0, description="β: weight of the KL to the reference")
+        kl_estimator: KLEstimator = Field("k1", description="per-token KL estimator (k1 = log π − log π_ref)")
+        kl_in_reward: bool = Field(True, description="the KL is a per-token reward penalty (false: a loss term)")
         whiten_advantages: bool = Field(
             True, description="normalise advantages to mean 0, std 1 over the batch's tokens"
         )
@@ -103,11 +118,11 @@ class PPO(Algorithm):
         last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()  # (B, T)
         rewards = last.float() * batch["rewards"][:, None]  # (B, T)
         metrics = {}
-        if c.kl_coeff > 0:
-            # r_t −= β (log π_old − log π_ref)
-            kl = (batch["logp_old"] - batch["logp_ref"]) * mask  # (B, T)
+        if c.kl_coeff > 0 and c.kl_in_reward:
+            # r_t −= β KL_t, KL_t = log π_old − log π_ref with k1
+            kl = kl_estimate(batch["logp_old"], batch["logp_ref"], c.kl_estimator) * mask  # (B, T)
             rewards = rewards - c.kl_coeff * kl
-            metrics["kl/penalty"] = float(masked_mean(kl, mask))
+            metrics["kl/penalty"] = metrics[f"kl/reward_{c.kl_estimator}"] = float(masked_mean(kl, mask))
         adv, returns = gae(rewards, batch["values"], mask, c.gamma, c.lam)  # (B, T), (B, T)
         if c.whiten_advantages:
             mean = masked_mean(adv, mask)
@@ -132,10 +147,16 @@ class PPO(Algorithm):
         loss_value = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2), mask)
         # entropy bonus
         entropy = masked_mean(batch["entropy"], mask)
-        loss = loss_policy + c.vf_coef * loss_value - c.ent_coef * entropy
+        loss = loss_policy + c.vf_coef * loss_value - c.entropy_coeff * entropy
+        metrics = {}
+        if c.kl_coeff > 0 and not c.kl_in_reward:  # + β·KL(π_θ || π_ref) in the loss
+            kl = masked_mean(kl_estimate(batch["logp"], batch["logp_ref"], c.kl_estimator), mask)
+            loss = loss + c.kl_coeff * kl
+            metrics["loss/kl"] = metrics[f"kl/loss_{c.kl_estimator}"] = kl.detach()
         # clipped share: tokens whose clipped term is the active one of the min (zero gradient through ρ)
         clipped = ((ratio < 1 - c.clip_eps) & (adv < 0)) | ((ratio > 1 + c.clip_eps) & (adv > 0))
         return loss, {
+            **metrics,
             "loss/policy": loss_policy.detach(),
             "loss/value": loss_value.detach(),
             "clip/frac": masked_mean(clipped.float(), mask).detach(),
