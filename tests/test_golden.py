@@ -1,12 +1,14 @@
 """Golden runs: the numbers oxRL logged before its core was reorganised, reproduced by the code of today.
 
-Nine algorithms (one of each loop shape: supervised, distillation, paired and unpaired preference, reward
-model, group-relative RL, actor-critic RL, online preference) run 5 steps on the built-in model with a fixed
+Ten algorithms (one of each loop shape: supervised, distillation, paired and unpaired preference, reward
+model, group-relative RL on-policy (SGRPO) and with several updates per batch (CISPO), actor-critic RL, online
+preference) run 5 steps on the built-in model with a fixed
 seed; every logged loss and reward (`loss*`, `reward*`, `rewards/*`, `eval/*`) must match the recorded
 value to 1e-5. A refactor that changes a single number in a loss, a batch order or a seed fails here.
 
 `python tests/test_golden.py` re-records `fixtures/golden_runs.json` — only after a change that is meant
-to alter the numbers, saying why in the commit.
+to alter the numbers, saying why in the commit. PPO's run was re-recorded (and CISPO's added) when both began
+to declare ``rollout.minibatches = 4``: four optimiser steps per rollout batch, so that their clips act.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden_runs.json"
-RUNS = ["sft", "cpt", "kd", "dpo", "kto", "rm", "sgrpo", "ppo", "online_dpo", "sgrpo_actors"]
+RUNS = ["sft", "cpt", "kd", "dpo", "kto", "rm", "sgrpo", "cispo", "ppo", "online_dpo", "sgrpo_actors"]
 #: runs that are an algorithm with extra settings: name -> (algorithm, --set arguments). ``sgrpo_actors`` was
 #: recorded before asynchronous rollouts existed: ``rollout.max_staleness`` = 0 must issue the same calls in the
 #: same order as the synchronous step always did, so it reproduces this run value for value.
@@ -91,6 +93,16 @@ def test_golden_run_reproduces_every_logged_loss_and_reward(alg, tmp_path_factor
     assert sorted(got["summary"]) == sorted(want["summary"])
     bad = {k: (got["summary"][k], v) for k, v in want["summary"].items() if not close(got["summary"][k], v)}
     assert not bad, f"{alg} summary: {bad}"
+
+
+def test_the_default_cispo_run_is_not_the_default_sgrpo_run():
+    """With one update per rollout batch CISPO's ratio is exactly 1 and its run was SGRPO's, value for value; CISPO
+    now declares rollout.minibatches=4, so its clip acts. The two golden runs (same seed, same settings; the test
+    above reproduces each from today's code) sample the same first batch and part by step 3."""
+    golden = json.loads(GOLDEN.read_text())
+    sgrpo, cispo = ([step["reward/mean"] for step in golden[alg]["steps"]] for alg in ("sgrpo", "cispo"))
+    assert sgrpo[0] == cispo[0]  # the same policy samples the same first batch
+    assert any(not close(a, b) for a, b in zip(sgrpo[:3], cispo[:3])), (sgrpo, cispo)
 
 
 if __name__ == "__main__":
