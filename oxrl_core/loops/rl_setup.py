@@ -74,6 +74,12 @@ class RLParts:
 def build_rl(trainer, ckpt: Path | None) -> RLParts:
     setup = Setup(trainer, ckpt)
     cfg, algorithm, ro = setup.cfg, setup.algorithm, setup.cfg.rollout
+    if ro.dynamic_sampling and ro.max_staleness and cfg.env.name:
+        raise OxrlError(
+            f"rollout.dynamic_sampling with rollout.max_staleness={ro.max_staleness} and env.name={cfg.env.name}: "
+            "asynchronous rollouts support dynamic sampling for single-turn completions only; for multi-turn "
+            "episodes set rollout.max_staleness=0 (dynamic sampling works there) or rollout.dynamic_sampling=false"
+        )
 
     # ---- data and reward (before any model loads, so bad input fails fast); a VLM's prompts go through its processor
     train_source = load_data(cfg.data.train, "train", setup.registry)
@@ -105,12 +111,6 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
         raise OxrlError(  # an environment may show a VLM images mid-episode: the backend must take them
             f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "
             f"may be shown images by the environment and {reason}; generate with rollout.backend=hf"
-        )
-    if ro.dynamic_sampling and ro.max_staleness and cfg.env.name:
-        raise OxrlError(
-            f"rollout.dynamic_sampling with rollout.max_staleness={ro.max_staleness} and env.name={cfg.env.name}: "
-            "asynchronous rollouts support dynamic sampling for single-turn completions only; for multi-turn "
-            "episodes set rollout.max_staleness=0 (dynamic sampling works there) or rollout.dynamic_sampling=false"
         )
     env = None
     if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here
