@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -250,3 +251,23 @@ def test_asynchronous_multi_turn_dynamic_sampling_is_refused_at_the_start(tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "rollout.dynamic_sampling with rollout.max_staleness=1 and env.name=calculator" in proc.stderr
     assert "single-turn completions only" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_resumed_run_replays_the_refill_rounds_exactly(tmp_path, tiny_model_dir):
+    """The refill prompts and seeds depend on (seed, step, round) only: resumed after step 2 = uninterrupted."""
+    sets = ["--set", f"reward.name={tmp_path / 'plug.py'}:Parity", "--set", "rollout.n=2", *DYNAMIC,
+            "--set", "rollout.max_sampling_rounds=3", "--set", "train.save_every=2"]  # fmt: skip
+    full, _ = _run(tmp_path, tiny_model_dir, "full", *sets, steps=4)
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    for name in ("final", "summary.json"):  # as if killed after the step-2 checkpoint
+        path = part / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    proc = oxrl("run", "--resume", "-q", "-o", str(part), cwd=tmp_path, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = read_metrics(part)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4] and sum(m["sampling/rounds"] for m in full[2:]) > 0
+    for key in ("sampling/rounds", "sampling/groups_kept", "reward/mean", "response/length"):
+        assert [m[key] for m in resumed] == [m[key] for m in full], key
+    assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in full], abs=1e-6)
