@@ -472,12 +472,33 @@ class RolloutConfig(StrictModel):
         description="stop the run (checkpoints kept) after this many steps in a row over max_reward_error_share; "
         "0 = never stop",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (Yu et al. 2025): drop prompt groups whose rewards are all equal (zero "
+        "variance, no learning signal for group-relative advantages) and generate more prompts until the batch has "
+        "train.batch_size groups (metrics sampling/*; reward/* stay the step's scheduled prompts')",
+    )
+    max_sampling_rounds: int = Field(
+        4,
+        ge=1,
+        description="dynamic_sampling: refill rounds of train.batch_size more prompts a step may play after its own; "
+        "a step still short after them is filled up with equal-reward groups (advantage 0; sampling/short = 1)",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _old_names(cls, data: Any) -> Any:
         """Old names given to the model directly (``RolloutConfig(epochs=2, options={...})``); see `rename_keys`."""
         return _renamed_section(data, "rollout")
+
+    @model_validator(mode="after")
+    def _dynamic_sampling(self) -> "RolloutConfig":
+        if self.dynamic_sampling and self.n < 2:
+            raise ValueError(
+                f"rollout.dynamic_sampling needs rollout.n >= 2, got n={self.n}: a group of one sample always has "
+                "equal rewards (zero variance), so every group would be dropped; set rollout.n to 2 or more"
+            )
+        return self
 
     @model_validator(mode="after")
     def _typo_of_own_key(self) -> "RolloutConfig":

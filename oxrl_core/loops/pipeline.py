@@ -201,7 +201,10 @@ class AsyncRollouts:
 
         def play():
             start = time.perf_counter()
-            produced = self.strategy.produce(picks, sampling)
+            if self.ro.dynamic_sampling:  # the refill rounds in this same job, at the same policy version
+                produced = self.strategy.produce_step(step, picks, sampling)
+            else:
+                produced = self.strategy.produce(picks, sampling)
             return produced, time.perf_counter() - start
 
         self.batches[step] = self.worker.submit(play)

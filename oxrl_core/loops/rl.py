@@ -58,12 +58,10 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         run.position = step
         sampling = step_sampling(ro, cfg.train.seed, step)
         if parts.pipeline is None:
-            # 1. play: n samples for each of batch_size prompts (completions, or multi-turn episodes)
-            with clock("gen"):
-                played = parts.strategy.play(picks, sampling)
-            # 2. score them; every sample must come from the policy version being trained
-            with clock("reward"):
-                scored = parts.strategy.score(played, step)
+            # 1-2. play n samples for each of batch_size prompts (completions, or multi-turn episodes) and score them
+            # (rollout.dynamic_sampling: groups of equal rewards dropped, refill rounds of more prompts played)
+            scored = parts.strategy.rollout(step, picks, sampling, clock)
+            with clock("reward"):  # every sample must come from the policy version being trained
                 versions = check_on_policy(scored.completions, version, ro.strict_on_policy, step)
         else:  # asynchronous rollouts (rollout.max_staleness = k): the batch the actors generated and scored ahead
             with clock("gen_wait"):
@@ -83,7 +81,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             record = update(step, batch, keep_entropy=(logged := parts.rollout_log.due(step)))
             if logged:  # rollouts.jsonl: a bounded sample, every logging.rollout_samples_every steps
                 kept = {**batch, "entropy_old": update.entropy_old}
-                images = parts.strategy.sample_images(picks)
+                images = parts.strategy.sample_images(scored.picks if scored.picks is not None else picks)
                 parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n, images)
             # 7. the weight sync (the policy version + 1), verified by the probe
             version += 1
@@ -96,7 +94,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
 
 
 class Clock:
-    """Seconds per phase of a step (``perf/<phase>_s``) and since the step began."""
+    """Seconds per phase of a step (``perf/<phase>_s``, added up over a phase's calls) and since the step began."""
 
     def __init__(self):
         self.start, self.seconds = time.perf_counter(), {}
@@ -106,7 +104,7 @@ class Clock:
     def __call__(self, phase: str):
         t0 = time.perf_counter()
         yield
-        self.seconds[phase] = time.perf_counter() - t0
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
 def step_metrics(run: Run, scored: Scored, batch: dict, versions: set[int], lr: float, clock: Clock, plan, picks):

@@ -15,10 +15,12 @@ from pathlib import Path
 import torch
 
 from oxrl_core.config import env_options
+from oxrl_core.data.batching import make_plan
 from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import is_main, world_size
 from oxrl_core.errors import OxrlError
+from oxrl_core.loops.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
 from oxrl_core.loops.episodes import Episodes
 from oxrl_core.loops.pipeline import AsyncRollouts, load_in_flight
 from oxrl_core.loops.rollouts import prepare_prompts, sync_weights
@@ -72,6 +74,12 @@ class RLParts:
 def build_rl(trainer, ckpt: Path | None) -> RLParts:
     setup = Setup(trainer, ckpt)
     cfg, algorithm, ro = setup.cfg, setup.algorithm, setup.cfg.rollout
+    if ro.dynamic_sampling and ro.max_staleness and cfg.env.name:
+        raise OxrlError(
+            f"rollout.dynamic_sampling with rollout.max_staleness={ro.max_staleness} and env.name={cfg.env.name}: "
+            "asynchronous rollouts support dynamic sampling for single-turn completions only; for multi-turn "
+            "episodes set rollout.max_staleness=0 (dynamic sampling works there) or rollout.dynamic_sampling=false"
+        )
 
     # ---- data and reward (before any model loads, so bad input fails fast); a VLM's prompts go through its processor
     train_source = load_data(cfg.data.train, "train", setup.registry)
@@ -207,6 +215,12 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
         raise
     sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids]
     plan = setup.plan(train_source, sources, lengths, group_by_length=False)  # prompts in seeded order
+    if ro.dynamic_sampling:  # refill rounds take their prompts from a second plan, a stream of its own
+        seed = cfg.train.seed
+        refill_plan = make_plan(
+            train_source, sources, lengths, cfg.train.batch_size, seed + REFILL_PLAN_SEED_OFFSET, False
+        )
+        strategy.dynamic = DynamicSampling(ro, refill_plan, seed, cfg.train.batch_size)
     samples = f"{cfg.train.batch_size}×{ro.n} samples/step"
     builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
     run.banner(builtin, f"{train_source.origin} ({len(rows)} prompts) · "
