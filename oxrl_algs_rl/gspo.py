@@ -30,7 +30,7 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import group_advantages, masked_mean, policy_objective, shaped_rewards
+from oxrl_core.ops import aggregate_loss, group_advantages, policy_objective, shaped_rewards
 
 
 class GSPO(PolicyGradient):
@@ -77,7 +77,7 @@ class GSPO(PolicyGradient):
         clipped = ((seq_ratio < 1 - c.clip_low) & (adv_seq < 0)) | ((seq_ratio > 1 + c.clip_high) & (adv_seq > 0))
         metrics.update(
             {
-                "loss/policy": masked_mean(policy_term, mask).detach(),
+                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
                 "clip/frac": (clipped.float() * rows).sum() / rows.sum().clamp(min=1),  # of sequences
                 "ratio/mean": (seq_ratio * rows).sum() / rows.sum().clamp(min=1),  # mean s_i
             }

@@ -36,9 +36,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
-
-from pydantic import AliasChoices
+from pydantic import AliasChoices, Field
 
 from oxrl_core.interfaces import Algorithm, KLEstimator, RLAdvantagesBatch, RLLossBatch, StrictModel
 from oxrl_core.ops import kl_estimate, masked_mean

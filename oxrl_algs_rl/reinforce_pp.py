@@ -23,7 +23,16 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import KLEstimator, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import masked_mean, policy_objective, returns_to_go, shaped_rewards, token_kl_rewards, whiten
+from oxrl_core.ops import (
+    aggregate_loss,
+    masked_mean,
+    mean_metric,
+    policy_objective,
+    returns_to_go,
+    shaped_rewards,
+    token_kl_rewards,
+    whiten,
+)
 
 
 class REINFORCEPP(PolicyGradient):
@@ -63,9 +72,9 @@ class REINFORCEPP(PolicyGradient):
         clipped = ((ratio < 1 - c.clip_eps) & (adv < 0)) | ((ratio > 1 + c.clip_eps) & (adv > 0))
         metrics.update(
             {
-                "loss/policy": masked_mean(policy_term, mask).detach(),
-                "clip/frac": masked_mean(clipped.float(), mask).detach(),
-                "ratio/mean": masked_mean(ratio, mask).detach(),
+                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
+                "clip/frac": mean_metric(clipped.float(), mask, c.loss_agg),
+                "ratio/mean": mean_metric(ratio, mask, c.loss_agg),
             }
         )
         return loss, metrics

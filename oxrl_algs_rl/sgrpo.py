@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import group_advantages, masked_mean, policy_objective, shaped_rewards
+from oxrl_core.ops import aggregate_loss, group_advantages, mean_metric, policy_objective, shaped_rewards
 
 
 class SGRPO(PolicyGradient):
@@ -73,9 +73,9 @@ class SGRPO(PolicyGradient):
         clipped = ((ratio < 1 - c.clip_low) & (adv < 0)) | ((ratio > 1 + c.clip_high) & (adv > 0))
         metrics.update(
             {
-                "loss/policy": masked_mean(policy_term, mask).detach(),
-                "clip/frac": masked_mean(clipped.float(), mask).detach(),
-                "ratio/mean": masked_mean(ratio, mask).detach(),
+                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
+                "clip/frac": mean_metric(clipped.float(), mask, c.loss_agg),
+                "ratio/mean": mean_metric(ratio, mask, c.loss_agg),
             }
         )
         return loss, metrics

@@ -19,6 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from pydantic import Field
+
 from oxrl_core.batches import (
     PairedPreferenceBatch,
     RLAdvantagesBatch,
@@ -27,8 +29,6 @@ from oxrl_core.batches import (
     SupervisedBatch,
     UnpairedPreferenceBatch,
 )
-from pydantic import Field
-
 from oxrl_core.errors import OxrlError
 from oxrl_core.schema import StrictModel, validate_options
 
@@ -220,8 +220,9 @@ class PolicyGradient(Algorithm):
             0.0, ge=0, description="β: weight of the KL to the reference model (0 = no reference model)"
         )
         kl_estimator: KLEstimator = Field(
-            "k3", description="per-token KL estimator: k1 = log π − log π_ref, k2 = ½(log π − log π_ref)², "
-            "k3 = exp(Δ) − Δ − 1 (Schulman 2020)"
+            "k3",
+            description="per-token KL estimator: k1 = log π − log π_ref, k2 = ½(log π − log π_ref)², "
+            "k3 = exp(Δ) − Δ − 1 (Schulman 2020)",
         )
         kl_in_reward: bool = Field(
             False, description="subtract β·KL from the reward (at the sampling policy) instead of adding it to the loss"
@@ -233,8 +234,10 @@ class PolicyGradient(Algorithm):
             "seq-mean-token-sum, seq-mean-token-sum-norm (÷ rollout.max_new_tokens: Dr. GRPO)",
         )
         overlong_buffer: int = Field(
-            0, ge=0, description="DAPO's overlong shaping: the last this many tokens before rollout.max_new_tokens "
-            "cost reward linearly, up to overlong_penalty at the limit (0 = off)"
+            0,
+            ge=0,
+            description="DAPO's overlong shaping: the last this many tokens before rollout.max_new_tokens "
+            "cost reward linearly, up to overlong_penalty at the limit (0 = off)",
         )
         overlong_penalty: float = Field(1.0, ge=0, description="the reward lost at rollout.max_new_tokens")
 

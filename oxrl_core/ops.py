@@ -105,12 +105,19 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_l
     return (per_seq * rows).sum() / rows.sum().clamp(min=1)
 
 
+def mean_metric(x: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """A per-token quantity's mean for the metrics (a ratio, a clip indicator), weighted as ``mode`` weights the
+    loss: over tokens for ``token-mean``, else per sequence then over sequences (the loop weights such losses'
+    micro-batches by sequences, and a metric must add up across micro-batches and ranks as the loss does)."""
+    return aggregate_loss(x, mask, "token-mean" if mode == "token-mean" else "seq-mean-token-mean").detach()
+
+
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by ``penalty``: lengths (B,) -> (B,)
 
-        R_len(y) = 0                               |y| ≤ L_max − L_buf
-                   ((L_max − L_buf) − |y|) / L_buf   L_max − L_buf < |y| ≤ L_max
-                   −1                              |y| > L_max
+    R_len(y) = 0                               |y| ≤ L_max − L_buf
+               ((L_max − L_buf) − |y|) / L_buf   L_max − L_buf < |y| ≤ L_max
+               −1                              |y| > L_max
     """
     if buffer <= 0:
         return torch.zeros_like(lengths, dtype=torch.float32)
@@ -152,8 +159,9 @@ def shaped_rewards(batch: dict, options, kl: bool = True) -> tuple[torch.Tensor,
     rewards, mask = batch["rewards"], batch["mask"]  # (B,), (B, T)
     metrics: dict[str, float] = {}
     if options.overlong_buffer > 0:
-        length_penalty = overlong_penalty(mask.sum(-1), batch["max_new_tokens"], options.overlong_buffer,
-                                          options.overlong_penalty)  # fmt: skip  (B,)
+        length_penalty = overlong_penalty(
+            mask.sum(-1), batch["max_new_tokens"], options.overlong_buffer, options.overlong_penalty
+        )  # fmt: skip  (B,)
         rewards = rewards + length_penalty
         metrics["reward/overlong_penalty"] = float(length_penalty.mean())
     if kl and options.kl_in_reward and options.kl_coeff > 0:

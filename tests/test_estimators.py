@@ -113,7 +113,12 @@ def test_shaped_rewards_overlong_and_sequence_kl_in_the_reward_by_hand():
 def test_policy_objective_kl_in_the_loss_and_entropy_bonus_by_hand():
     mask = t([1, 1], [1, 0])
     logp = torch.log(t([0.5, 0.5], [0.5, 0.5]))
-    batch = {"mask": mask, "logp": logp, "logp_ref": torch.log(t([0.25, 0.5], [0.5, 0.5])), "entropy": t([1.0, 2.0], [3.0, 9.0])}
+    batch = {
+        "mask": mask,
+        "logp": logp,
+        "logp_ref": torch.log(t([0.25, 0.5], [0.5, 0.5])),
+        "entropy": t([1.0, 2.0], [3.0, 9.0]),
+    }
     policy_term = t([1.0, 2.0], [3.0, 9.0])
     options = SGRPO.Config(kl_coeff=0.5, kl_estimator="k2", entropy_coeff=0.1)
     loss, metrics = policy_objective(policy_term, batch, options)
