@@ -33,7 +33,10 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
   async_rollouts  SGRPO with one rollout actor (`hf`) at rollout.max_staleness 0 and 1 on a Llama of hidden 1024 × 8
                   layers (random weights, the built-in tokenizer), 256-token completions (`async_rl.py`): training
                   seconds, phase seconds, the overlap and the trainer's idle share; actor and trainer share the GPU
-  estimators      a later capability: `skipped`, "not built yet", until its section is written
+  estimators      every group RL estimator and PPO (SGRPO, CISPO, GSPO, RLOO, REINFORCE++, REINFORCE++-baseline, PPO)
+                  for 3 steps in bf16 on a Llama of hidden 1024 × 8 layers (random weights), each with its own
+                  defaults (CISPO, GSPO, PPO: four updates a batch): finite losses, step and update-phase seconds
+                  relative to SGRPO, clip fraction, the rollout/trainer gap (this file, `--child estimators`)
 
 Adding a section: write `def my_section(check: Check) -> dict` returning `{"rows": [...],
 "summary": "..."}` (rows are flat dicts; a row may carry its own `status`/`reason`), drive a
@@ -481,6 +484,77 @@ def async_rollouts(check: Check) -> dict:
     }
 
 
+ESTIMATORS = ("sgrpo", "cispo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo")
+
+
+def estimators(check: Check) -> dict:
+    """Each RL estimator with its own defaults, 3 bf16 steps on one model (`--child estimators`)."""
+    args = ["--child", "estimators", "--device", check.device, "--steps", 2 if check.dry_run else 3]
+    figures = check.script("gpu_check.py", args + (["--dry-run"] if check.dry_run else []), timeout=190,
+                           label="estimators")  # fmt: skip
+    rows = figures["algorithms"]
+    ran = [r for r in rows if r["status"] == "ok"]
+    return {
+        "rows": rows,
+        "setup": figures["setup"],
+        "summary": f"{len(ran)}/{len(rows)} estimators with finite bf16 losses; update phase vs SGRPO's: "
+        + ", ".join(f"{r['alg']} {r['train_s_vs_sgrpo']}×" for r in ran if r["alg"] != "sgrpo"),
+    }
+
+
+def estimators_child(args) -> None:
+    """Every estimator of ESTIMATORS through `oxrl_core.Trainer` on one random Llama in bf16, its own defaults
+    (and rollout defaults): losses, the step's and the update phase's seconds, clip share, rollout/trainer gap."""
+    from oxrl_core import Trainer
+    from oxrl_core.data.task import rows as task_rows
+    from oxrl_core.hf_env import quiet_transformers
+    from oxrl_core.models.tiny import save_tiny_model
+
+    quiet_transformers()
+    hidden, layers, batch, n, tokens = (64, 1, 2, 2, 4) if args.dry_run else (1024, 8, 8, 8, 64)
+    work = Path(tempfile.mkdtemp(prefix="oxrl-gpu-check-estimators-"))
+    rows = []
+    try:
+        model_dir = save_tiny_model(work / "model", hidden_size=hidden, num_layers=layers, seed=0)
+        data = work / "prompts.jsonl"
+        prompts = [{"prompt": r["prompt"], "answer": r["answer"]} for r in task_rows("train")[:128]]
+        data.write_text("".join(json.dumps(r) + "\n" for r in prompts))
+        for alg in ESTIMATORS:
+            row: dict = {"alg": alg}
+            start = time.perf_counter()
+            try:
+                result = Trainer(
+                    alg=alg, model=str(model_dir), data={"train": str(data)}, output_dir=work / alg, quiet=True,
+                    engine={"device": args.device}, reward={"name": f"{BENCH / 'grpo_step.py'}:BenchReward"},
+                    train={"max_steps": args.steps, "batch_size": batch, "precision": "bf16", "eval_every": 0,
+                           "save_every": 0, "save_minutes": 0, "lr": 1e-5, "warmup_steps": 0},
+                    rollout={"n": n, "max_new_tokens": tokens},
+                ).train()  # fmt: skip
+                m = result.metrics
+                losses = [r["loss"] for r in m]
+                row["losses"] = [round(x, 5) for x in losses]
+                row["updates_per_step"] = m[-1]["perf/updates"]
+                row["step_s"] = round(sum(r["perf/step_s"] for r in m[1:] or m) / len(m[1:] or m), 3)
+                row["train_s"] = round(sum(r["perf/train_s"] for r in m[1:] or m) / len(m[1:] or m), 3)
+                row["clip_frac_max"] = round(max(r.get("clip/frac", 0.0) for r in m), 4)
+                row["rollout_logprob_diff"] = round(max(r["rollout/logprob_diff"] for r in m), 4)
+                finite = len(losses) == args.steps and all(math.isfinite(x) for x in losses)
+                row.update(status="ok") if finite else row.update(status="failed", reason=f"losses {losses}")
+            except Exception as exc:  # noqa: BLE001 - one estimator's failure is its row's
+                row.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+            row["seconds"] = round(time.perf_counter() - start, 2)
+            rows.append(row)
+            print(f"{alg}: {row['status']} {row.get('reason', '')}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    base = next((r for r in rows if r["alg"] == "sgrpo" and r["status"] == "ok"), None)
+    for r in rows:
+        if r["status"] == "ok" and base:
+            r["train_s_vs_sgrpo"] = round(r["train_s"] / base["train_s"], 2)
+    setup = {"hidden_size": hidden, "layers": layers, "batch_size": batch, "n": n, "max_new_tokens": tokens}
+    print(json.dumps({"setup": {**setup, "steps": args.steps, "device": args.device}, "algorithms": rows}))
+
+
 SECTIONS: list[Section] = [
     Section(
         "archs",
@@ -530,7 +604,14 @@ SECTIONS: list[Section] = [
         dry_timeout_s=150,
         gpu_gib=8,
     ),
-    Section("estimators", "new advantage / loss estimators: not built yet"),
+    Section(
+        "estimators",
+        "every RL estimator with its defaults for 3 bf16 steps: finite losses, seconds relative to SGRPO, clip share",
+        estimators,
+        timeout_s=200,
+        dry_timeout_s=150,
+        gpu_gib=8,
+    ),
 ]
 
 
@@ -815,6 +896,9 @@ def main() -> int:
         return 0
     if args.child == "images":
         images_child(args)
+        return 0
+    if args.child == "estimators":
+        estimators_child(args)
         return 0
     names = [s.name for s in SECTIONS]
     only = [n for n in args.only.split(",") if n]

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 SECTIONS = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
-MEASURED = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts")  # the rest: not built yet
+MEASURED = SECTIONS  # every section measures something now
 
 
 def _positive(value) -> bool:
@@ -56,8 +56,6 @@ def test_dry_run_reports_every_section(dry_run):
         section = report["sections"][name]
         assert section["status"] == "ok", (name, section.get("reason"), section.get("stderr_tail"))
         assert section["commands"] and section["seconds"] > 0, name
-    for name in ("estimators",):  # the places later capabilities fill in
-        assert (report["sections"][name]["status"], report["sections"][name]["reason"]) == ("skipped", "not built yet")
     env = report["environment"]
     assert env["packages"]["torch"] and env["git_commit"] and env["date"]
     assert "cuda_available" in env["gpu"]
@@ -119,3 +117,10 @@ def test_dry_run_figures(dry_run):
     assert (k0["k"], k1["k"]) == (0, 1) and k0["staleness_mean"] == 0 and k1["staleness_mean"] > 0
     assert all(_positive(r["train_seconds"]) and 0 <= r["overlap_share"] <= 1 for r in (k0, k1))
     assert k0["rewards"][0] == k1["rewards"][0]  # step 1 is version 0's batch on both sides
+
+    estimators = {r["alg"]: r for r in sections["estimators"]["rows"]}  # each with its own defaults, in bf16
+    assert list(estimators) == ["sgrpo", "cispo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
+    for alg, row in estimators.items():
+        assert row["status"] == "ok" and len(row["losses"]) == 2, (alg, row.get("reason"))
+        assert row["updates_per_step"] == (4 if alg in ("cispo", "gspo", "ppo") else 1), alg
+        assert _positive(row["train_s_vs_sgrpo"]) and 0 <= row["rollout_logprob_diff"] < 0.05, alg
