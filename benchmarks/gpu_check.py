@@ -35,7 +35,7 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
                   seconds, phase seconds, the overlap and the trainer's idle share; actor and trainer share the GPU
   estimators      every group RL estimator and PPO (SGRPO, CISPO, GSPO, RLOO, REINFORCE++, REINFORCE++-baseline, PPO)
                   for 3 steps in bf16 on a Llama of hidden 1024 × 8 layers (random weights), each with its own
-                  defaults (CISPO, GSPO, PPO: four updates a batch): finite losses, step and update-phase seconds
+                  defaults (CISPO, PPO: four updates a batch, GSPO two): finite losses, step and update-phase seconds
                   relative to SGRPO, clip fraction, the rollout/trainer gap (this file, `--child estimators`)
 
 Adding a section: write `def my_section(check: Check) -> dict` returning `{"rows": [...],

@@ -16,7 +16,10 @@ such as "However" or "Wait" included). Defaults follow the paper: no lower bound
 With one update per rollout batch every ratio is exactly 1 and CISPO is SGRPO; the clipping acts only on later
 updates of a batch. So CISPO declares ``rollout.minibatches = 4`` (four optimiser steps per rollout batch, as
 the paper's off-policy updates and verl's mini-batches; the banner says so; ``--set rollout.minibatches=1``
-undoes it). The shared options (`PolicyGradient.Config`) apply as in ``sgrpo.py``.
+undoes it). On the built-in tiny model it also takes ``train.lr = 1e-4`` instead of the RL loop's 3e-4: CISPO
+keeps a gradient on every token, clipped ones included, so four updates a batch at 3e-4 drive the 1M-parameter
+model's held-out accuracy from 0.22 to 0.03; at 1e-4 it lifts it to 0.56. The shared options
+(`PolicyGradient.Config`) apply as in ``sgrpo.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class CISPO(PolicyGradient):
     min_group_size = 2
     #: several optimiser steps per rollout batch, so that the ratio moves away from 1 and its clip acts
     rollout_defaults = {"minibatches": 4}
+    #: the built-in tiny model: a smaller step than the RL loop's 3e-4 (every token keeps its gradient)
+    tiny_defaults = {"train": {"lr": 1e-4}}
 
     class Config(PolicyGradient.Config):
         eps_low: float = Field(

@@ -125,6 +125,9 @@ class Algorithm(ABC):
     #   rollout_defaults {}       ``rollout.*`` values the method is meant to run   config (under the user's
     #                             with (e.g. several updates per batch), applied    settings; the banner names
     #                             under the user's settings                         them)
+    #   tiny_defaults   {}        config sections that suit the built-in tiny       trainer (under the user's
+    #                             model, over the loop's own (``{"train":           settings, model.name empty)
+    #                             {"lr": 1e-4}}``)
 
     #
     #   A plugin class that still declares the old ``family`` / ``needs_rollouts`` (needs_rollouts = True ran
@@ -144,6 +147,7 @@ class Algorithm(ABC):
     head: ClassVar[Literal["lm", "score"]] = "lm"
     self_play: ClassVar[bool] = False
     rollout_defaults: ClassVar[dict] = {}
+    tiny_defaults: ClassVar[dict] = {}
 
     #: the deprecated flags (``family``, ``needs_rollouts``) the class declares instead of ``loop``
     _deprecated_flags: ClassVar[tuple[str, ...]] = ()

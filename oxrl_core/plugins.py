@@ -468,6 +468,11 @@ def _algorithm_problems(cls: type) -> list[str]:
     defaults = getattr(cls, "rollout_defaults", {})
     if not (isinstance(defaults, dict) and all(isinstance(k, str) for k in defaults)):
         problems.append(f"rollout_defaults = {defaults!r} must be a dict of rollout keys (e.g. {{'minibatches': 4}})")
+    tiny = getattr(cls, "tiny_defaults", {})
+    if not (isinstance(tiny, dict) and all(isinstance(v, dict) for v in tiny.values())):
+        problems.append(
+            f"tiny_defaults = {tiny!r} must be a dict of config sections (e.g. {{'train': {{'lr': 1e-4}}}})"
+        )
     if getattr(cls, "loop", None) == "rl" and cls.advantages is Algorithm.advantages:
         declared = "needs_rollouts = True" if getattr(cls, "needs_rollouts", False) is True else "loop = 'rl'"
         problems.append(f"{declared} but it does not define advantages() (the RL loop calls it on every rollout batch)")

@@ -250,6 +250,8 @@ class Trainer:
                 defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
         elif algorithm_cls.loop == "preference":  # ... and of the preference loop
             defaults = TINY_PREF_DEFAULTS
+        if algorithm_cls.tiny_defaults:  # ... and the algorithm's own for the built-in model (a smaller lr, ...)
+            defaults = merge_config(TINY_DEFAULTS if defaults is None else defaults, algorithm_cls.tiny_defaults)
         rollout_defaults = algorithm_cls.rollout_defaults if algorithm_cls.loop == "rl" else None
         return validate_run_config(read, self._dataset_defaults(read, algorithm_cls, defaults), rollout_defaults)
 

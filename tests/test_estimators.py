@@ -314,10 +314,24 @@ def _validate(raw: dict, defaults: dict):
 
 
 def test_an_algorithms_rollout_defaults_go_under_the_users_settings_and_are_named():
-    assert CISPO.rollout_defaults == GSPO.rollout_defaults == PPO.rollout_defaults == {"minibatches": 4}
+    assert CISPO.rollout_defaults == PPO.rollout_defaults == {"minibatches": 4} and GSPO.rollout_defaults == {
+        "minibatches": 2
+    }
     assert SGRPO.rollout_defaults == RLOO.rollout_defaults == {}  # one update per batch
     config = _validate({"algorithm": "gspo"}, GSPO.rollout_defaults)
-    assert config.rollout.minibatches == 4 and config.algorithm_defaults == {"rollout.minibatches": 4}
+    assert config.rollout.minibatches == 2 and config.algorithm_defaults == {"rollout.minibatches": 2}
     mine = _validate({"algorithm": "gspo", "rollout": {"minibatches": 1}}, GSPO.rollout_defaults)
     assert mine.rollout.minibatches == 1 and mine.algorithm_defaults == {}  # the user's setting wins
     assert _validate({"algorithm": "sgrpo"}, {}).rollout.minibatches == 1
+
+
+def test_an_algorithms_tiny_model_defaults_apply_only_to_the_built_in_model(tmp_path, tiny_model_dir):
+    """CISPO's smaller lr for the built-in model: under the user's settings, and not for a model of one's own."""
+    from oxrl_core.trainer import Trainer
+
+    def lr(*sets: str) -> float:
+        return Trainer(alg="cispo", overrides=list(sets), output_dir=tmp_path / "run", quiet=True).config.train.lr
+
+    assert CISPO.tiny_defaults == {"train": {"lr": 1e-4}}
+    assert lr() == 1e-4 and lr("train.lr=5e-4") == 5e-4
+    assert lr(f"model.name={tiny_model_dir}") == 1e-5  # the generic default for a model of one's own
