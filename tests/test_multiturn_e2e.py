@@ -173,11 +173,12 @@ def test_multi_turn_training_with_lora_trains_the_adapter_and_saves_a_loadable_m
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("alg", ["cispo", "ppo", "rlhf", "rft", "online_dpo"])
+@pytest.mark.parametrize("alg", ["cispo", "ppo", "rlhf", "rft", "online_dpo", "reinforce_pp"])
 def test_every_rollout_algorithm_trains_on_multi_turn_episodes(tmp_path, alg):
     """Besides SGRPO (above): each algorithm that uses rollouts takes ``env.name``; on its step (one episode
     of 16 is right) it gets a gradient from episodes with tool turns, and its logprobs match the backend's
-    over the model's tokens. (RLAIF is RLHF's loop with a judge as the reward: with ``reward.name`` set the
+    over the model's tokens. REINFORCE++ stands for the new estimators: its returns-to-go run over the model's
+    tokens only (the environment's carry no reward). (RLAIF is RLHF's loop with a judge as the reward: with ``reward.name`` set the
     two runs are the same, so RLAIF is not run again.)"""
     sets = _multiturn_sets(tmp_path, warm_start_dir()) + ["--set", "train.max_steps=1", "--set", "train.eval_every=0"]
     run_dir = tmp_path / alg
