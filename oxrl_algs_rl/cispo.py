@@ -28,7 +28,7 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import aggregate_loss, group_advantages, mean_metric, policy_objective, shaped_rewards
+from oxrl_core.ops import group_advantages, policy_metrics, policy_objective, shaped_rewards
 
 
 class CISPO(PolicyGradient):
@@ -57,7 +57,7 @@ class CISPO(PolicyGradient):
 
     def loss(self, batch: RLLossBatch):
         c = self.config
-        mask, adv, logp = batch["mask"], batch["adv"], batch["logp"]  # (B, T) each
+        adv, logp = batch["adv"], batch["logp"]  # (B, T) each
         ratio = torch.exp(logp - batch["logp_old"])  # ρ (B, T)
         # sg(clip(ρ, 1−ε_low, 1+ε_high)): a detached weight, so the gradient flows through log π_θ only
         weight = ratio.clamp(1 - c.eps_low, 1 + c.eps_high).detach()  # (B, T)
@@ -66,12 +66,5 @@ class CISPO(PolicyGradient):
         # ℓ = −w · A · log π_θ · w_tis, aggregated by loss_agg (token-mean: −(1/Σ|o_i|) Σ_i Σ_t ...)
         policy_term = -weight * adv * logp * tis_weight  # (B, T)
         loss, metrics = policy_objective(policy_term, batch, c)
-        clipped = (ratio > 1 + c.eps_high) | (ratio < 1 - c.eps_low)
-        metrics.update(
-            {
-                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
-                "clip/frac": mean_metric(clipped.float(), mask, c.loss_agg),
-                "ratio/mean": mean_metric(ratio, mask, c.loss_agg),
-            }
-        )
-        return loss, metrics
+        clipped = (ratio > 1 + c.eps_high) | (ratio < 1 - c.eps_low)  # the weight is clipped (the gradient stays)
+        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}

@@ -24,9 +24,9 @@ from pydantic import Field
 
 from oxrl_core.interfaces import KLEstimator, PolicyGradient, RLAdvantagesBatch, RLLossBatch
 from oxrl_core.ops import (
-    aggregate_loss,
+    clipped_surrogate,
     masked_mean,
-    mean_metric,
+    policy_metrics,
     policy_objective,
     returns_to_go,
     shaped_rewards,
@@ -63,18 +63,11 @@ class REINFORCEPP(PolicyGradient):
 
     def loss(self, batch: RLLossBatch):
         c = self.config
-        mask, adv = batch["mask"], batch["adv"]  # (B, T)
+        adv = batch["adv"]  # (B, T)
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # ρ (B, T)
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_eps, 1 + c.clip_eps) * adv)  # (B, T)
+        # min(ρ A, clip(ρ, 1−ε_c, 1+ε_c) A)
+        surrogate, clipped = clipped_surrogate(ratio, adv, c.clip_eps, c.clip_eps)  # (B, T)
         policy_term = -surrogate * batch.get("tis_weight", 1.0)  # (B, T)
         # + β·KL (only with kl_in_reward: false), − c_H·H; aggregated by loss_agg (token-mean)
         loss, metrics = policy_objective(policy_term, batch, c)
-        clipped = ((ratio < 1 - c.clip_eps) & (adv < 0)) | ((ratio > 1 + c.clip_eps) & (adv > 0))
-        metrics.update(
-            {
-                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
-                "clip/frac": mean_metric(clipped.float(), mask, c.loss_agg),
-                "ratio/mean": mean_metric(ratio, mask, c.loss_agg),
-            }
-        )
-        return loss, metrics
+        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}

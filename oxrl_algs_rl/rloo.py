@@ -23,7 +23,13 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import aggregate_loss, leave_one_out_advantages, mean_metric, policy_objective, shaped_rewards
+from oxrl_core.ops import (
+    clipped_surrogate,
+    leave_one_out_advantages,
+    policy_metrics,
+    policy_objective,
+    shaped_rewards,
+)
 
 
 class RLOO(PolicyGradient):
@@ -47,18 +53,11 @@ class RLOO(PolicyGradient):
 
     def loss(self, batch: RLLossBatch):
         c = self.config
-        mask, adv = batch["mask"], batch["adv"]  # (B, T)
+        adv = batch["adv"]  # (B, T)
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # ρ (B, T)
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_eps, 1 + c.clip_eps) * adv)  # (B, T)
+        # min(ρ A, clip(ρ, 1−ε, 1+ε) A)
+        surrogate, clipped = clipped_surrogate(ratio, adv, c.clip_eps, c.clip_eps)  # (B, T)
         policy_term = -surrogate * batch.get("tis_weight", 1.0)  # (B, T)
         # + β·KL (when not in the reward), − c_H·H; aggregated by loss_agg (seq-mean-token-sum: (1/n) Σ_i Σ_t)
         loss, metrics = policy_objective(policy_term, batch, c)
-        clipped = ((ratio < 1 - c.clip_eps) & (adv < 0)) | ((ratio > 1 + c.clip_eps) & (adv > 0))
-        metrics.update(
-            {
-                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
-                "clip/frac": mean_metric(clipped.float(), mask, c.loss_agg),
-                "ratio/mean": mean_metric(ratio, mask, c.loss_agg),
-            }
-        )
-        return loss, metrics
+        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}

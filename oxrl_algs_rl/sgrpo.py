@@ -35,7 +35,7 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import aggregate_loss, group_advantages, mean_metric, policy_objective, shaped_rewards
+from oxrl_core.ops import clipped_surrogate, group_advantages, policy_metrics, policy_objective, shaped_rewards
 
 
 class SGRPO(PolicyGradient):
@@ -60,22 +60,14 @@ class SGRPO(PolicyGradient):
 
     def loss(self, batch: RLLossBatch):
         c = self.config
-        mask, adv = batch["mask"], batch["adv"]  # (B, T), (B, T)
+        adv = batch["adv"]  # (B, T)
         # ρ = π_θ / π_old
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # (B, T)
         # min(ρ A, clip(ρ, 1−ε_low, 1+ε_high) A)
-        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_low, 1 + c.clip_high) * adv)  # (B, T)
+        surrogate, clipped = clipped_surrogate(ratio, adv, c.clip_low, c.clip_high)  # (B, T)
         # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
         tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
         policy_term = -surrogate * tis_weight  # (B, T)
         # + β·KL (k3 by default), − c_H·H; aggregated by loss_agg (token-mean: (1/Σ|o_i|) Σ_i Σ_t)
         loss, metrics = policy_objective(policy_term, batch, c)
-        clipped = ((ratio < 1 - c.clip_low) & (adv < 0)) | ((ratio > 1 + c.clip_high) & (adv > 0))
-        metrics.update(
-            {
-                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
-                "clip/frac": mean_metric(clipped.float(), mask, c.loss_agg),
-                "ratio/mean": mean_metric(ratio, mask, c.loss_agg),
-            }
-        )
-        return loss, metrics
+        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}

@@ -194,6 +194,28 @@ def returns_to_go(token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return (token_rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask
 
 
+def clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token (Schulman et al. 2017), and where its clip binds (no gradient through ρ):
+
+    min(ρ A, clip(ρ, 1 − ε_low, 1 + ε_high) A)        ratio ρ, adv A (B, T) -> (B, T), (B, T) bool
+    """
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    clipped = ((ratio < 1 - eps_low) & (adv < 0)) | ((ratio > 1 + eps_high) & (adv > 0))
+    return surrogate, clipped
+
+
+def policy_metrics(policy_term: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, batch: dict, options):
+    """``loss/policy``, ``clip/frac`` and ``ratio/mean`` of a group algorithm, weighted as its loss (`mean_metric`)."""
+    mask, mode = batch["mask"], options.loss_agg
+    return {
+        "loss/policy": aggregate_loss(policy_term, mask, mode, batch.get("max_new_tokens")).detach(),
+        "clip/frac": mean_metric(clipped.float(), mask, mode),
+        "ratio/mean": mean_metric(ratio, mask, mode),
+    }
+
+
 def policy_objective(policy_term: torch.Tensor, batch: dict, options) -> tuple[torch.Tensor, dict]:
     """A group algorithm's loss from its per-token policy term (B, T) and the shared options:
 

@@ -35,7 +35,8 @@ OPTIONS = {
     "gspo": [],  # its own defaults: rollout.minibatches=2, the paper's clip range, seq-mean-token-mean
     "rloo": ["alg.overlong_buffer=3", "alg.kl_coeff=0.05"],  # DAPO's length shaping; KL in the reward (k3)
     "reinforce_pp": ["rollout.n=1", "alg.entropy_coeff=0.01"],  # one sample per prompt; an entropy bonus
-    "reinforce_pp_baseline": ["alg.loss_agg=seq-mean-token-sum-norm"],  # Dr. GRPO's constant normaliser; k2 KL loss
+    # Dr. GRPO's constant normaliser, its k2 KL loss; generation in a rollout actor (the same samples as in-process)
+    "reinforce_pp_baseline": ["alg.loss_agg=seq-mean-token-sum-norm", "rollout.actors=1"],
 }
 DP2 = ["engine.name=deepspeed", "engine.zero_stage=3", "engine.world_size=2", "engine.timeout_s=120"]
 LORA = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "train.logits_chunk_min_mb=0"]
@@ -84,6 +85,7 @@ def test_each_new_estimator_runs_its_example_and_two_zero3_ranks_match_its_first
         assert "kl/reward_k1" in first and "loss/entropy" in first and "loss/kl" not in first
     if alg == "reinforce_pp_baseline":
         assert first["kl/loss_k2"] == first["loss/kl"] and "kl/reward_k2" not in first
+        assert all(m["sync/probe_logprob_diff"] < 1e-4 for m in single)  # every push to the actor verified
     # the same first step on two ZeRO-3 ranks (GSPO: both updates of it, full weights; the others with LoRA,
     # whose adapters start at zero: one update a batch, so the step's loss is the initial weights')
     sets = DP2 if alg == "gspo" else DP2 + LORA
