@@ -205,6 +205,10 @@ def test_every_algorithm_in_the_repo_declares_loop():
         "online_dpo": "rl",
         "sgrpo": "rl",
         "cispo": "rl",
+        "gspo": "rl",
+        "rloo": "rl",
+        "reinforce_pp": "rl",
+        "reinforce_pp_baseline": "rl",
         "ppo": "rl",
     }
     registry = plugins.registry()

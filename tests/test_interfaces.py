@@ -60,6 +60,10 @@ def _keys_read(path: Path, method: str) -> set[str]:
 LOSS_BATCHES = {
     "oxrl_algs_rl/sgrpo.py": RLLossBatch,
     "oxrl_algs_rl/cispo.py": RLLossBatch,
+    "oxrl_algs_rl/gspo.py": RLLossBatch,
+    "oxrl_algs_rl/rloo.py": RLLossBatch,
+    "oxrl_algs_rl/reinforce_pp.py": RLLossBatch,
+    "oxrl_algs_rl/ppo.py": RLLossBatch,
     "plugins/oxrl-algs-supervised/oxrl_algs_supervised/sft.py": SupervisedBatch,
     "plugins/oxrl-algs-supervised/oxrl_algs_supervised/cpt.py": SupervisedBatch,
     "plugins/oxrl-algs-supervised/oxrl_algs_supervised/kd.py": SupervisedBatch,
