@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -57,6 +58,8 @@ class TrainActor:
             "pid": os.getpid(),
             "ip": ray.util.get_node_ip_address(),
             "port": distributed.free_port(),
+            "node_id": ray.get_runtime_context().get_node_id(),  # the Ray node the rank runs on
+            "host": socket.gethostname(),
         }
 
     def run(self, spec: dict):
@@ -165,9 +168,9 @@ def launch(trainer, ckpt: Path | None):
         actor_cls = ray.remote(TrainActor).options(num_gpus=gpus, num_cpus=cpus, max_restarts=0)
         actors = [actor_cls.remote(rank, engine.world_size) for rank in range(engine.world_size)]
         infos = _get(ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors")
-        (run_dir / "ranks.json").write_text(
-            json.dumps([{k: i[k] for k in ("rank", "pid", "ip")} for i in infos], indent=2) + "\n"
-        )
+        # where each rank ran: its process, its Ray node and host, and the torch threads it was given
+        ranks = [{**{k: i[k] for k in ("rank", "pid", "ip", "node_id", "host")}, "threads": threads} for i in infos]
+        (run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2) + "\n")
         spec = {
             "trainer_cls": type(trainer),  # the Trainer class (sent, not imported: the launcher sits beside it)
             "alg": trainer.config.algorithm if _by_name(trainer) else type(trainer.algorithm),

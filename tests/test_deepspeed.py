@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -392,7 +393,11 @@ def test_two_zero3_ranks_follow_the_single_process_sft_trajectory(work, tiny_mod
     run = _sft(work, "dp-sft", tiny_model_dir, *DP2)
     _assert_same_trajectory(torch_sft, run, keys=("loss", "grad_norm", "perf/tokens"))
     _assert_close_weights(_weights(torch_sft / "final"), _weights(run / "final"))
-    assert [r["rank"] for r in json.loads((run / "ranks.json").read_text())] == [0, 1]
+    ranks = json.loads((run / "ranks.json").read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    # where each rank ran: one node here, its Ray node id and host, and the threads each rank was given
+    assert all(r["node_id"] == ranks[0]["node_id"] and len(r["node_id"]) > 8 for r in ranks)
+    assert all(r["host"] == socket.gethostname() and r["threads"] >= 1 for r in ranks)
     state = run / "checkpoints" / "step-2"
     assert sorted(p.name for p in (state / "deepspeed" / "state").glob("*optim_states.pt")) == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt",
