@@ -82,17 +82,20 @@ def _wait_listening(proc: subprocess.Popen, port: int, log: Path) -> None:
             time.sleep(0.1)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """The node's whole process group: SIGTERM (Ray's own clean-up), then SIGKILL for whatever is left."""
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Each node's whole process group: SIGTERM (Ray's own clean-up), then SIGKILL for whatever is left."""
     for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 @pytest.fixture
@@ -120,8 +123,7 @@ def two_node_cluster():
             _wait_started(proc, log, what)
         yield f"127.0.0.1:{port}"
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        _stop(procs)
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -157,3 +159,8 @@ def test_the_readme_recipe_runs_two_ranks_on_two_nodes(two_node_cluster, tmp_pat
     assert [r["rank"] for r in ranks] == [0, 1]
     # one CPU per node and one per rank: the two ranks ran on the two nodes that `oxrl doctor` listed
     assert len({r["node_id"] for r in ranks}) == 2 and {r["node_id"] for r in ranks} == set(listed), (ranks, listed)
+    # each alone on its node: local rank 0 of 1, the nodes numbered in rank order, that node's one CPU as threads
+    assert [(r["local_rank"], r["local_world_size"], r["node_rank"], r["threads"]) for r in ranks] == [
+        (0, 1, 0, 1),
+        (0, 1, 1, 1),
+    ], ranks
