@@ -356,14 +356,28 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
 
 
 def _node_lost(ray, info: dict, exc) -> str:
-    """ "its node ... left the Ray cluster; " when the dead rank's node is gone (Ray says so, or it is no longer
-    alive), else ""."""
+    """ "its node ... left the Ray cluster; " when the dead rank's node is gone, else "". Gone: Ray says so, the
+    cluster no longer lists it alive, or its raylet does not answer (a node killed without notice is still listed
+    alive until the cluster's health checks give up on it, tens of seconds later)."""
     text = str(getattr(exc, "error_msg", None) or exc).lower()
+    gone = re.search(r"node (has )?(died|is dead|was lost|failed|was removed)", text) is not None
+    if not gone:
+        try:
+            entry = next((n for n in ray.nodes() if n["NodeID"] == info["node_id"]), None)
+        except Exception:  # noqa: BLE001 - the cluster itself is unreachable: say only what Ray said
+            return ""
+        gone = (
+            entry is None
+            or not entry.get("Alive")
+            or not _answers(entry["NodeManagerAddress"], entry["NodeManagerPort"])
+        )
+    return f"its node {info['node_id'][:8]} ({info['host']}) left the Ray cluster; " if gone else ""
+
+
+def _answers(host: str, port: int, timeout_s: float = 3.0) -> bool:
+    """Whether something accepts a connection at host:port (a node's raylet) within ``timeout_s``."""
     try:
-        alive = {node.node_id for node in placement.cluster_nodes(ray)}
-    except Exception:  # noqa: BLE001 - the cluster itself is unreachable: say what Ray said
-        alive = {info["node_id"]}
-    said = re.search(r"node (has )?(died|is dead|was lost|failed|was removed)", text)
-    if info["node_id"] in alive and not said:
-        return ""
-    return f"its node {info['node_id'][:8]} ({info['host']}) left the Ray cluster; "
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
