@@ -57,9 +57,10 @@ class Digits(Reward):
 '''
 
 
-def oxrl(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """The CLI with one torch thread per process: the tiny model runs faster so, and the two Ray ranks get one each."""
-    return _oxrl(*args, env={"OMP_NUM_THREADS": "1"}, **kwargs)
+def oxrl(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """The CLI with one torch thread per process: the tiny model runs faster so, and the two Ray ranks get one each
+    (``env``: more variables, e.g. RAY_ADDRESS to join a given cluster)."""
+    return _oxrl(*args, env={"OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -93,7 +94,11 @@ def _assert_same_trajectory(a: Path, b: Path, keys=("loss",), atol: float = LOSS
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("deepspeed")
+    return make_work(tmp_path_factory.mktemp("deepspeed"))
+
+
+def make_work(root: Path) -> Path:
+    """The runs' inputs in ``root``: SFT rows, RL prompts with answers, the digits reward."""
     write_jsonl(
         root / "sft.jsonl",
         [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(6) for b in range(6)],
@@ -106,70 +111,69 @@ def work(tmp_path_factory) -> Path:
     return root
 
 
-def _sft(work: Path, name: str, model: Path, *sets: str) -> Path:
-    """4 optimiser steps of 2 micro-batches of 8 rows (each rank of two gets 4 rows of each)."""
-    run = work / name
-    _ok(
-        oxrl(
-            "run",
-            "--alg",
-            "sft",
-            "--set",
-            f"model.name={model}",
-            "--set",
-            f"data.train={work / 'sft.jsonl'}",
-            "--set",
-            "train.max_steps=4",
-            "--set",
-            "train.batch_size=8",
-            "--set",
-            "train.grad_accum_steps=2",
-            "--set",
-            "train.lr=1e-3",
-            "--set",
-            "train.save_every=2",
-            *sets,
-            "-o",
-            str(run),
-            cwd=work,
-        )
-    )
-    return run
+def sft_args(work: Path, model: Path, *sets: str) -> list[str]:
+    """`oxrl run` of 4 optimiser steps of 2 micro-batches of 8 rows (each rank of two gets 4 rows of each)."""
+    return [
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={model}",
+        "--set",
+        f"data.train={work / 'sft.jsonl'}",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.grad_accum_steps=2",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "train.save_every=2",
+        *sets,
+    ]
 
 
-def _sgrpo(work: Path, name: str, model: Path, *sets: str) -> Path:
-    """3 steps of 4 prompts × 4 samples in two seeded rollout shards (so one process samples what two ranks do)."""
-    run = work / name
-    _ok(
-        oxrl(
-            "run",
-            "--alg",
-            "sgrpo",
-            "--set",
-            f"model.name={model}",
-            "--set",
-            f"data.train={work / 'prompts.jsonl'}",
-            "--set",
-            f"reward.name={work / 'digits.py'}:Digits",
-            "--set",
-            "train.max_steps=3",
-            "--set",
-            "train.batch_size=4",
-            "--set",
-            "rollout.n=4",
-            "--set",
-            "rollout.max_new_tokens=6",
-            "--set",
-            "train.lr=1e-2",
-            "--set",
-            "engine.rollout_shards=2",
-            *sets,
-            "-o",
-            str(run),
-            cwd=work,
-        )
-    )
-    return run
+def sgrpo_args(work: Path, model: Path, *sets: str) -> list[str]:
+    """`oxrl run` of 3 steps of 4 prompts × 4 samples in two seeded rollout shards (so one process samples what
+    two ranks do)."""
+    return [
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={model}",
+        "--set",
+        f"data.train={work / 'prompts.jsonl'}",
+        "--set",
+        f"reward.name={work / 'digits.py'}:Digits",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "rollout.n=4",
+        "--set",
+        "rollout.max_new_tokens=6",
+        "--set",
+        "train.lr=1e-2",
+        "--set",
+        "engine.rollout_shards=2",
+        *sets,
+    ]
+
+
+def _sft(work: Path, name: str, model: Path, *sets: str, env: dict | None = None) -> Path:
+    """`sft_args` run in ``work/name``; ``env``: more variables for `oxrl`."""
+    _ok(oxrl(*sft_args(work, model, *sets), "-o", str(work / name), cwd=work, env=env))
+    return work / name
+
+
+def _sgrpo(work: Path, name: str, model: Path, *sets: str, env: dict | None = None) -> Path:
+    """`sgrpo_args` run in ``work/name``; ``env``: more variables for `oxrl`."""
+    _ok(oxrl(*sgrpo_args(work, model, *sets), "-o", str(work / name), cwd=work, env=env))
+    return work / name
 
 
 @pytest.fixture(scope="module")
