@@ -419,6 +419,12 @@ class RolloutConfig(StrictModel):
         description="run the backend in this many Ray actors of its own, each loading the policy and synced "
         "from the trainer (0 = inside the training process)",
     )
+    actor_placement: str = Field(
+        "pack",
+        description="where the rollout actors run on a Ray cluster: 'pack' (as few nodes as possible, starting with "
+        "the node of the rank that drives them), 'spread' (one node after another) or a Ray node id (all on that "
+        "node; `oxrl doctor --ray-address ...` lists them)",
+    )
     sync_check: bool = Field(
         True,
         description="verified weight sync: at the start and after every sync the backend scores a fixed probe "
@@ -490,6 +496,16 @@ class RolloutConfig(StrictModel):
     def _old_names(cls, data: Any) -> Any:
         """Old names given to the model directly (``RolloutConfig(epochs=2, options={...})``); see `rename_keys`."""
         return _renamed_section(data, "rollout")
+
+    @field_validator("actor_placement")
+    @classmethod
+    def _placement(cls, value: str) -> str:
+        value = value.strip()
+        if value in ("pack", "spread") or (len(value) >= 6 and all(c in "0123456789abcdef" for c in value)):
+            return value
+        raise ValueError(
+            f"{value!r} is neither 'pack', 'spread' nor a Ray node id (hex; `oxrl doctor --ray-address ...` lists them)"
+        )
 
     @model_validator(mode="after")
     def _dynamic_sampling(self) -> "RolloutConfig":

@@ -1,19 +1,23 @@
 """`oxrl run` with ``engine.world_size`` > 1: one Ray actor per training rank (docs/architecture.md).
 
 The driver (the `oxrl run` process) has already validated the config and prepared the run
-directory. It starts a local Ray cluster (or joins ``engine.ray_address``), checks that the
-cluster can hold the ranks (one GPU each when it has GPUs, else CPUs), places N actors, gives
-them the rendezvous (MASTER_ADDR = rank 0's node, a free port there) and waits. Each actor joins
+directory. It starts a local Ray cluster (or joins ``engine.ray_address``), reserves one bundle per
+rank (a GPU each when the cluster has GPUs, else a CPU) in one placement group packed onto as few
+nodes as possible, numbers the ranks so that each node's ranks are contiguous (`engines.placement`:
+LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK and torch threads follow the node), places N actors, gives
+them the rendezvous (MASTER_ADDR = rank 0's node, a free port there) and waits. A cluster that cannot
+hold the ranks is refused, at once or after ``engine.timeout_s``, with what it has and what was asked. Each actor joins
 the torch.distributed group (nccl on GPUs, gloo on CPUs) and runs the run's loop, the same code
 as a single-process run (`oxrl_core.engines.distributed` explains how ranks share batches); rank 0 alone
 writes metrics, checkpoints and ``final/``, and its output is the run's output. ``ranks.json``
-in the run directory lists each rank's process id and node.
+in the run directory lists each rank's process id, Ray node id, host, local rank and threads.
 
 Nothing waits without a limit: every collective times out after ``engine.timeout_s`` (the process
 group's timeout), every Ray call is bounded (``ray.get(timeout=...)``, ``ray.wait`` polling). The
 first rank that fails decides the outcome: an actor that died (killed, out of memory, a node
 lost) or raised stops the run, the other actors are killed, and the driver names the rank, its
-error and the newest complete checkpoint to ``--resume`` from. A first Ctrl-C / SIGTERM in the driver
+node, its error (a node that left the cluster is said so) and the newest complete checkpoint to
+``--resume`` from. A first Ctrl-C / SIGTERM in the driver
 writes ``<run>/.oxrl-stop``: rank 0 reads it after each step and all ranks agree (`lifecycle.Checkpointer`)
 to save a checkpoint and stop, which the driver reports as `lifecycle.Interrupted`; a second one shuts
 the actors down at once.
@@ -26,13 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from oxrl_core.engines import distributed
+from oxrl_core.engines import distributed, placement
 from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
 from oxrl_core.errors import OxrlError
 from oxrl_core.run_io import lifecycle
@@ -60,21 +65,28 @@ class TrainActor:
             "port": distributed.free_port(),
             "node_id": ray.get_runtime_context().get_node_id(),  # the Ray node the rank runs on
             "host": socket.gethostname(),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],  # the GPU Ray gave this rank (none on CPU)
         }
 
-    def run(self, spec: dict):
+    def run(self, spec: dict, place: dict):
+        """``spec``: the run, the same for every rank; ``place``: this rank's place on its node (`engines.placement`)."""
         os.environ.update(
             OXRL_LAUNCHED="1",
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK="0",
+            LOCAL_RANK=str(place["local_rank"]),
+            LOCAL_WORLD_SIZE=str(place["local_world_size"]),
+            GROUP_RANK=str(place["node_rank"]),
             MASTER_ADDR=spec["master_addr"],
             MASTER_PORT=str(spec["master_port"]),
         )
-        if spec["threads"]:
-            import torch
+        if place["visible_devices"]:  # the node's training GPUs in local-rank order: cuda:LOCAL_RANK is this rank's
+            os.environ["CUDA_VISIBLE_DEVICES"] = place["visible_devices"]
+        import torch
 
-            torch.set_num_threads(spec["threads"])
+        torch.set_num_threads(place["threads"])
+        if place["visible_devices"] and torch.cuda.is_available():
+            torch.cuda.set_device(place["local_rank"])
         try:
             os.chdir(spec["cwd"])  # relative paths in the config mean what they meant to the driver
         except OSError:
@@ -100,8 +112,9 @@ class TrainActor:
         return trainer.run_loop(ckpt)
 
 
-def _placement(ray, engine) -> tuple[float, float, int]:
-    """(GPUs, CPUs, torch threads) per actor; refuses a cluster that cannot hold the ranks."""
+def _bundle(ray, engine) -> dict:
+    """What one rank reserves: a GPU (and a CPU) on a cluster with GPUs, else a CPU; refuses a cluster whose
+    totals cannot hold the ranks (a busy one is refused by `placement.place_group` after engine.timeout_s)."""
     resources = ray.cluster_resources()
     gpus, cpus, n = int(resources.get("GPU", 0)), int(resources.get("CPU", 0)), engine.world_size
     if engine.device == "cuda" and gpus == 0:
@@ -112,14 +125,13 @@ def _placement(ray, engine) -> tuple[float, float, int]:
                 f"engine.world_size={n} ranks need {n} GPUs (one each) but the Ray cluster has {gpus}: lower "
                 f"engine.world_size to {gpus} or add GPUs (engine.device: cpu trains on CPU ranks)"
             )
-        return 1, 1, 0
+        return {"CPU": 1, "GPU": 1}
     if cpus < n:
         raise OxrlError(
             f"engine.world_size={n} CPU ranks need {n} CPUs (one each) but the Ray cluster has {cpus}: lower "
             f"engine.world_size or join a larger cluster with engine.ray_address"
         )
-    share = max(1, cpus // n)
-    return 0, share, share
+    return {"CPU": 1}
 
 
 def _prepare_shared(trainer) -> None:
@@ -162,14 +174,21 @@ def launch(trainer, ckpt: Path | None):
     except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
         where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
         raise OxrlError(f"could not {where}: {type(exc).__name__}: {exc}") from None
-    actors, infos = [], []
+    actors, infos, group = [], [], None
     try:
-        gpus, cpus, threads = _placement(ray, engine)
-        actor_cls = ray.remote(TrainActor).options(num_gpus=gpus, num_cpus=cpus, max_restarts=0)
-        actors = [actor_cls.remote(rank, engine.world_size) for rank in range(engine.world_size)]
+        actors, places, group = _place_ranks(ray, engine)
         infos = _get(ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors")
-        # where each rank ran: its process, its Ray node and host, and the torch threads it was given
-        ranks = [{**{k: i[k] for k in ("rank", "pid", "ip", "node_id", "host")}, "threads": threads} for i in infos]
+        for info, place in zip(infos, places):
+            if info["node_id"] != place["node_id"]:  # Ray placed an actor outside its bundle's node: a Ray bug
+                raise OxrlError(f"rank {info['rank']} started on node {info['node_id']}, not its bundle's node")
+        visible = placement.visible_devices([p["node_id"] for p in places], [i["gpus"] for i in infos])
+        for place, devices in zip(places, visible):
+            place["visible_devices"] = devices
+        # where each rank ran: its process, its Ray node and host, its place there and the torch threads it was given
+        ranks = [
+            {**{k: i[k] for k in ("rank", "pid", "ip", "node_id", "host")}, **{k: p[k] for k in _PLACE_KEYS}}
+            for i, p in zip(infos, places)
+        ]
         (run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2) + "\n")
         spec = {
             "trainer_cls": type(trainer),  # the Trainer class (sent, not imported: the launcher sits beside it)
@@ -179,19 +198,63 @@ def launch(trainer, ckpt: Path | None):
             "ckpt": str(Path(ckpt).resolve()) if ckpt else "",
             "cwd": os.getcwd(),
             "quiet": trainer.quiet,
-            "threads": threads,
             "master_addr": infos[0]["ip"],
             "master_port": infos[0]["port"],
         }
-        futures = {actor.run.remote(spec): rank for rank, actor in enumerate(actors)}
+        futures = {actor.run.remote(spec, places[rank]): rank for rank, actor in enumerate(actors)}
         lifecycle.STATE.phase = "loop"  # from here a first signal asks the ranks to stop at their next step
         lifecycle.STATE.on_stop.append(lifecycle.request_stop_of_ranks(run_dir))
         return _wait(ray, futures, infos, run_dir, engine.timeout_s)
     finally:
         for actor in actors:
             ray.kill(actor, no_restart=True)
+        if group is not None:
+            _remove_group(ray, group)
         _flush_actor_output()
         ray.shutdown()  # a joined cluster is only disconnected from, and keeps running
+
+
+_PLACE_KEYS = ("local_rank", "local_world_size", "node_rank", "threads")
+
+
+def _place_ranks(ray, engine):
+    """The training actors, placed: one bundle each in a PACK placement group, numbered so that a node's ranks are
+    contiguous; returns (actors in rank order, each rank's place, the group)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    n = engine.world_size
+    bundle = _bundle(ray, engine)
+    group, bundle_nodes = placement.place_group(ray, [bundle] * n, "PACK", f"{n} training ranks", engine.timeout_s)
+    try:
+        order = placement.rank_order(bundle_nodes)  # rank r takes bundle order[r]
+        rank_nodes = [bundle_nodes[b] for b in order]
+        threads = placement.threads_per_node(rank_nodes, placement.cluster_nodes(ray))
+        places = [
+            {"node_id": node, "threads": t, **topo}
+            for node, t, topo in zip(rank_nodes, threads, placement.topology(rank_nodes))
+        ]
+        actor_cls = ray.remote(TrainActor)
+        resources = {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0), "max_restarts": 0}
+        actors = [
+            actor_cls.options(
+                **resources,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=order[rank]),
+            ).remote(rank, n)
+            for rank in range(n)
+        ]
+    except BaseException:
+        _remove_group(ray, group)
+        raise
+    return actors, places, group
+
+
+def _remove_group(ray, group) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception:  # noqa: BLE001 - the cluster is gone or the group already removed: nothing left to free
+        pass
 
 
 def _by_name(trainer) -> bool:
@@ -254,8 +317,8 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
     from oxrl_core.run_io.checkpoint import latest_checkpoint  # lazy: torch only once a run starts
 
     def rank_of(item) -> str:
-        rank = item[0]
-        return f"rank {rank} (pid {infos[rank]['pid']} on {infos[rank]['ip']})"
+        info = infos[item[0]]
+        return f"rank {item[0]} (pid {info['pid']} on node {info['node_id'][:8]}, host {info['host']})"
 
     last = latest_checkpoint(run_dir)
     resume = (
@@ -277,7 +340,8 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
             f" Rank {r} was waiting at {c.where}." for r, c in causes if isinstance(c, distributed.CollectiveFailed)
         ]
         return OxrlError(
-            f"training actor {rank_of(died[0])} died: {ray_reason(died[0][1])}.{''.join(waiting)} "
+            f"training actor {rank_of(died[0])} died: {_node_lost(ray, infos[died[0][0]], died[0][1])}"
+            f"{ray_reason(died[0][1])}.{''.join(waiting)} "
             f"The run stopped and the other ranks were shut down. {resume}"
         )
     stopped = [cause for _, cause in causes if isinstance(cause, lifecycle.Interrupted)]
@@ -289,3 +353,17 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
         return OxrlError(f"rank {rank}: {cause}")
     rank, exc = failures[0]
     return RuntimeError(f"training {rank_of(failures[0])} failed (a bug; its traceback follows). {resume}\n{exc}")
+
+
+def _node_lost(ray, info: dict, exc) -> str:
+    """ "its node ... left the Ray cluster; " when the dead rank's node is gone (Ray says so, or it is no longer
+    alive), else ""."""
+    text = str(getattr(exc, "error_msg", None) or exc).lower()
+    try:
+        alive = {node.node_id for node in placement.cluster_nodes(ray)}
+    except Exception:  # noqa: BLE001 - the cluster itself is unreachable: say what Ray said
+        alive = {info["node_id"]}
+    said = re.search(r"node (has )?(died|is dead|was lost|failed|was removed)", text)
+    if info["node_id"] in alive and not said:
+        return ""
+    return f"its node {info['node_id'][:8]} ({info['host']}) left the Ray cluster; "

@@ -4,7 +4,8 @@
 `deepspeed` (ZeRO 0-3, CPU offload; one process, or one rank of a data-parallel run started by
 `oxrl_core.launcher`). DeepSpeed is imported only when its engine is built. `check_engine`
 refuses, before anything is loaded or launched, settings that cannot work together. `distributed` holds the ranks'
-view of each other: checked collectives, the local sections inside `full_weights()`.
+view of each other: checked collectives, the local sections inside `full_weights()`; `placement` where Ray
+puts ranks and rollout actors on a cluster's nodes.
 
 May import: the leaves, `interfaces`, `config`.
 """

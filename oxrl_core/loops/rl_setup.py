@@ -8,12 +8,14 @@ episodes), then the `Run` (which resumes a checkpoint) and the verified weight s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import env_options
 from oxrl_core.data.batching import make_plan
 from oxrl_core.data.images import is_image_row
@@ -160,6 +162,9 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
 
         args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
         backend = RolloutActors.start(*args) if is_main() else None
+        if backend is not None:  # where each actor runs (rollout.actor_placement), beside ranks.json
+            text = json.dumps(backend.where, indent=2) + "\n"
+            write_text_atomic(Path(setup.run_dir) / "rollout_actors.json", text)
     else:
         backend = setup.registry.build(
             "rollout_backend", ro.backend, ro, field="rollout", args=(model, tokenizer, policy_path)

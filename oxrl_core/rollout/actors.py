@@ -16,8 +16,11 @@ configured backend (`hf`, `vllm` or a plugin) on its own device; the trainer kee
 
 Only rank 0 talks to the actors; the other training ranks receive the rollouts by broadcast.
 Every call is bounded by ``engine.timeout_s``; an actor that dies or raises stops the run with
-its error. Actors ask Ray for one GPU each on a cluster with GPUs, and for no CPU reservation on
-a CPU-only one (they share the node's cores with the training ranks).
+its error. Actors ask Ray for one GPU each on a cluster with GPUs (in a placement group of their
+own), and for no CPU reservation on a CPU-only one (they share their node's cores with the training
+ranks, pinned to nodes by node affinity). ``rollout.actor_placement`` says where: ``pack`` (as few
+nodes as possible, starting with the driving rank's), ``spread`` or a node id (`engines.placement`);
+`RolloutActors.where` records where each actor ran (``rollout_actors.json`` in the run directory).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 from typing import Any, ClassVar
 
 from oxrl_core.config import RolloutConfig
+from oxrl_core.engines import placement
 from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, generate_from
@@ -59,6 +63,20 @@ class RolloutWorker:
     def __repr__(self) -> str:  # how Ray names this actor in its messages
         return f"oxrl rollout actor {self.index}"
 
+    def where(self) -> dict:
+        import socket
+
+        import ray
+        import torch
+
+        return {
+            "actor": self.index,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": socket.gethostname(),
+            "threads": torch.get_num_threads(),
+        }
+
     def generate(self, shards: list[tuple]) -> list[list[list[Completion]]]:
         """Each shard: (prompts, sampling[, each prompt's image inputs])."""
         return [
@@ -81,12 +99,14 @@ class RolloutActors(RolloutBackend):
     name: ClassVar[str] = "actors"
     remote: ClassVar[bool] = True  # the RL loop: rank 0 generates every shard and broadcasts them
 
-    def __init__(self, actors: list, backend_name: str, timeout_s: float, owns_ray: bool):
+    def __init__(self, actors: list, backend_name: str, timeout_s: float, owns_ray: bool, group=None):
         self.actors = actors
         self.backend_name = backend_name
         self.timeout_s = timeout_s
         self.owns_ray = owns_ray
+        self.group = group  # the actors' placement group (GPU clusters), removed at close
         self.policy_version = 0
+        self.where: list[dict] = []  # where each actor runs: actor, pid, node_id, host, threads
 
     @classmethod
     def start(cls, count: int, backend_name: str, model_path: str, rollout, timeout_s: float, ray_address: str = ""):
@@ -111,19 +131,52 @@ class RolloutActors(RolloutBackend):
             except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
                 where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
                 raise OxrlError(f"rollout.actors: could not {where}: {type(exc).__name__}: {exc}") from None
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) else 0
-        actor_cls = ray.remote(RolloutWorker).options(num_gpus=gpus, num_cpus=0, max_restarts=0)
-        # CPU: generation and training take turns, so the actors share out the node's cores
-        threads = 0 if gpus else max(1, int(ray.cluster_resources().get("CPU", 1)) // count)
-        config = rollout.model_dump(mode="json")
-        actors = [actor_cls.remote(i, backend_name, model_path, config, os.getcwd(), threads) for i in range(count)]
-        proxy = cls(actors, backend_name, timeout_s, owns_ray)
+        proxy = cls([], backend_name, timeout_s, owns_ray)
         try:
-            proxy._get([actor.__ray_ready__.remote() for actor in actors], "start")
+            actor_cls = ray.remote(RolloutWorker)
+            config = rollout.model_dump(mode="json")
+            args = (backend_name, model_path, config, os.getcwd())
+            proxy.actors = [
+                actor_cls.options(**options, max_restarts=0).remote(i, *args, threads)
+                for i, (options, threads) in enumerate(proxy._placed(ray, count, rollout.actor_placement))
+            ]
+            proxy.where = proxy._get([actor.where.remote() for actor in proxy.actors], "start")
         except BaseException:
             proxy.close()
             raise
         return proxy
+
+    def _placed(self, ray, count: int, where: str) -> list[tuple[dict, int]]:
+        """Each actor's Ray options and torch threads, by ``rollout.actor_placement`` (the module docstring)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        nodes = placement.cluster_nodes(ray)
+        here = ray.get_runtime_context().get_node_id()  # the driving rank's node
+        if ray.cluster_resources().get("GPU", 0):  # a GPU each, reserved in a placement group of the actors' own
+            strategy, selector = {"pack": ("PACK", None), "spread": ("SPREAD", None)}.get(where, ("STRICT_PACK", 1))
+            if selector:
+                node = placement.resolve_node(nodes, where, "rollout.actor_placement").node_id
+                selector = [{"ray.io/node-id": node}] * count
+            what = f"{count} rollout actors (rollout.actor_placement: {where})"
+            self.group, _ = placement.place_group(ray, [{"GPU": 1}] * count, strategy, what, self.timeout_s, selector)
+            return [
+                (
+                    {
+                        "num_gpus": 1,
+                        "num_cpus": 0,
+                        "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, i),
+                    },
+                    0,
+                )
+                for i in range(count)
+            ]
+        # CPU: generation and training take turns, so an actor reserves no CPU and its node's cores are shared out
+        actor_nodes = placement.rollout_nodes(where, count, nodes, here)
+        threads = placement.threads_per_node(actor_nodes, nodes)
+        return [
+            ({"num_gpus": 0, "num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}, t)
+            for node, t in zip(actor_nodes, threads)
+        ]
 
     def _get(self, refs: list, what: str) -> list:
         import ray
@@ -210,6 +263,14 @@ class RolloutActors(RolloutBackend):
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        if self.group is not None and ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.group)
+            except Exception:  # noqa: BLE001 - already removed, or the cluster is gone
+                pass
+            self.group = None
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
             self.owns_ray = False
