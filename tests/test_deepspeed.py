@@ -469,34 +469,66 @@ def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_m
         "-o",
         str(run),
     ]
+    driver = start_oxrl(args, work, {"RAY_ADDRESS": ray_address})
+    wait_for(driver, (run / "checkpoints" / "step-4").is_dir)
+    victim = json.loads((run / "ranks.json").read_text())[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    stderr, last = stopped_resumably(driver, run, since=time.time())
+    assert f"rank 1 (pid {victim}" in stderr and "died" in stderr
+    resume_to_the_end(work, run, last, steps=60)
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- runs stopped mid-way
+
+
+def start_oxrl(args: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    """`oxrl` in a process of its own, in the background (the test acts on it or its ranks meanwhile), with one
+    torch thread per process as `oxrl` here; ``env``: more variables."""
     exe = Path(sys.executable).with_name("oxrl")
-    driver = subprocess.Popen(
+    return subprocess.Popen(
         [str(exe), *args],
-        cwd=work,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ray_address},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step-4").is_dir():
+
+
+def wait_for(driver: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """Poll until ``ready()``; fails if the driver exits first or ``timeout`` passes."""
+    deadline = time.time() + timeout
+    while not ready():
         assert driver.poll() is None, driver.communicate()
         assert time.time() < deadline
         time.sleep(0.05)
-    victim = json.loads((run / "ranks.json").read_text())[1]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
-    _, stderr = driver.communicate(timeout=120)
-    assert time.time() - killed_at < 60  # reported at once, not after a collective timeout
-    assert driver.returncode == 2, stderr
-    assert f"rank 1 (pid {victim}" in stderr and "died" in stderr and "Traceback" not in stderr
-    assert "oxrl run --resume --output-dir" in stderr
-    assert not (run / "final").exists()
+
+
+def stopped_resumably(driver: subprocess.Popen, run: Path, since: float) -> tuple[str, Path]:
+    """The driver of a run that lost a rank at ``since``: it stops at once (not after a collective timeout) with
+    exit 2, no traceback and how to resume, leaves no final/, and its newest complete checkpoint holds both ranks'
+    ZeRO optimizer shards. Returns (its stderr, that checkpoint)."""
     from oxrl_core.run_io.checkpoint import latest_checkpoint
 
+    try:
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    assert time.time() - since < 60
+    assert driver.returncode == 2, stderr
+    assert "Traceback" not in stderr and f"oxrl run --resume --output-dir {run}" in stderr, stderr
+    assert not (run / "final").exists()
     last = latest_checkpoint(run)
     assert last is not None and len(list((last / "deepspeed" / "state").glob("*optim_states.pt"))) == 2
-    resumed = _ok(oxrl("run", "--resume", "-o", str(run), cwd=work))
+    return stderr, last
+
+
+def resume_to_the_end(work: Path, run: Path, last: Path, steps: int, env: dict | None = None) -> None:
+    """`oxrl run --resume` continues from ``last`` and logs every step of the run once."""
+    resumed = _ok(oxrl("run", "--resume", "-o", str(run), cwd=work, env=env))
     assert f"resuming from {last}" in resumed.stderr
-    assert [m["step"] for m in read_metrics(run)] == list(range(1, 61))
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, steps + 1))
     assert (run / "final" / "model.safetensors").is_file()
