@@ -98,11 +98,11 @@ class Nodes:
             ids.append(match)
         for node_id in free:
             self.remove(node_id)
-        self.cluster.wait_for_nodes()
+        self.cluster.wait_for_nodes(timeout=90)  # a node killed without notice is dead after health checks
         return ids
 
-    def remove(self, node_id: str) -> None:
-        self.cluster.remove_node(self.workers.pop(node_id)[1])
+    def remove(self, node_id: str, graceful: bool = True) -> None:
+        self.cluster.remove_node(self.workers.pop(node_id)[1], allow_graceful=graceful)
 
     def shutdown(self) -> None:
         import ray
@@ -236,23 +236,23 @@ def test_rollout_actors_on_an_unknown_node_are_refused_naming_the_clusters_nodes
 # ----------------------------------------------------------------------------- a node lost mid-run
 
 
-def test_a_lost_node_stops_the_run_naming_its_rank_and_resume_equals_the_uninterrupted_run(
-    work, tiny_model_dir, nodes, two_node_sft
-):
-    """The run of `two_node_sft` with a checkpoint every step; once the first is written, rank 1's node leaves
-    the cluster. Rank 0 is held (SIGSTOP) while the node is removed, so the run cannot finish first."""
+def _lose_the_node_of_rank_1(work: Path, model: Path, nodes: Nodes, name: str, graceful: bool) -> tuple[str, Path]:
+    """The run of `two_node_sft` with a checkpoint every step; once the first is written, rank 1's node leaves the
+    cluster (``graceful``: its raylet shuts down and tells the cluster, else it is killed as by a power loss).
+    Rank 0 is held (SIGSTOP) while the node is removed, so the run cannot finish first. Checks the message names
+    rank 1, its node and that the node left; returns (the driver's stderr, the checkpoint to resume from)."""
     from oxrl_core.run_io.checkpoint import latest_checkpoint
 
     nodes.shape(1, 1)
-    run = work / "lost-node"
-    args = sft_args(work, tiny_model_dir, *DP2, "--set", "train.save_every=1", "-o", str(run))
+    run = work / name
+    args = sft_args(work, model, *DP2, "--set", "train.save_every=1", "-o", str(run))
     driver = start_oxrl(args, work, nodes.env)
     try:
         wait_for(driver, lambda: latest_checkpoint(run) is not None)
         first, second = _ranks(run)
         os.kill(first["pid"], signal.SIGSTOP)
         try:
-            nodes.remove(second["node_id"])
+            nodes.remove(second["node_id"], graceful=graceful)
         finally:
             os.kill(first["pid"], signal.SIGCONT)
     except BaseException:
@@ -262,11 +262,18 @@ def test_a_lost_node_stops_the_run_naming_its_rank_and_resume_equals_the_uninter
     stderr, last = stopped_resumably(driver, run, since=time.time())
     assert f"rank 1 (pid {second['pid']} on node {second['node_id'][:8]}" in stderr, stderr
     assert "left the Ray cluster" in stderr, stderr
+    return stderr, last
+
+
+def test_a_lost_node_stops_the_run_naming_its_rank_and_resume_equals_the_uninterrupted_run(
+    work, tiny_model_dir, nodes, two_node_sft
+):
+    _, last = _lose_the_node_of_rank_1(work, tiny_model_dir, nodes, "lost-node", graceful=True)
     # the cluster mended (a new 1-CPU node): --resume finishes the run, equal to the uninterrupted one
     nodes.shape(1, 1)
-    resume_to_the_end(work, run, last, steps=4, env=nodes.env)
-    _assert_same_trajectory(two_node_sft, run, keys=("loss", "grad_norm"))
-    _assert_close_weights(_weights(two_node_sft / "final"), _weights(run / "final"))
+    resume_to_the_end(work, work / "lost-node", last, steps=4, env=nodes.env)
+    _assert_same_trajectory(two_node_sft, work / "lost-node", keys=("loss", "grad_norm"))
+    _assert_close_weights(_weights(two_node_sft / "final"), _weights(work / "lost-node" / "final"))
 
 
 # ----------------------------------------------------------------------------- rollout actors on another node
@@ -299,3 +306,17 @@ def test_sgrpo_ranks_on_one_node_sync_a_rollout_actor_on_another(work, tiny_mode
     assert [r["threads"] for r in ranks] == [1, 1]  # the node's 2 CPUs ÷ its 2 ranks
     actors = json.loads((run / "rollout_actors.json").read_text())
     assert [(a["actor"], a["node_id"], a["threads"]) for a in actors] == [(0, other, 1)]
+
+
+# ----------------------------------------------------------------------------- last: the cluster needs time after it
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a node killed without notice: the driver reports rank 1's ActorUnavailableError ('Socket closed') "
+    "before the cluster's health checks mark the node dead, so the message does not say the node left",
+)
+def test_a_node_killed_without_notice_is_named_as_lost(work, tiny_model_dir, nodes):
+    """As a power loss: rank 1's raylet is killed, not shut down. Last in the module: the cluster marks the node
+    dead only after its health checks (~30 s), and reshaping waits for that."""
+    _lose_the_node_of_rank_1(work, tiny_model_dir, nodes, "killed-node", graceful=False)
