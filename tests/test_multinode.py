@@ -283,11 +283,13 @@ def test_sgrpo_ranks_on_one_node_sync_a_rollout_actor_on_another(work, tiny_mode
     """Both ranks on a 2-CPU node (PACK), the rollout actor named onto a 1-CPU node: the single-process samples,
     and every sync of the weights to the other node passes the probe."""
     other, both = nodes.shape(1, 2)
-    single = _sgrpo(work, "single-sgrpo", tiny_model_dir)
+    two_steps = ("--set", "train.max_steps=2")  # one sync to the other node after the first
+    single = _sgrpo(work, "single-sgrpo", tiny_model_dir, *two_steps)
     run = _sgrpo(
         work,
         "sgrpo-actor-elsewhere",
         tiny_model_dir,
+        *two_steps,
         *DP2,
         "--set",
         "rollout.actors=1",
@@ -298,6 +300,7 @@ def test_sgrpo_ranks_on_one_node_sync_a_rollout_actor_on_another(work, tiny_mode
     _assert_same_trajectory(single, run, keys=("reward/mean", "reward/std", "response/length"), atol=0)
     _assert_same_trajectory(single, run, keys=("loss", "grad_norm"))
     metrics = read_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:  # verified sync: the actor scores the probe as the trainer does, after every sync
         assert m["sync/probe_logprob_diff"] < 1e-5 and m["policy/version"] == m["step"] - 1, m
     ranks = _ranks(run)
