@@ -130,21 +130,31 @@ def plugins(as_json: bool = typer.Option(False, "--json", help="machine-readable
 
 
 @app.command()
-def doctor():
-    """Check the environment: torch/CUDA, DeepSpeed, Ray, vLLM, trackers, and plugins that failed to load."""
+def doctor(
+    ray_address: Optional[str] = typer.Option(
+        None,
+        "--ray-address",
+        help="list this Ray cluster's nodes (default: $RAY_ADDRESS; never starts a cluster)",
+    ),
+):
+    """Check the environment: torch/CUDA, DeepSpeed, Ray, vLLM, trackers, plugins that failed to load, and the
+    nodes of a Ray cluster (--ray-address or $RAY_ADDRESS): node ids, hosts, CPUs and GPUs."""
     # lazy: `oxrl doctor` imports its checks only when it runs (keeps `oxrl --help` light)
-    from oxrl_core.commands.doctor import table_rows
+    from oxrl_core.commands.doctor import cluster_rows, table_rows
     from oxrl_core.plugins import discover
 
     table = Table(title="oxRL doctor")
     for column in ("component", "status", "detail"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # a long word (a node id) is wrapped whole, never cut with "…"
     registry = discover()
-    for name, ok, detail in table_rows(registry):
-        bad = "[red]errors[/red]" if name == "plugins" else "[yellow]missing[/yellow]"
-        table.add_row(name, "[green]ok[/green]" if ok else bad, detail)
+    bad_status = {"plugins": "[red]errors[/red]", "ray cluster": "[red]unreachable[/red]"}
+    rows = [*table_rows(registry), *cluster_rows(ray_address)]
+    for name, ok, detail in rows:
+        table.add_row(name, "[green]ok[/green]" if ok else bad_status.get(name, "[yellow]missing[/yellow]"), detail)
     clashes = registry.clash_rows()
-    out.print(table)
+    nodes = any(name.startswith("ray node") for name, _, _ in rows)
+    # a node id is one 56-character word: written to a pipe or a file, the table is wide enough to keep it on one line
+    (out if out.is_terminal or not nodes else Console(width=max(out.width, 160))).print(table)
     for clash in clashes:
         out.print(
             f"[yellow]name clash:[/yellow] {escape(registry.describe_clash(clash['kind'], clash['name']))}",

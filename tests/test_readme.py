@@ -3,7 +3,10 @@
 from conftest import ROOT
 
 #: the lines of .ci/run around the README's command: shell settings and the fresh virtualenv it runs in
-CI_SETUP = ("#", "set ", "cd ", 'venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', 'source "$venv/bin/activate"')
+CI_SETUP = (
+    "#", "set ", "cd ", "df -h ", "export PIP_NO_CACHE_DIR=",
+    'venv="$(mktemp -d)/venv"', 'python3 -m venv "$venv"', 'source "$venv/bin/activate"',
+)  # fmt: skip
 
 
 def _ci_lines() -> list[str]:

@@ -1,11 +1,26 @@
-"""`oxrl doctor`: what this environment can do. It only looks; it installs nothing."""
+"""`oxrl doctor`: what this environment can do. It only looks; it installs nothing, and it never starts a Ray
+cluster: given an address (`--ray-address`, else ``$RAY_ADDRESS``) it joins that cluster for a moment and lists
+its nodes (`cluster_rows`)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import json
+import logging
 import os
 import platform
+import re
+import socket
+import subprocess
+import sys
+
+from oxrl_core.engines.distributed import ray_reason, resolve_ray_address
+
+#: how long `oxrl doctor` waits for a Ray cluster to answer (a wrong address can otherwise hang for minutes)
+CONNECT_TIMEOUT_S = 30.0
+
+Row = tuple[str, bool, str]
 
 
 def _version(dist: str) -> str | None:
@@ -24,7 +39,7 @@ def _cuda() -> bool:
         return False
 
 
-def checks() -> list[tuple[str, bool, str]]:
+def checks() -> list[Row]:
     """(component, ok, detail) rows."""
     rows: list[tuple[str, bool, str]] = [("python", True, platform.python_version())]
     try:
@@ -71,9 +86,97 @@ def checks() -> list[tuple[str, bool, str]]:
     return rows
 
 
-def table_rows(registry) -> list[tuple[str, bool, str]]:
+def table_rows(registry) -> list[Row]:
     """`checks` and a last row for the plugins (how many of each kind; not ok on a load error or a name
     clash): the table `oxrl doctor` prints and `oxrl bug-report` pastes."""
     counts = {kind: len(names) for kind, names in registry.entries.items()}
     ok = not (registry.errors or registry.clash_rows())
     return [*checks(), ("plugins", ok, ", ".join(f"{n} {k}s" for k, n in counts.items()))]
+
+
+# ----------------------------------------------------------------------------- the Ray cluster
+
+
+def _count(n: float, what: str) -> str:
+    n = int(n) if float(n).is_integer() else n
+    return f"{n:g} {what}{'' if n == 1 else 's'}"
+
+
+def cluster_rows(option: str | None = None) -> list[Row]:
+    """The Ray cluster at ``option`` (``--ray-address``), else at ``$RAY_ADDRESS``: a summary row ("ray cluster")
+    and one row per alive node (its full node id, for ``rollout.actor_placement``; host, IP, CPUs, GPUs; the head
+    marked). Without an address: one row that says so (information, not a failure). The cluster is asked from a
+    child process, bounded by `CONNECT_TIMEOUT_S`: an address where nothing answers is one not-ok row."""
+    address, source = resolve_ray_address(option or "")
+    if not source:
+        return [
+            (
+                "ray cluster",
+                True,
+                "no cluster address given (set RAY_ADDRESS or pass --ray-address); "
+                "a run with engine.world_size > 1 or rollout.actors starts a local one",
+            )
+        ]
+    where = f"{address} (from {'--ray-address' if option else source})"
+    if _version("ray") is None:
+        return [("ray cluster", False, f"cannot join {where}: ray is not installed (pip install 'oxrl[ray]')")]
+    hostport = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)", address)
+    if hostport:  # a quick answer for an address where nothing listens (Ray itself retries for minutes)
+        try:
+            socket.create_connection((hostport.group(1), int(hostport.group(2))), timeout=5).close()
+        except OSError as exc:
+            return [("ray cluster", False, f"nothing answers at {where}: {exc.strerror or exc}")]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", "from oxrl_core.commands.doctor import _probe; _probe()", address],
+            capture_output=True,
+            text=True,
+            timeout=CONNECT_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return [("ray cluster", False, f"no answer from a Ray cluster at {where} within {CONNECT_TIMEOUT_S:g} s")]
+    answer = next((line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")), "")
+    if not answer:
+        last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), f"exit {proc.returncode}")
+        return [("ray cluster", False, f"could not join {where}: {last.strip()}")]
+    probe = json.loads(answer)
+    if "error" in probe:
+        return [("ray cluster", False, f"could not join {where}: {probe['error']}")]
+    nodes = sorted(probe["nodes"], key=lambda n: (not n["head"], n["ip"], n["node_id"]))
+    cpus, gpus = sum(n["cpus"] for n in nodes), sum(n["gpus"] for n in nodes)
+    rows: list[Row] = [
+        ("ray cluster", True, f"{_count(len(nodes), 'node')}, {_count(cpus, 'CPU')}, {_count(gpus, 'GPU')} at {where}")
+    ]
+    for n in nodes:
+        host = f"{n['host']} ({n['ip']})" if n["host"] and n["host"] != n["ip"] else n["ip"]
+        detail = f"{n['node_id']}: {host}, {_count(n['cpus'], 'CPU')}, {_count(n['gpus'], 'GPU')}"
+        rows.append(("ray node (head)" if n["head"] else "ray node", True, detail))
+    return rows
+
+
+def _probe() -> None:
+    """In a child process (`cluster_rows`): join the cluster at ``argv[1]``, print its alive nodes as one JSON
+    line (or ``{"error": ...}``), leave. Ray's own log lines stay on this process's stderr."""
+    import ray
+
+    try:
+        ray.init(address=sys.argv[1], include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+        try:
+            nodes = [
+                {
+                    "node_id": n["NodeID"],
+                    "host": n.get("NodeManagerHostname", ""),
+                    "ip": n.get("NodeManagerAddress", ""),
+                    "cpus": n.get("Resources", {}).get("CPU", 0),
+                    "gpus": n.get("Resources", {}).get("GPU", 0),
+                    "head": "node:__internal_head__" in n.get("Resources", {}),
+                }
+                for n in ray.nodes()
+                if n.get("Alive")
+            ]
+        finally:
+            ray.shutdown()  # only disconnects: the cluster keeps running
+    except Exception as exc:  # noqa: BLE001 - a wrong address or a refused token fails in any way: one line
+        print(json.dumps({"error": f"{type(exc).__name__}: {ray_reason(exc)}"}), flush=True)
+        return
+    print(json.dumps({"nodes": nodes}), flush=True)
