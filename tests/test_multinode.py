@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, write_jsonl
+from conftest import _free_port, read_metrics, write_jsonl
 from test_deepspeed import (
     DP2,
     _assert_close_weights,
@@ -70,7 +70,14 @@ class Nodes:
             patch.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
             self.cluster = Cluster(
                 initialize_head=True,
-                head_node_args={"num_cpus": 0, "temp_dir": self.temp_dir, "include_dashboard": False},
+                head_node_args={
+                    "num_cpus": 0,
+                    "temp_dir": self.temp_dir,
+                    "include_dashboard": False,
+                    # fixed by default (52365): another cluster on this machine may hold it (Cluster picks the
+                    # other nodes' ports free)
+                    "dashboard_agent_listen_port": _free_port(),
+                },
             )
         self.workers: dict[str, tuple[int, object]] = {}  # node id -> (CPUs, Ray's node)
 
