@@ -57,9 +57,10 @@ class Digits(Reward):
 '''
 
 
-def oxrl(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """The CLI with one torch thread per process: the tiny model runs faster so, and the two Ray ranks get one each."""
-    return _oxrl(*args, env={"OMP_NUM_THREADS": "1"}, **kwargs)
+def oxrl(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """The CLI with one torch thread per process: the tiny model runs faster so, and the two Ray ranks get one each
+    (``env``: more variables, e.g. RAY_ADDRESS to join a given cluster)."""
+    return _oxrl(*args, env={"OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -93,7 +94,11 @@ def _assert_same_trajectory(a: Path, b: Path, keys=("loss",), atol: float = LOSS
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("deepspeed")
+    return make_work(tmp_path_factory.mktemp("deepspeed"))
+
+
+def make_work(root: Path) -> Path:
+    """The runs' inputs in ``root``: SFT rows, RL prompts with answers, the digits reward."""
     write_jsonl(
         root / "sft.jsonl",
         [{"prompt": f"What is {a}+{b}?", "response": str(a + b)} for a in range(6) for b in range(6)],
@@ -106,70 +111,69 @@ def work(tmp_path_factory) -> Path:
     return root
 
 
-def _sft(work: Path, name: str, model: Path, *sets: str) -> Path:
-    """4 optimiser steps of 2 micro-batches of 8 rows (each rank of two gets 4 rows of each)."""
-    run = work / name
-    _ok(
-        oxrl(
-            "run",
-            "--alg",
-            "sft",
-            "--set",
-            f"model.name={model}",
-            "--set",
-            f"data.train={work / 'sft.jsonl'}",
-            "--set",
-            "train.max_steps=4",
-            "--set",
-            "train.batch_size=8",
-            "--set",
-            "train.grad_accum_steps=2",
-            "--set",
-            "train.lr=1e-3",
-            "--set",
-            "train.save_every=2",
-            *sets,
-            "-o",
-            str(run),
-            cwd=work,
-        )
-    )
-    return run
+def sft_args(work: Path, model: Path, *sets: str) -> list[str]:
+    """`oxrl run` of 4 optimiser steps of 2 micro-batches of 8 rows (each rank of two gets 4 rows of each)."""
+    return [
+        "run",
+        "--alg",
+        "sft",
+        "--set",
+        f"model.name={model}",
+        "--set",
+        f"data.train={work / 'sft.jsonl'}",
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.grad_accum_steps=2",
+        "--set",
+        "train.lr=1e-3",
+        "--set",
+        "train.save_every=2",
+        *sets,
+    ]
 
 
-def _sgrpo(work: Path, name: str, model: Path, *sets: str) -> Path:
-    """3 steps of 4 prompts × 4 samples in two seeded rollout shards (so one process samples what two ranks do)."""
-    run = work / name
-    _ok(
-        oxrl(
-            "run",
-            "--alg",
-            "sgrpo",
-            "--set",
-            f"model.name={model}",
-            "--set",
-            f"data.train={work / 'prompts.jsonl'}",
-            "--set",
-            f"reward.name={work / 'digits.py'}:Digits",
-            "--set",
-            "train.max_steps=3",
-            "--set",
-            "train.batch_size=4",
-            "--set",
-            "rollout.n=4",
-            "--set",
-            "rollout.max_new_tokens=6",
-            "--set",
-            "train.lr=1e-2",
-            "--set",
-            "engine.rollout_shards=2",
-            *sets,
-            "-o",
-            str(run),
-            cwd=work,
-        )
-    )
-    return run
+def sgrpo_args(work: Path, model: Path, *sets: str) -> list[str]:
+    """`oxrl run` of 3 steps of 4 prompts × 4 samples in two seeded rollout shards (so one process samples what
+    two ranks do)."""
+    return [
+        "run",
+        "--alg",
+        "sgrpo",
+        "--set",
+        f"model.name={model}",
+        "--set",
+        f"data.train={work / 'prompts.jsonl'}",
+        "--set",
+        f"reward.name={work / 'digits.py'}:Digits",
+        "--set",
+        "train.max_steps=3",
+        "--set",
+        "train.batch_size=4",
+        "--set",
+        "rollout.n=4",
+        "--set",
+        "rollout.max_new_tokens=6",
+        "--set",
+        "train.lr=1e-2",
+        "--set",
+        "engine.rollout_shards=2",
+        *sets,
+    ]
+
+
+def _sft(work: Path, name: str, model: Path, *sets: str, env: dict | None = None) -> Path:
+    """`sft_args` run in ``work/name``; ``env``: more variables for `oxrl`."""
+    _ok(oxrl(*sft_args(work, model, *sets), "-o", str(work / name), cwd=work, env=env))
+    return work / name
+
+
+def _sgrpo(work: Path, name: str, model: Path, *sets: str, env: dict | None = None) -> Path:
+    """`sgrpo_args` run in ``work/name``; ``env``: more variables for `oxrl`."""
+    _ok(oxrl(*sgrpo_args(work, model, *sets), "-o", str(work / name), cwd=work, env=env))
+    return work / name
 
 
 @pytest.fixture(scope="module")
@@ -465,34 +469,66 @@ def test_a_killed_rank_stops_the_run_cleanly_and_resume_finishes_it(work, tiny_m
         "-o",
         str(run),
     ]
+    driver = start_oxrl(args, work, {"RAY_ADDRESS": ray_address})
+    wait_for(driver, (run / "checkpoints" / "step-4").is_dir)
+    victim = json.loads((run / "ranks.json").read_text())[1]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    stderr, last = stopped_resumably(driver, run, since=time.time())
+    assert f"rank 1 (pid {victim}" in stderr and "died" in stderr
+    resume_to_the_end(work, run, last, steps=60)
+    assert (run / "final" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- runs stopped mid-way
+
+
+def start_oxrl(args: list[str], cwd: Path, env: dict) -> subprocess.Popen:
+    """`oxrl` in a process of its own, in the background (the test acts on it or its ranks meanwhile), with one
+    torch thread per process as `oxrl` here; ``env``: more variables."""
     exe = Path(sys.executable).with_name("oxrl")
-    driver = subprocess.Popen(
+    return subprocess.Popen(
         [str(exe), *args],
-        cwd=work,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "RAY_ADDRESS": ray_address},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step-4").is_dir():
+
+
+def wait_for(driver: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """Poll until ``ready()``; fails if the driver exits first or ``timeout`` passes."""
+    deadline = time.time() + timeout
+    while not ready():
         assert driver.poll() is None, driver.communicate()
         assert time.time() < deadline
         time.sleep(0.05)
-    victim = json.loads((run / "ranks.json").read_text())[1]["pid"]
-    os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
-    _, stderr = driver.communicate(timeout=120)
-    assert time.time() - killed_at < 60  # reported at once, not after a collective timeout
-    assert driver.returncode == 2, stderr
-    assert f"rank 1 (pid {victim}" in stderr and "died" in stderr and "Traceback" not in stderr
-    assert "oxrl run --resume --output-dir" in stderr
-    assert not (run / "final").exists()
+
+
+def stopped_resumably(driver: subprocess.Popen, run: Path, since: float) -> tuple[str, Path]:
+    """The driver of a run that lost a rank at ``since``: it stops at once (not after a collective timeout) with
+    exit 2, no traceback and how to resume, leaves no final/, and its newest complete checkpoint holds both ranks'
+    ZeRO optimizer shards. Returns (its stderr, that checkpoint)."""
     from oxrl_core.run_io.checkpoint import latest_checkpoint
 
+    try:
+        _, stderr = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    assert time.time() - since < 60
+    assert driver.returncode == 2, stderr
+    assert "Traceback" not in stderr and f"oxrl run --resume --output-dir {run}" in stderr, stderr
+    assert not (run / "final").exists()
     last = latest_checkpoint(run)
     assert last is not None and len(list((last / "deepspeed" / "state").glob("*optim_states.pt"))) == 2
-    resumed = _ok(oxrl("run", "--resume", "-o", str(run), cwd=work))
+    return stderr, last
+
+
+def resume_to_the_end(work: Path, run: Path, last: Path, steps: int, env: dict | None = None) -> None:
+    """`oxrl run --resume` continues from ``last`` and logs every step of the run once."""
+    resumed = _ok(oxrl("run", "--resume", "-o", str(run), cwd=work, env=env))
     assert f"resuming from {last}" in resumed.stderr
-    assert [m["step"] for m in read_metrics(run)] == list(range(1, 61))
+    assert [m["step"] for m in read_metrics(run)] == list(range(1, steps + 1))
     assert (run / "final" / "model.safetensors").is_file()
