@@ -176,6 +176,9 @@ def launch(trainer, ckpt: Path | None):
         raise OxrlError(f"could not {where}: {type(exc).__name__}: {exc}") from None
     actors, infos, group = [], [], None
     try:
+        rollout = trainer.config.rollout
+        if rollout.actors and rollout.actor_placement not in placement.PLACEMENTS:  # before any model loads
+            placement.resolve_node(placement.cluster_nodes(ray), rollout.actor_placement, "rollout.actor_placement")
         actors, places, group = _place_ranks(ray, engine)
         infos = _get(ray, [actor.node.remote() for actor in actors], engine.timeout_s, "start the training actors")
         for info, place in zip(infos, places):
@@ -340,8 +343,7 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
             f" Rank {r} was waiting at {c.where}." for r, c in causes if isinstance(c, distributed.CollectiveFailed)
         ]
         return OxrlError(
-            f"training actor {rank_of(died[0])} died: {_node_lost(ray, infos[died[0][0]], died[0][1])}"
-            f"{ray_reason(died[0][1])}.{''.join(waiting)} "
+            f"training actor {rank_of(died[0])} died: {_death(ray, infos[died[0][0]], died[0][1])}.{''.join(waiting)} "
             f"The run stopped and the other ranks were shut down. {resume}"
         )
     stopped = [cause for _, cause in causes if isinstance(cause, lifecycle.Interrupted)]
@@ -355,23 +357,30 @@ def _run_error(ray, failures: list, infos: list[dict], run_dir: Path) -> Excepti
     return RuntimeError(f"training {rank_of(failures[0])} failed (a bug; its traceback follows). {resume}\n{exc}")
 
 
-def _node_lost(ray, info: dict, exc) -> str:
-    """ "its node ... left the Ray cluster; " when the dead rank's node is gone, else "". Gone: Ray says so, the
-    cluster no longer lists it alive, or its raylet does not answer (a node killed without notice is still listed
-    alive until the cluster's health checks give up on it, tens of seconds later)."""
+def _death(ray, info: dict, exc) -> str:
+    """Why a rank's actor died: Ray's reason, led by "its node ... left the Ray cluster" when the node is gone."""
+    reason = ray_reason(exc)
+    if not _node_lost(ray, info, exc):
+        return reason
+    return (
+        f"its node {info['node_id'][:8]} ({info['host']}) left the Ray cluster (Ray: {reason[:1].lower()}{reason[1:]})"
+    )
+
+
+def _node_lost(ray, info: dict, exc) -> bool:
+    """Whether the dead rank's node is gone: Ray says so, the cluster no longer lists it alive, or its raylet does
+    not answer (a node killed without notice is still listed alive until the cluster's health checks give up on
+    it, tens of seconds later)."""
     text = str(getattr(exc, "error_msg", None) or exc).lower()
-    gone = re.search(r"node (has )?(died|is dead|was lost|failed|was removed)", text) is not None
-    if not gone:
-        try:
-            entry = next((n for n in ray.nodes() if n["NodeID"] == info["node_id"]), None)
-        except Exception:  # noqa: BLE001 - the cluster itself is unreachable: say only what Ray said
-            return ""
-        gone = (
-            entry is None
-            or not entry.get("Alive")
-            or not _answers(entry["NodeManagerAddress"], entry["NodeManagerPort"])
-        )
-    return f"its node {info['node_id'][:8]} ({info['host']}) left the Ray cluster; " if gone else ""
+    if re.search(r"node (has )?(died|is dead|was lost|failed|was removed)", text):
+        return True
+    try:
+        entry = next((n for n in ray.nodes() if n["NodeID"] == info["node_id"]), None)
+    except Exception:  # noqa: BLE001 - the cluster itself is unreachable: say only what Ray said
+        return False
+    return (
+        entry is None or not entry.get("Alive") or not _answers(entry["NodeManagerAddress"], entry["NodeManagerPort"])
+    )
 
 
 def _answers(host: str, port: int, timeout_s: float = 3.0) -> bool:
