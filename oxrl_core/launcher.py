@@ -190,6 +190,7 @@ def launch(trainer, ckpt: Path | None):
         # where each rank ran: its process, its Ray node and host, its place there and the torch threads it was given
         ranks = [
             {**{k: i[k] for k in ("rank", "pid", "ip", "node_id", "host")}, **{k: p[k] for k in _PLACE_KEYS}}
+            | ({"gpus": i["gpus"], "visible_devices": p["visible_devices"]} if i["gpus"] else {})
             for i, p in zip(infos, places)
         ]
         (run_dir / "ranks.json").write_text(json.dumps(ranks, indent=2) + "\n")

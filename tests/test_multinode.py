@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -240,6 +241,66 @@ def test_rollout_actors_on_an_unknown_node_are_refused_naming_the_clusters_nodes
     assert "rollout.actor_placement" in stderr and unknown in stderr
     for node_id in [nodes.head_id, *ids]:
         assert node_id in stderr, (node_id, stderr)
+
+
+class _Where:
+    def node(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+def test_gpu_bundles_give_each_rank_its_nodes_gpus_in_local_rank_order(work, tiny_model_dir, nodes, two_node_sft):
+    """Ray lets a node declare GPUs it does not have, which runs the placement of a cluster with GPUs here: each rank
+    takes a GPU bundle and runs with its node's training GPUs visible in local-rank order (so cuda:LOCAL_RANK is its
+    own), and rollout actors take a GPU each in a placement group of their own, on the node asked for or spread.
+    Torch sees no CUDA, so the ranks still train on the CPU and follow the two-node run."""
+    import ray
+
+    nodes.shape()  # only the GPU nodes below
+    gpu2 = nodes.cluster.add_node(num_cpus=2, num_gpus=2, temp_dir=nodes.temp_dir)
+    gpu1 = nodes.cluster.add_node(num_cpus=1, num_gpus=1, temp_dir=nodes.temp_dir)
+    try:
+        nodes.cluster.wait_for_nodes(timeout=90)
+        run = _sft(work, "gpu-bundles", tiny_model_dir, *DP2, "--set", "engine.device=auto", env=nodes.env)
+        _assert_same_trajectory(two_node_sft, run, keys=("loss", "grad_norm"))
+        ranks = _ranks(run)
+        assert [(r["node_id"], r["local_rank"], r["threads"]) for r in ranks] == [
+            (gpu2.node_id, 0, 1),
+            (gpu2.node_id, 1, 1),
+        ]  # PACK: both GPUs of one node
+        own = [r["gpus"][0] for r in ranks]
+        assert sorted(own) == ["0", "1"] and all(r["visible_devices"] == ",".join(own) for r in ranks), ranks
+        from oxrl_core.rollout.actors import RolloutActors
+
+        ray.init(address=nodes.cluster.address, include_dashboard=False, logging_level="ERROR")
+        try:
+            ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+            where = ray.remote(_Where)
+            for placement, count, expected in (  # spread first: a removed group frees its GPUs a moment later
+                ("spread", 2, None),
+                (gpu1.node_id, 1, [gpu1.node_id]),
+                ("pack", 2, [gpu2.node_id, gpu2.node_id]),
+            ):
+                proxy = RolloutActors([], "hf", 60.0, owns_ray=False)
+                try:
+                    placed = proxy._placed(ray, count, placement)
+                    assert proxy.group is not None and [t for _, t in placed] == [0] * count
+                    actors = [where.options(**options).remote() for options, _ in placed]
+                    got = ray.get([a.node.remote() for a in actors], timeout=60)
+                    for a in actors:
+                        ray.kill(a)
+                finally:
+                    proxy.close()  # removes the actors' placement group
+                if expected is None:  # spread: one GPU on each node
+                    assert sorted(got) == sorted([gpu1.node_id, gpu2.node_id]), (placement, got)
+                else:
+                    assert got == expected, (placement, got)
+        finally:
+            ray.shutdown()
+    finally:
+        for node in (gpu1, gpu2):
+            nodes.cluster.remove_node(node)
 
 
 # ----------------------------------------------------------------------------- a node lost mid-run
