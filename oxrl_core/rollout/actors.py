@@ -153,10 +153,11 @@ class RolloutActors(RolloutBackend):
         nodes = placement.cluster_nodes(ray)
         here = ray.get_runtime_context().get_node_id()  # the driving rank's node
         if ray.cluster_resources().get("GPU", 0):  # a GPU each, reserved in a placement group of the actors' own
-            strategy, selector = {"pack": ("PACK", None), "spread": ("SPREAD", None)}.get(where, ("STRICT_PACK", 1))
-            if selector:
+            if where in placement.PLACEMENTS:
+                strategy, selector = where.upper(), None  # Ray's PACK / SPREAD
+            else:  # every bundle on the named node
                 node = placement.resolve_node(nodes, where, "rollout.actor_placement").node_id
-                selector = [{"ray.io/node-id": node}] * count
+                strategy, selector = "STRICT_PACK", [{"ray.io/node-id": node}] * count
             what = f"{count} rollout actors (rollout.actor_placement: {where})"
             self.group, _ = placement.place_group(ray, [{"GPU": 1}] * count, strategy, what, self.timeout_s, selector)
             return [
