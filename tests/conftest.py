@@ -16,6 +16,7 @@ from pathlib import Path
 
 import cli_zygote
 import pytest
+import warm_starts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,13 +67,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def oxrl_cache(tmp_path_factory):
     """Every test (and every `oxrl` subprocess) uses a cache for the built-in tiny model that is private to this
     test session and shared by its workers (entries are written to a temp name and renamed: workers that build
-    the same one at once both succeed), so each warm start is trained once per session, not once per worker."""
+    the same one at once both succeed). The warm starts the built-in tasks begin from are copied in from
+    ``fixtures/warm_starts/`` (`warm_starts.py`: trained at test time, they would differ from machine to machine)."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     cache = root / "oxrl-cache"
     cache.mkdir(exist_ok=True)
     os.environ["OXRL_CACHE"] = str(cache)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warm_starts.install(cache)
     return cache
 
 

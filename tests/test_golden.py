@@ -8,7 +8,9 @@ value to 1e-5. A refactor that changes a single number in a loss, a batch order 
 
 `python tests/test_golden.py` re-records `fixtures/golden_runs.json` — only after a change that is meant
 to alter the numbers, saying why in the commit. PPO's run was re-recorded (and CISPO's added) when both began
-to declare ``rollout.minibatches = 4``: four optimiser steps per rollout batch, so that their clips act.
+to declare ``rollout.minibatches = 4``: four optimiser steps per rollout batch, so that their clips act. All
+runs were re-recorded when the warm start they begin from became a stored one (`warm_starts.py`): trained at
+test time, it differed from machine to machine, and so did every run that starts from it.
 """
 
 from __future__ import annotations
@@ -109,7 +111,12 @@ if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["OXRL_CACHE"] = str(Path(tmp) / "cache")  # a fresh built-in model and warm start, as in CI
+        import warm_starts
+
+        os.environ["OXRL_CACHE"] = str(Path(tmp) / "cache")  # a fresh built-in model, the stored warm starts
+        os.environ["OMP_NUM_THREADS"] = "1"  # as in a suite worker (2 cores, 2 workers)
+        (Path(tmp) / "cache").mkdir()
+        warm_starts.install(Path(tmp) / "cache")
         record = {alg: run(alg, Path(tmp)) for alg in (sys.argv[1:] or RUNS)}
     if sys.argv[1:]:
         record = {**json.loads(GOLDEN.read_text()), **record}

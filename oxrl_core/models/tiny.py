@@ -134,6 +134,13 @@ WARM_START_STEPS = 450
 TOOL_WARM_START_STEPS = 170
 
 
+def warm_start_path(steps: int | None = None, seed: int = 0, tools: bool = False) -> Path:
+    """Where `warm_start_dir` keeps that warm start in the cache (built or not)."""
+    steps = steps if steps is not None else (TOOL_WARM_START_STEPS if tools else WARM_START_STEPS)
+    base = default_model_dir()
+    return base.with_name(f"{base.name}-{'tools' if tools else 'warm'}{steps}-s{seed}")
+
+
 def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: bool = False, reporter=None) -> Path:
     """The built-in tiny model after a short SFT on the built-in task's train split (cached).
 
@@ -146,7 +153,7 @@ def warm_start_dir(steps: int | None = None, seed: int = 0, log=None, tools: boo
     """
     steps = steps if steps is not None else (TOOL_WARM_START_STEPS if tools else WARM_START_STEPS)
     base = default_model_dir()
-    path = base.with_name(f"{base.name}-{'tools' if tools else 'warm'}{steps}-s{seed}")
+    path = warm_start_path(steps, seed, tools)
     if (path / "config.json").exists():
         return path
     import torch

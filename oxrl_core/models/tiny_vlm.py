@@ -177,6 +177,12 @@ def default_vlm_dir(seed: int = 0) -> Path:
 VLM_WARM_START_STEPS = 200
 
 
+def vlm_warm_start_path(steps: int = VLM_WARM_START_STEPS, seed: int = 0) -> Path:
+    """Where `vlm_warm_start_dir` keeps that warm start in the cache (built or not)."""
+    base = default_vlm_dir(seed)
+    return base.with_name(f"{base.name}-warm{steps}-s{seed}")
+
+
 def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=None, reporter=None) -> Path:
     """The built-in tiny VLM after a short SFT on the ``shapes`` train split (cached): where a preference run on
     images starts with ``model.name`` empty (a random model never answers right, so there is nothing to prefer).
@@ -185,7 +191,7 @@ def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=Non
     package), with each row's picture going through the model's own processor (`vision.load_processing`),
     deterministic on CPU, run once per cache."""
     base = default_vlm_dir(seed)
-    path = base.with_name(f"{base.name}-warm{steps}-s{seed}")
+    path = vlm_warm_start_path(steps, seed)
     if (path / "config.json").exists():
         return path
     quiet_transformers()
