@@ -21,7 +21,10 @@ def test_every_warm_start_the_built_in_tasks_need_is_stored_under_the_name_the_p
         for name in ("tokenizer.json", "chat_template.jinja"):
             assert (stored / name).read_bytes() == (base / name).read_bytes(), f"{path.name}: {name} differs"
         # the same tensors, trained: every name and shape as in the untrained model, and the weights moved
-        with safe_open(base / warm_starts.WEIGHTS, "pt") as untrained, safe_open(stored / warm_starts.WEIGHTS, "pt") as got:
+        with (
+            safe_open(base / warm_starts.WEIGHTS, "pt") as untrained,
+            safe_open(stored / warm_starts.WEIGHTS, "pt") as got,
+        ):
             assert sorted(untrained.keys()) == sorted(got.keys()), path.name
             moved = 0
             for key in untrained.keys():
