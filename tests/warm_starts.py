@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 STORED = Path(__file__).parent / "fixtures" / "warm_starts"
-#: what each stored directory must hold beside the weights (the tokenizer or processor files vary by model)
+#: the weights' file in each stored directory (beside it: config, tokenizer or processor files, as the model saves them)
 WEIGHTS = "model.safetensors"
 
 
@@ -43,17 +43,13 @@ def wanted() -> list[Path]:
 
 def install(cache: Path) -> list[Path]:
     """Copy every stored warm start into ``cache`` (those already there are kept); the paths copied."""
+    from oxrl_core.models.tiny import publish_dir  # lazy: as above
+
     copied = []
     for stored in sorted(STORED.iterdir()) if STORED.is_dir() else []:
         target = cache / stored.name
         if not (target / "config.json").exists():
-            tmp = cache / f"{stored.name}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(stored, tmp)
-            try:
-                os.replace(tmp, target)
-            except OSError:  # another worker published it first
-                shutil.rmtree(tmp, ignore_errors=True)
+            publish_dir(target, lambda tmp, stored=stored: shutil.copytree(stored, tmp))  # workers may race: kept
             copied.append(target)
     return copied
 
