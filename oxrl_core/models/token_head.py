@@ -36,7 +36,6 @@ All give the same values and gradients (tests/test_token_head.py, every family o
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from dataclasses import dataclass, replace
 
@@ -769,10 +768,6 @@ def _module_stats(h, targets, head, path, temperature, entropy, logp_mean, h_tea
     return out
 
 
-def _accepts_logits_to_keep(model) -> bool:
-    return "logits_to_keep" in inspect.signature(_inner(model).forward).parameters
-
-
 def token_stats(
     model,
     inputs: dict,
@@ -818,19 +813,14 @@ def token_stats(
 
 
 def _plain_stats(model, inputs, rows, pos, targets, temperature, entropy, logp_mean, teacher, kd_temperature, hidden):
-    """The model's own forward and full logits (only at the scored positions when it takes ``logits_to_keep``)."""
-    keep = torch.unique(pos)  # (K,) sorted
-    extra = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
-    out = model(**inputs, use_cache=False, output_hidden_states=hidden, **extra)
-    at = torch.searchsorted(keep, pos) if extra else pos
-    logits = out.logits[rows, at]  # (M, V)
+    """The model's own forward and full logits at every position (this path is chosen where they are small, or
+    as the fallback), read at the scored ones — no data-dependent selection of positions, so no device read."""
+    out = model(**inputs, use_cache=False, output_hidden_states=hidden)
+    logits = out.logits[rows, pos]  # (M, V)
     teacher_logits = None
     if teacher is not None:
         with torch.no_grad():
-            extra_t = {"logits_to_keep": keep} if _accepts_logits_to_keep(teacher) else {}
-            teacher_logits = teacher(**inputs, use_cache=False, **extra_t).logits[
-                rows, torch.searchsorted(keep, pos) if extra_t else pos
-            ]
+            teacher_logits = teacher(**inputs, use_cache=False).logits[rows, pos]
     stats = stats_from_logits(logits, targets, temperature, entropy, logp_mean, teacher_logits, kd_temperature)
     if hidden:
         stats["hidden"] = out.hidden_states[-1]
