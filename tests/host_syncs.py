@@ -9,7 +9,7 @@ counting thread and every thread started while counting, through a
 `TorchDispatchMode` per thread:
 
   - ``aten._local_scalar_dense`` (what ``item``/``float``/``int``/``bool`` of a tensor call);
-  - ``aten.nonzero`` (also behind boolean indexing), ``aten.masked_select``, the ``unique`` family;
+  - ``aten.nonzero``, boolean-mask ``aten.index`` / ``index_put``, ``aten.masked_select``, the ``unique`` family;
   - ``aten.repeat_interleave`` of a repeats tensor without ``output_size``;
   - ``Tensor.tolist`` / ``Tensor.numpy`` / ``Tensor.cpu``: a device-to-host copy on a GPU (every call is
     counted: on a CPU a host tensor and a device tensor look the same).
@@ -38,6 +38,12 @@ _DATA_DEPENDENT = {
 }
 
 
+def _bool_index(args) -> bool:
+    """Whether an index/index_put call indexes by a boolean mask (which needs the mask's nonzero count)."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, counter: SyncCounter):
         super().__init__()
@@ -48,6 +54,8 @@ class _Mode(TorchDispatchMode):
         name = func._schema.name
         if name in _DATA_DEPENDENT:
             self.counter.add(name)
+        elif name in ("aten::index", "aten::index_put", "aten::index_put_") and _bool_index(args):
+            self.counter.add(f"{name} (boolean mask)")
         elif name == "aten::repeat_interleave" and kwargs.get("output_size") is None and len(args) >= 1:
             if isinstance(args[0], torch.Tensor) and (len(args) < 2 or isinstance(args[1], torch.Tensor)):
                 self.counter.add("aten::repeat_interleave (no output_size)")
