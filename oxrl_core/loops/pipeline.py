@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines.distributed import broadcast_object, is_main
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.loops.episodes import EnvFailures
@@ -144,8 +145,8 @@ def load_in_flight(ckpt: Path, k: int, start_step: int, max_steps: int) -> dict[
                 f"would have generated with earlier weights; resume with rollout.max_staleness=0"
             )
         return {}
+    saved = load_state_file(path)  # refuses a file that would run code, naming it
     try:
-        saved = torch.load(path, weights_only=True)
         saved_k, batches = int(saved["max_staleness"]), saved["batches"]
         loaded = {int(b["step"]): decode(b["payload"]) for b in batches}
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: one message naming it

@@ -32,6 +32,7 @@ from oxrl_core.data.images import image_fields_of, is_image_row
 from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
@@ -335,7 +336,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
     engine = setup.build_engine(model)
     if ckpt is not None and self_play:
-        ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
+        ref.load_state_dict(load_state_file(ckpt / REF_FILE, map_location=engine.device))
     if cfg.train.precompute_ref_logps:
         precompute_ref(ref, train.examples, engine, pad_id, packing, cfg.train.batch_size)
         if not eval_examples:

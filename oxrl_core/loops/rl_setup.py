@@ -21,6 +21,7 @@ from oxrl_core.data.batching import make_plan
 from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import is_main, world_size
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.loops.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
 from oxrl_core.loops.episodes import Episodes
@@ -148,7 +149,7 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path, reporter=setup.reporter)
         )
         if ckpt is not None:
-            critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
+            critic.load_state_dict(load_state_file(ckpt / "critic.pt"))
     # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
     # the message names the setting that is too long
     longest, setting = (cfg.env.max_tokens, "env.max_tokens") if env else (ro.max_new_tokens, "rollout.max_new_tokens")
