@@ -150,7 +150,7 @@ def test_a_checkpoint_in_flight_file_that_does_not_fit_the_run_is_refused_naming
         load_in_flight(ckpt, 3, 4, 10)
     _save_in_flight(ckpt, 2, [5, 6])
     (ckpt / INFLIGHT_FILE).write_bytes(b"PK\x03\x04 not a torch file")
-    with pytest.raises(OxrlError, match=rf"{INFLIGHT_FILE}: not a readable in-flight batch file"):
+    with pytest.raises(OxrlError, match=rf"{INFLIGHT_FILE}: not a readable state file"):
         load_in_flight(ckpt, 2, 4, 10)
     (ckpt / INFLIGHT_FILE).unlink()
     assert load_in_flight(ckpt, 0, 4, 10) == {}
