@@ -38,6 +38,7 @@ from oxrl_core.config import (
 )
 from oxrl_core.data.sources import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
+from oxrl_core.engines.ray_cluster import check_cluster
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
 from oxrl_core.launcher import launch
@@ -419,6 +420,8 @@ class Trainer:
                     "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
                 )
         check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
+        if "OXRL_LAUNCHED" not in os.environ:  # the driver (a launched rank's cluster was checked by it)
+            check_cluster(cfg.engine, cfg.rollout, self.algorithm.loop == "rl")  # joinable, actor_placement's node
         if self.algorithm.loop == "rl":  # the backend's class checked, and its options (rollout.<option>)
             self.registry.check("rollout_backend", cfg.rollout.backend, cfg.rollout, field="rollout")
             if cfg.reward.name:  # the class and its own options (reward.*), before any warm start
