@@ -87,7 +87,10 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             version += 1
             with clock("sync"):  # asynchronous: pushed without waiting, checked by the worker
                 record.update(parts.sync(version))
-        return {**record, **scored.metrics, **step_metrics(run, scored, batch, versions, lr, clock, parts.plan, picks)}
+        out = {**record, **scored.metrics, **step_metrics(run, scored, batch, versions, lr, clock, parts.plan, picks)}
+        if parts.pipeline is not None:  # the worker's generation inside this step's window (the async speedup)
+            out["perf/gen_in_step_s"] = parts.pipeline.generation_within(clock.start, clock.start + out["perf/step_s"])
+        return out
 
     records = run.train(step, close=parts.close)
     return run.finish(records, None, final_loss=False, extra=parts.extra_files if parts.critic else None)

@@ -133,22 +133,31 @@ def _one(record: dict, key: str, missing: float) -> float:
 #: the phases of an RL step whose sum `pipeline_text` compares with the wall-clock (perf/step_s): generation and
 #: scoring, the trainer's reward phase, training. The weight sync (perf/sync_s) is timed inside the train phase
 #: (loops/rl.py: ``clock("sync")`` within ``clock("train")``), so perf/train_s holds it: adding it would count it twice
-PHASES = ("perf/gen_s", "perf/reward_s", "perf/train_s")
+PHASES = ("perf/gen_in_step_s", "perf/reward_s", "perf/train_s")
+#: the most the phases of an asynchronous step can add up to, over its wall-clock: two activities overlap (the
+#: worker's generation and scoring, the trainer's reward phase and training), each inside the step
+ASYNC_BOUND = 2.0
 
 
 def pipeline_text(records: list[dict]) -> str:
-    """An asynchronous RL run's speedup over its phases run one after the other: Σ(generation and scoring +
-    reward + training with its weight sync seconds: `PHASES`) / Σ wall-clock seconds of the steps, the trainer's idle share (Σ waiting for
-    a batch / Σ step), and the staleness (mean, max); "" for a synchronous run (its phases run in turn: the
-    ratio is 1 by construction, less the step's bookkeeping) or one that logged no phases. A step with a non-finite or missing time is left
-    out (a missing reward phase counts 0)."""
+    """An asynchronous RL run's speedup over its phases run one after the other: Σ(generation and scoring inside
+    the step + reward + training with its weight sync seconds: `PHASES`) / Σ wall-clock seconds of the steps, the
+    trainer's idle share (Σ waiting for a batch / Σ step), and the staleness (mean, max); "" for a synchronous run
+    (its phases run in turn: the ratio is 1 by construction, less the step's bookkeeping) or one that logged no
+    phases. Only generation inside a step counts (``perf/gen_in_step_s``; batches made during start-up or between
+    steps would otherwise inflate it), so the ratio is at most `ASYNC_BOUND`; a run logged before that key existed
+    counts ``perf/gen_s`` up to its step's time. A step with a non-finite or missing time is left out (a missing
+    reward phase counts 0)."""
     if not is_async(records):
         return ""
     phases = wall = wait = 0.0
     counted = 0
     for r in records:
-        parts = [_one(r, key, math.nan if key == "perf/gen_s" else 0.0) for key in PHASES]
         step, waited = _one(r, "perf/step_s", math.nan), _one(r, "perf/gen_wait_s", 0.0)
+        in_step = _one(r, "perf/gen_in_step_s", math.nan)
+        if not math.isfinite(in_step):  # an older run: its whole generation time, within the step's own
+            in_step = min(_one(r, "perf/gen_s", math.nan), step)
+        parts = [in_step, *(_one(r, key, 0.0) for key in PHASES[1:])]
         if not all(math.isfinite(v) for v in (*parts, step, waited)) or step <= 0:
             continue
         phases, wall, wait, counted = phases + sum(parts), wall + step, wait + waited, counted + 1
@@ -157,7 +166,8 @@ def pipeline_text(records: list[dict]) -> str:
     mean = [v for _, v in series(records, "policy/staleness_mean") if math.isfinite(v)]
     most = max((v for _, v in series(records, "policy/staleness_max") if math.isfinite(v)), default=math.nan)
     return (
-        f"{phases / wall:.2f}× speedup over its phases run in turn (phases {phases:.1f} s, wall {wall:.1f} s; "
+        f"{phases / wall:.2f}× speedup over its phases run in turn (at most {ASYNC_BOUND:g}×; phases {phases:.1f} s, "
+        f"wall {wall:.1f} s; "
         f"trainer idle {wait / wall:.0%}); staleness mean {_mean(mean):.2f}, max {most:g} policy updates"
     )
 
