@@ -382,7 +382,9 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         return metrics
 
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
-    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
+    held_out = len(eval_rows) or len(eval_examples)  # greedy accuracy's rows, else pair accuracy's pairs
+    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files,
+              eval_rows=held_out)  # fmt: skip
     builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
     run.banner(builtin, f"{train_source.origin} ({len(train.examples)} rows)")
 

@@ -201,7 +201,14 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     # ---- the run (resumes a checkpoint), then the verified weight sync
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
     run = Run(
-        setup, model, saved_with, engine, evaluate if eval_rows else None, extra=checkpoint_files, every_metric=True
+        setup,
+        model,
+        saved_with,
+        engine,
+        evaluate if eval_rows else None,
+        extra=checkpoint_files,
+        every_metric=True,
+        eval_rows=len(eval_rows),
     )
     k = ro.max_staleness
     loaded = load_in_flight(ckpt, k, run.start_step, cfg.train.max_steps) if ckpt is not None else {}

@@ -370,6 +370,40 @@ def _no_held_out_gain(records, summary, max_steps, error) -> list[Finding]:
     return [Finding("warning", "no_held_out_gain", f"no held-out improvement: {what}")]
 
 
+#: the smallest fall of a held-out share that is a regression, whatever the number of rows
+MIN_FALL = 0.02
+
+
+def _held_out_fell(records, summary, max_steps, error) -> list[Finding]:
+    """The first headline held-out metric present (`HEADLINE` order) got worse by more than its noise, whatever
+    else rose: a share p over n held-out rows by more than max(`MIN_FALL`, 2·√(p(1−p)/n)) (two standard errors
+    of the binomial share at its value before; n unknown: `MIN_FALL`), ``eval/loss`` by more than
+    max(`MIN_FALL`, 2 % of its value before)."""
+    before, after = (summary or {}).get("eval_before") or {}, (summary or {}).get("eval_after") or {}
+    first = next((key for key, _ in HEADLINE if key in before and key in after), None)
+    if first is None or not (is_finite(before[first]) and is_finite(after[first])):
+        return []
+    was, now = float(before[first]), float(after[first])
+    if first == "eval/loss":
+        bound, fall, what = max(MIN_FALL, 0.02 * abs(was)), now - was, "rose"
+        noise = f"more than max({MIN_FALL:g}, 2% of {was:.3f})"
+    else:
+        n = int((summary or {}).get("eval_rows") or 0)
+        p = min(max(was, 0.0), 1.0)
+        bound = max(MIN_FALL, 2 * math.sqrt(p * (1 - p) / n)) if n else MIN_FALL
+        fall, what = was - now, "fell"
+        noise = f"more than its noise {bound:.3f} over {n} held-out rows" if n else f"more than {MIN_FALL:g}"
+    if fall <= bound:
+        return []
+    return [
+        Finding(
+            "warning",
+            "held_out_fell",
+            f"held-out {first.removeprefix('eval/')} {what}: {was:.3f} → {now:.3f}, {noise} (whatever else rose)",
+        )
+    ]
+
+
 def _weights_unchanged(records, summary, max_steps, error) -> list[Finding]:
     """Every step at learning rate 0 (a warm-up as long as the run): AdamW's update and weight decay are both
     scaled by it, so the weights come out bit-identical to the start, however the loss moved."""
@@ -396,6 +430,7 @@ CHECKS = (
     _clipped,
     _weights_unchanged,
     _no_held_out_gain,
+    _held_out_fell,
 )
 
 
