@@ -39,6 +39,7 @@ from oxrl_core.ops import aggregate_loss, group_advantages, mean_metric, policy_
 
 class GSPO(PolicyGradient):
     name = "gspo"
+    group_relative = True  # group z-scores: an equal-reward group gets exactly 0
     loop = "rl"
     data_format = "prompt"
     min_group_size = 2

@@ -422,6 +422,13 @@ class Trainer:
         check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
         if "OXRL_LAUNCHED" not in os.environ:  # the driver (a launched rank's cluster was checked by it)
             check_cluster(cfg.engine, cfg.rollout, self.algorithm.loop == "rl")  # joinable, actor_placement's node
+        if self.algorithm.loop == "rl" and cfg.rollout.dynamic_sampling and not self.algorithm.group_relative:
+            note = self.algorithm.signal_note or "it does not declare group-relative advantages (group_relative)"
+            raise OxrlError(
+                f"rollout.dynamic_sampling: '{cfg.algorithm}' cannot use it: dynamic sampling drops the prompt groups "
+                f"whose rewards are all equal because a group-relative advantage gives them no signal, but {note}, so "
+                "dropping them would change what it trains on; set rollout.dynamic_sampling=false"
+            )
         if self.algorithm.loop == "rl":  # the backend's class checked, and its options (rollout.<option>)
             self.registry.check("rollout_backend", cfg.rollout.backend, cfg.rollout, field="rollout")
             if cfg.reward.name:  # the class and its own options (reward.*), before any warm start
