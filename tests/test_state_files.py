@@ -58,7 +58,8 @@ def assert_refused(proc, path: Path, marker: Path) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr
     assert f"{path}: refused" in proc.stderr and "posix.system" in proc.stderr, proc.stderr
     assert "weights_only" not in proc.stderr, proc.stderr  # never advises turning the protection off
-    assert not (path.parents[1] / "final").exists() if path.parent.name.startswith("step-") else True
+    ckpt = next(p for p in path.parents if p.name.startswith("step-"))
+    assert not (ckpt.parents[1] / "final").exists() and (ckpt / "manifest.json").is_file()  # nothing lost or made
 
 
 # ----------------------------------------------------------------------------- the loader itself
@@ -132,7 +133,7 @@ def test_torch_engine_resume_refuses_a_payload_in_each_state_file(torch_run, tmp
     size = path.stat().st_size
     proc = oxrl("run", "--resume", "-o", str(run), env={"OMP_NUM_THREADS": "1"})
     assert_refused(proc, path, marker)
-    assert path.stat().st_size == size and (run / "checkpoints" / "step-1" / "manifest.json").is_file()
+    assert path.stat().st_size == size  # the file is left for the user to look at
 
 
 @pytest.fixture(scope="module")
