@@ -230,11 +230,12 @@ class Trainer:
         read = read_run_config(config, sets, algorithm=alg, base=base)
         if resume:  # a shared run directory's config.yaml may name code: say what, before any of it is imported
             declared = code_it_runs(read.raw)
-            if declared:
-                self._note(
+            if declared:  # shown with --quiet too: it is what runs on this machine
+                Console(stderr=True, soft_wrap=True).print(
                     "[yellow]note:[/yellow] --resume: this config runs code by design: "
                     + escape("; ".join(declared))
-                    + " (resume only run directories you trust)"
+                    + " (resume only run directories you trust)",
+                    highlight=False,
                 )
         self.config: RunConfig = self._load_config(read, alg)
         self.algorithm = self.registry.build(

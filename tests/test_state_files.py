@@ -131,8 +131,11 @@ def test_torch_engine_resume_refuses_a_payload_in_each_state_file(torch_run, tmp
     path, marker = run / "checkpoints" / "step-1" / name, tmp_path / "ran"
     plant(path, marker)
     size = path.stat().st_size
-    proc = oxrl("run", "--resume", "-o", str(run), env={"OMP_NUM_THREADS": "1"})
+    remote = ["--set", "model.trust_remote_code=true"]  # code that runs by design: listed first, even with -q
+    proc = oxrl("run", "--resume", "-o", str(run), *remote, "-q", env={"OMP_NUM_THREADS": "1"})
     assert_refused(proc, path, marker)
+    listed = "--resume: this config runs code by design: model.trust_remote_code=true"
+    assert listed in proc.stderr and proc.stderr.index(listed) < proc.stderr.index(": refused"), proc.stderr
     assert path.stat().st_size == size  # the file is left for the user to look at
 
 
