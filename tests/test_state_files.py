@@ -97,6 +97,27 @@ def test_an_inflight_file_with_a_payload_is_refused_without_torchs_advice(tmp_pa
     assert "weights_only" not in str(refused.value)
 
 
+def test_a_ranks_own_rng_file_with_a_payload_is_refused(tmp_path, monkeypatch):
+    """Rank r > 0 of a data-parallel run reads ``rng-rank{r}.pt`` (the two-rank DeepSpeed runs resume through it)."""
+    import json
+    from types import SimpleNamespace
+
+    from oxrl_core.engines import distributed
+    from oxrl_core.run_io.checkpoint import STATE_FILE, load_training_state, rng_state
+
+    (tmp_path / STATE_FILE).write_text(json.dumps({"step": 1, "engine": {"name": "torch"}}))
+    torch.save(rng_state(), tmp_path / "rng.pt")  # rank 0's, well-formed
+    marker, path = tmp_path / "ran", tmp_path / "rng-rank1.pt"
+    torch.save({"python": Payload(marker)}, path)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    engine = SimpleNamespace(describe=lambda: {"name": "torch"}, load_state=lambda directory: None)
+    with pytest.raises(UnsafeStateFile, match=f"^{path}: refused"):
+        load_training_state(tmp_path, engine)
+    assert not marker.exists()
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    assert load_training_state(tmp_path, engine)["step"] == 1  # rank 0's own file loads
+
+
 def test_resume_lists_the_code_a_config_runs(tmp_path):
     reward = tmp_path / "r.py"
     raw = {
