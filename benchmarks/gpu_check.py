@@ -479,7 +479,7 @@ def async_rollouts(check: Check) -> dict:
     return {
         "rows": figures["sides"],
         "setup": figures["setup"],
-        "summary": f"k=1: {one['speedup_vs_k0']}× k=0's training time ({one['steps_per_s']} vs {sides[0]['steps_per_s']} "
+        "summary": f"k=1 steps/s = {one['speedup_vs_k0']}× k=0's ({one['steps_per_s']} vs {sides[0]['steps_per_s']} "
         f"steps/s), {one['overlap_share']:.0%} of generation hidden, trainer idle {one['idle_share']:.0%}",
     }
 
@@ -905,8 +905,14 @@ def main() -> int:
     if set(only) - set(names):
         ap.error(f"unknown sections {sorted(set(only) - set(names))}; known: {', '.join(names)}")
     budget = args.budget_s if args.budget_s is not None else (400.0 if args.dry_run else 450.0)
+    if not (math.isfinite(budget) and budget > 0):
+        ap.error(f"--budget-s {args.budget_s:g}: give a positive number of seconds for all the sections")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # a usage error now, not a traceback after the sections ran
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as exc:
+        ap.error(f"--out {out}: cannot write reports there ({exc.strerror or exc})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM ends the running script too (finally)
 
     start = time.monotonic()

@@ -482,7 +482,8 @@ class RolloutConfig(StrictModel):
         False,
         description="DAPO's dynamic sampling (Yu et al. 2025): drop prompt groups whose rewards are all equal (zero "
         "variance, no learning signal for group-relative advantages) and generate more prompts until the batch has "
-        "train.batch_size groups (metrics sampling/*; reward/* stay the step's scheduled prompts')",
+        "train.batch_size groups (metrics sampling/*; reward/* stay the step's scheduled prompts'); only for "
+        "algorithms whose signal is relative to the group (not RFT, PPO, REINFORCE++: refused, saying why)",
     )
     max_sampling_rounds: int = Field(
         4,

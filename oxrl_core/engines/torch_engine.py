@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines import distributed
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 
 
@@ -138,7 +139,7 @@ class TorchEngine(PrecisionAndDevice):
         torch.save(self.state_dict(), Path(directory) / "engine.pt")
 
     def load_state(self, directory: Path) -> None:
-        self.load_state_dict(torch.load(Path(directory) / "engine.pt", map_location=self.device, weights_only=False))
+        self.load_state_dict(load_state_file(Path(directory) / "engine.pt", map_location=self.device))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

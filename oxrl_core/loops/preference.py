@@ -32,6 +32,7 @@ from oxrl_core.data.images import image_fields_of, is_image_row
 from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, StepSums, backward_share
@@ -345,7 +346,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
     engine = setup.build_engine(model)
     if ckpt is not None and self_play:
-        ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
+        ref.load_state_dict(load_state_file(ckpt / REF_FILE, map_location=engine.device))
     if cfg.train.precompute_ref_logps:
         precompute_ref(ref, train.examples, engine, pad_id, packing, cfg.train.batch_size)
         if not eval_examples:
@@ -391,7 +392,9 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         return metrics
 
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
-    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
+    held_out = len(eval_rows) or len(eval_examples)  # greedy accuracy's rows, else pair accuracy's pairs
+    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files,
+              eval_rows=held_out)  # fmt: skip
     builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
     run.banner(builtin, f"{train_source.origin} ({len(train.examples)} rows)")
 

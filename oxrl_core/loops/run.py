@@ -145,11 +145,12 @@ class Run:
     evaluates; None without held-out data) and the loop's own checkpoint files (``extra(dir)``). Constructing
     it resumes the checkpoint being continued (optimiser state, step, data position, eval-before)."""
 
-    def __init__(self, setup, model, tokenizer, engine, evaluate=None, extra=None, every_metric=False):
+    def __init__(self, setup, model, tokenizer, engine, evaluate=None, extra=None, every_metric=False, eval_rows=0):
         self.cfg, self.ckpt, self.algorithm, self.run_dir = setup.cfg, setup.ckpt, setup.algorithm, setup.run_dir
         self.reporter, self.info = setup.reporter, setup.info
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self._evaluate, self.has_eval, self.every_metric = evaluate, evaluate is not None, every_metric
+        self.eval_rows = eval_rows  # the held-out rows the headline metric is a share of (the verdict's noise)
         self.start_step, self.position, self.eval_before = 0, 0, {}
         if self.ckpt is not None:
             state = load_training_state(self.ckpt, engine)
@@ -292,6 +293,7 @@ class Run:
             "train_seconds": time.perf_counter() - self.train_start,
             "eval_before": eval_before,
             "eval_after": eval_after,
+            **({"eval_rows": self.eval_rows} if self.eval_rows else {}),
             "environment": {**versions(), "device": str(self.engine.device)},
         }
         if is_main():

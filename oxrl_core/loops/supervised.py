@@ -123,7 +123,9 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
 
     # final/ and checkpoints save a VLM's processor (its tokenizer, image processor and chat template)
     saved_with = vision if vision is not None else tokenizer
-    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None)
+    run = Run(
+        setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, eval_rows=len(eval_rows)
+    )
     builtin = "built-in tiny Qwen2-VL" if vision is not None else "built-in tiny llama"
     run.banner(builtin, f"{train_source.origin} ({len(train.examples)} examples)")
 
