@@ -213,10 +213,15 @@ class HFRolloutBackend(RolloutBackend):
         what the cache holds), so the samples are drawn from the same distribution as before: positions
         and padding follow ``generate``'s own rule (cumulative mask − 1, padding at 0).
         Only for caches made entirely of transformers' plain ``DynamicLayer`` (full attention); a model with
-        sliding-window, linear-attention or custom caches gets transformers' default.
+        sliding-window, linear-attention or custom caches gets transformers' default, and so does a model whose
+        packed forward the load-time probe found to differ from its separate forwards (`packing_probe`).
         """
         from transformers import DynamicCache
 
+        from oxrl_core.models.packing_probe import allows_prefill_once
+
+        if not allows_prefill_once(self.model):
+            return None
         config = getattr(self.model, "config", None)
         supports = getattr(self.model, "_supports_default_dynamic_cache", None)
         if config is None or supports is None or not supports():

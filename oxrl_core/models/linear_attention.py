@@ -1,0 +1,117 @@
+"""Linear-attention layers on packed rows: each sequence's recurrent state and convolution start afresh.
+
+A Gated DeltaNet layer (Qwen3.5 dense and MoE, Qwen3-Next) carries a recurrent state and a short causal
+convolution along its row. On a packed row (`data.packing`) the state and the convolution window of one
+sequence would run on into the next: transformers passes the row boundaries (``cu_seq_lens_q``) to the delta rule,
+and its GPU kernels (flash-linear-attention, causal-conv1d) take them, but the pure-PyTorch fallbacks
+(``torch_chunk_gated_delta_rule``, ``causal_conv1d_fn``), which run on a CPU and on a GPU without those kernels,
+accept the boundaries and ignore them.
+
+`per_sequence_linear_attention(model)` makes every such layer of a loaded model regroup a packed row into one
+right-padded batch of its sequences, run transformers' own layer on that batch (one call, no cache), and put the
+outputs back in row order. The layer is causal, so the padding after a sequence changes nothing before it: each
+sequence gets exactly what its own forward gives it, whichever kernel runs. A shared-prefix row
+(``[prompt, response_1, ..., response_k]``, `packed_attention._shared_prefix_attention`) becomes one sequence
+``[prompt; response_j]`` per response: the linear layer recomputes the prompt for each response (its state after
+the prompt is what the response continues from), the attention layers still compute it once.
+
+Calls without a packed row (padded batches, generation with a cache) go to the layer unchanged.
+`models.packing_probe` measures the result on every model that packs, so a stateful layer this module does not
+know (Mamba, Jamba, ...) makes packing step aside rather than compute something else.
+"""
+
+from __future__ import annotations
+
+import types
+
+#: the class-name ending of the layers handled here (transformers: Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet,
+#: Qwen3NextGatedDeltaNet), all called as ``forward(hidden_states, cache_params, attention_mask, **kwargs)``
+LINEAR_LAYER_SUFFIX = "GatedDeltaNet"
+
+#: keyword arguments that describe the packed row and mean nothing to a layer that sees one sequence per batch row
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
+
+_LAST: tuple = (None, None)  # (the row description, its layout): every linear layer of one forward shares it
+
+
+def per_sequence_linear_attention(model) -> int:
+    """Make each Gated DeltaNet layer of ``model`` run a packed row per sequence; returns how many layers it wraps
+    (0 for a model without them). Idempotent; the wrapped layers compute as before on everything else."""
+    wrapped = 0
+    for module in model.modules():
+        if not type(module).__name__.endswith(LINEAR_LAYER_SUFFIX):
+            continue
+        if getattr(module, "_oxrl_per_sequence", False):
+            wrapped += 1
+            continue
+        module._oxrl_layer_forward = module.forward  # transformers' forward, bound to the layer
+        module.forward = types.MethodType(_per_sequence_forward, module)
+        module._oxrl_per_sequence = True
+        wrapped += 1
+    return wrapped
+
+
+def _per_sequence_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """A Gated DeltaNet layer's forward; a packed row (batch 1, no cache, its boundaries in ``cu_seq_lens_q`` or a
+    shared-prefix description) runs as a batch of its sequences."""
+    from oxrl_core.models.packed_attention import SHARED_PREFIX
+
+    shared = kwargs.get(SHARED_PREFIX)
+    bounds = kwargs.get("cu_seq_lens_q")
+    packed = cache_params is None and hidden_states.shape[0] == 1 and (shared is not None or bounds is not None)
+    if not packed:
+        return self._oxrl_layer_forward(
+            hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs
+        )
+    rest = {k: v for k, v in kwargs.items() if k not in _PACKED_KWARGS and k != SHARED_PREFIX}
+    layout = _layout(shared if shared is not None else bounds, shared is not None, hidden_states.device)
+    # hidden_states (1, ΣL, C) -> (N, L_max, C): sequence i right-padded (the padding repeats token 0; the layer is
+    # causal, so nothing after a sequence's last token reaches it)
+    batch = hidden_states[0].index_select(0, layout["rows"].flatten()).unflatten(0, layout["rows"].shape)
+    out = self._oxrl_layer_forward(batch, cache_params=None, attention_mask=None, **rest)  # (N, L_max, C_out)
+    return out.flatten(0, 1).index_select(0, layout["inverse"]).unsqueeze(0)  # (1, ΣL, C_out)
+
+
+def _layout(description, shared: bool, device) -> dict:
+    """Index tensors for one packed row, built once per forward (every linear layer of it reuses them).
+
+    ``rows`` (N, L_max): the row positions of each sequence, right-padded with position 0. ``inverse`` (ΣL,): where
+    each row position's output sits in the flattened (N·L_max) batch. Packing (``description`` = ``cu_seq_lens``):
+    one sequence per boundary pair. Shared prefix (``description`` = ``[(start, p, (n_1, ..., n_k)), ...]``): one
+    sequence ``[prompt; response_j]`` per response (the prompt alone where it has none); the prompt's outputs are
+    read from its first sequence.
+    """
+    global _LAST
+    if _LAST[0] is description:
+        return _LAST[1]
+    import torch
+
+    if shared:
+        sequences, owners = [], []  # each sequence's row positions; which sequence each row position is read from
+        total = max(start + p + sum(lengths) for start, p, lengths in description)
+        owner = [(0, 0)] * total  # row position -> (sequence, index in it)
+        for start, p, lengths in description:
+            prompt = list(range(start, start + p))
+            first = len(sequences)
+            for i in range(p):
+                owner[start + i] = (first, i)
+            begin = start + p
+            for n in lengths or (0,):
+                response = list(range(begin, begin + n))
+                for j, position in enumerate(response):
+                    owner[position] = (len(sequences), p + j)
+                sequences.append(prompt + response)
+                begin += n
+        owners = owner
+    else:
+        cuts = description.tolist()
+        sequences = [list(range(s, e)) for s, e in zip(cuts[:-1], cuts[1:]) if e > s]
+        owners = [(i, j) for i, sequence in enumerate(sequences) for j in range(len(sequence))]
+    width = max(map(len, sequences))
+    rows = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        rows[i, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+    inverse = torch.tensor([i * width + j for i, j in owners], dtype=torch.long)
+    layout = {"rows": rows.to(device), "inverse": inverse.to(device)}
+    _LAST = (description, layout)
+    return layout
