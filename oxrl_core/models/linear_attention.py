@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import types
 
+from oxrl_core.models.packed_attention import SHARED_PREFIX
+
 #: the class-name ending of the layers handled here (transformers: Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet,
 #: Qwen3NextGatedDeltaNet), all called as ``forward(hidden_states, cache_params, attention_mask, **kwargs)``
 LINEAR_LAYER_SUFFIX = "GatedDeltaNet"
@@ -54,8 +56,6 @@ def per_sequence_linear_attention(model) -> int:
 def _per_sequence_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Gated DeltaNet layer's forward; a packed row (batch 1, no cache, its boundaries in ``cu_seq_lens_q`` or a
     shared-prefix description) runs as a batch of its sequences."""
-    from oxrl_core.models.packed_attention import SHARED_PREFIX
-
     shared = kwargs.get(SHARED_PREFIX)
     bounds = kwargs.get("cu_seq_lens_q")
     packed = cache_params is None and hidden_states.shape[0] == 1 and (shared is not None or bounds is not None)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from oxrl_core.models.packed_attention import SHARED_PREFIX
+
 #: the probe's sequence lengths: both longer than a linear-attention layer's convolution and 64-token chunk
 LENGTHS = (96, 80)
 #: where the shared-prefix probe cuts the first sequence into prompt and first response
@@ -81,8 +83,6 @@ def allows_prefill_once(model) -> bool:
 
 def _measure(model, shared_prefix: bool, dtype) -> Verdict:
     import torch
-
-    from oxrl_core.models.packed_attention import SHARED_PREFIX
 
     text = config_text(model.config)
     model_type = getattr(text, "model_type", "") or getattr(model.config, "model_type", "")

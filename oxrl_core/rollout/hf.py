@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicLayer
 from oxrl_core.data.images import collate_pixels
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+from oxrl_core.models.packing_probe import allows_prefill_once
 from oxrl_core.models.vision import placeholder_token_ids
 
 
@@ -217,8 +218,6 @@ class HFRolloutBackend(RolloutBackend):
         packed forward the load-time probe found to differ from its separate forwards (`packing_probe`).
         """
         from transformers import DynamicCache
-
-        from oxrl_core.models.packing_probe import allows_prefill_once
 
         if not allows_prefill_once(self.model):
             return None
