@@ -448,17 +448,18 @@ def test_two_zero3_ranks_train_lora_like_one_process(work, tiny_model_dir):
 @requires_deepspeed
 @requires_ray
 @pytest.mark.slow
-@pytest.mark.parametrize("family", LINEAR_ATTENTION)
-def test_two_zero3_ranks_train_qwen3_5_like_one_process(family, work, arch_model):
-    """Qwen3.5 (Gated DeltaNet linear attention, packed per sequence; the MoE variant's experts) under ZeRO-3 over two
-    Ray ranks: the same SFT trajectory and final weights as one torch process, and `final/` reloads whole."""
+def test_two_zero3_ranks_train_qwen3_5_moe_like_one_process(work, arch_model):
+    """Qwen3.5-MoE (Gated DeltaNet linear attention packed per sequence, full attention, experts and the shared
+    expert: every part of the dense Qwen3.5 and more) under ZeRO-3 over two Ray ranks: the same SFT trajectory and
+    final weights as one torch process, and `final/` reloads whole."""
     from transformers import AutoModelForCausalLM
 
-    model = arch_model(family)
+    model = arch_model(LINEAR_ATTENTION[-1])
     short = ("--set", "train.max_steps=2", "--set", "train.save_every=0")
-    single = _sft(work, f"torch-{family}", model, *short)
-    run = _sft(work, f"dp-{family}", model, *DP2, *short)
-    _assert_same_trajectory(single, run, keys=("loss", "grad_norm", "perf/tokens"))
+    single = _sft(work, "torch-qwen3_5_moe", model, *short)
+    run = _sft(work, "dp-qwen3_5_moe", model, *DP2, *short)
+    _assert_same_trajectory(single, run, keys=("loss", "perf/tokens"))
+    _assert_same_trajectory(single, run, keys=("grad_norm",), atol=1e-4)  # a norm of ~6: summation order
     _assert_close_weights(_weights(single / "final"), _weights(run / "final"))
     _, info = AutoModelForCausalLM.from_pretrained(run / "final", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
