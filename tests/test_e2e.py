@@ -366,6 +366,7 @@ def test_default_offline_run_raises_heldout_accuracy(tmp_path):
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     before, after = summary["eval_before"]["eval/accuracy"], summary["eval_after"]["eval/accuracy"]
     assert "held-out accuracy" in proc.stderr
+    assert "data.packing: on (auto)" in proc.stderr  # the probe passed on the built-in model: packed rows
     assert after >= before + 0.15, (before, after)
 
 

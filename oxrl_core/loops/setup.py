@@ -95,7 +95,7 @@ class Setup:
                 f"data.packing: on (auto): a packed row of this {verdict.model_type} model equals its sequences' "
                 f"separate forwards (measured, max |Δ| {verdict.packing_diff:.1g}); data.packing=false pads instead"
             )
-        return packing
+        return "shared" if packing == "shared" else True
 
     def policy(self, model, head: str = "lm"):
         """The loaded policy made trainable: a VLM's vision tower frozen (``model.freeze_vision``), LoRA
