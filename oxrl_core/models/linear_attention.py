@@ -56,6 +56,8 @@ def per_sequence_linear_attention(model) -> int:
 def _per_sequence_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """A Gated DeltaNet layer's forward; a packed row (batch 1, no cache, its boundaries in ``cu_seq_lens_q`` or a
     shared-prefix description) runs as a batch of its sequences."""
+    import torch
+
     shared = kwargs.get(SHARED_PREFIX)
     bounds = kwargs.get("cu_seq_lens_q")
     packed = cache_params is None and hidden_states.shape[0] == 1 and (shared is not None or bounds is not None)
@@ -65,21 +67,30 @@ def _per_sequence_forward(self, hidden_states, cache_params=None, attention_mask
         )
     rest = {k: v for k, v in kwargs.items() if k not in _PACKED_KWARGS and k != SHARED_PREFIX}
     layout = _layout(shared if shared is not None else bounds, shared is not None, hidden_states.device)
-    # hidden_states (1, ΣL, C) -> (N, L_max, C): sequence i right-padded (the padding repeats token 0; the layer is
-    # causal, so nothing after a sequence's last token reaches it)
-    batch = hidden_states[0].index_select(0, layout["rows"].flatten()).unflatten(0, layout["rows"].shape)
-    out = self._oxrl_layer_forward(batch, cache_params=None, attention_mask=None, **rest)  # (N, L_max, C_out)
-    return out.flatten(0, 1).index_select(0, layout["inverse"]).unsqueeze(0)  # (1, ΣL, C_out)
+    outputs = []
+    for rows in layout["groups"]:  # sequences of similar length, right-padded to the longest of each group
+        # hidden_states (1, ΣL, C) -> (n, L_g, C); the padding repeats token 0, and the layer is causal, so nothing
+        # after a sequence's last token reaches it
+        batch = hidden_states[0].index_select(0, rows.flatten()).unflatten(0, rows.shape)
+        out = self._oxrl_layer_forward(batch, cache_params=None, attention_mask=None, **rest)  # (n, L_g, C_out)
+        outputs.append(out.flatten(0, 1))
+    return torch.cat(outputs).index_select(0, layout["inverse"]).unsqueeze(0)  # (1, ΣL, C_out)
+
+
+#: a group of sequences is padded to its longest; a sequence joins the group while the padded size stays within
+#: this factor of the group's real tokens (one call per layer for rows of similar lengths, a few for mixed ones)
+PADDING_SLACK = 1.25
 
 
 def _layout(description, shared: bool, device) -> dict:
     """Index tensors for one packed row, built once per forward (every linear layer of it reuses them).
 
-    ``rows`` (N, L_max): the row positions of each sequence, right-padded with position 0. ``inverse`` (ΣL,): where
-    each row position's output sits in the flattened (N·L_max) batch. Packing (``description`` = ``cu_seq_lens``):
-    one sequence per boundary pair. Shared prefix (``description`` = ``[(start, p, (n_1, ..., n_k)), ...]``): one
-    sequence ``[prompt; response_j]`` per response (the prompt alone where it has none); the prompt's outputs are
-    read from its first sequence.
+    The row's sequences — packing (``description`` = ``cu_seq_lens``): one per boundary pair; shared prefix
+    (``description`` = ``[(start, p, (n_1, ..., n_k)), ...]``): ``[prompt; response_j]`` per response (the prompt
+    alone where it has none), the prompt's outputs read from its first sequence — sorted longest first and cut into
+    groups whose padding stays within `PADDING_SLACK`. ``groups``: one (n, L_g) tensor of row positions per group,
+    right-padded with position 0. ``inverse`` (ΣL,): where each row position's output sits in the concatenation of
+    the groups' flattened outputs.
     """
     global _LAST
     if _LAST[0] is description:
@@ -87,31 +98,45 @@ def _layout(description, shared: bool, device) -> dict:
     import torch
 
     if shared:
-        sequences, owners = [], []  # each sequence's row positions; which sequence each row position is read from
+        sequences = []  # each sequence's row positions
         total = max(start + p + sum(lengths) for start, p, lengths in description)
-        owner = [(0, 0)] * total  # row position -> (sequence, index in it)
+        owners = [(0, 0)] * total  # row position -> (sequence, index in it)
         for start, p, lengths in description:
             prompt = list(range(start, start + p))
-            first = len(sequences)
             for i in range(p):
-                owner[start + i] = (first, i)
+                owners[start + i] = (len(sequences), i)
             begin = start + p
             for n in lengths or (0,):
-                response = list(range(begin, begin + n))
-                for j, position in enumerate(response):
-                    owner[position] = (len(sequences), p + j)
-                sequences.append(prompt + response)
+                for j in range(n):
+                    owners[begin + j] = (len(sequences), p + j)
+                sequences.append(prompt + list(range(begin, begin + n)))
                 begin += n
-        owners = owner
     else:
         cuts = description.tolist()
         sequences = [list(range(s, e)) for s, e in zip(cuts[:-1], cuts[1:]) if e > s]
         owners = [(i, j) for i, sequence in enumerate(sequences) for j in range(len(sequence))]
-    width = max(map(len, sequences))
-    rows = torch.zeros(len(sequences), width, dtype=torch.long)
-    for i, sequence in enumerate(sequences):
-        rows[i, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-    inverse = torch.tensor([i * width + j for i, j in owners], dtype=torch.long)
-    layout = {"rows": rows.to(device), "inverse": inverse.to(device)}
+
+    order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+    groups, current, tokens = [], [], 0
+    for i in order:
+        n = len(sequences[i])
+        if current and (len(current) + 1) * len(sequences[current[0]]) > PADDING_SLACK * (tokens + n):
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    groups.append(current)
+
+    offset, where, tensors = 0, {}, []  # where: sequence -> (its first flat index, its group's width)
+    for group in groups:
+        width = len(sequences[group[0]])
+        rows = torch.zeros(len(group), width, dtype=torch.long)  # (n, L_g)
+        for r, i in enumerate(group):
+            rows[r, : len(sequences[i])] = torch.tensor(sequences[i], dtype=torch.long)
+            where[i] = offset + r * width
+        tensors.append(rows.to(device))
+        offset += len(group) * width
+    inverse = torch.tensor([where[i] + j for i, j in owners], dtype=torch.long)
+    layout = {"groups": tensors, "inverse": inverse.to(device)}
     _LAST = (description, layout)
     return layout
