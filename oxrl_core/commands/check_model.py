@@ -598,16 +598,20 @@ def _paths(report: dict, model, config, text, problems: list, vision_parts: tupl
     for key, (applies, detail) in attention_fast_paths(config).items():
         paths[key] = {"applies": applies, "detail": detail}
     verdict = _packing_probe(model, paths["shared_prefix"]["applies"])
-    for key, passed, what in (("packing", verdict.packing, "packing"), ("shared_prefix", verdict.shared_prefix, "")):
+    measured = (
+        ("packing", verdict.packing, "packing", "its rows are padded"),
+        ("shared_prefix", verdict.shared_prefix, "shared prompts", "they do not apply"),
+    )
+    for key, passed, what, then in measured:
         if not paths[key]["applies"]:
             continue
         if passed:
             paths[key]["detail"] += "; measured: a packed row = the separate forwards"
         else:
-            paths[key] = {"applies": False, "detail": verdict.note(what or "shared prompts")}
+            paths[key] = {"applies": False, "detail": verdict.note(what, then)}
     applies, detail = _prefill_cache(model, config)
     if applies and not verdict.packing:
-        applies, detail = False, verdict.note("prefill-once")
+        applies, detail = False, verdict.note("the prefill-once cache", "it generates with transformers' own cache")
     paths["hf_prefill_cache"] = {"applies": applies, "detail": detail}
     applies, detail, names = _lora(model, vision_parts)
     paths["lora"] = {"applies": applies, "detail": detail}

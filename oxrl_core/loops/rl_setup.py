@@ -141,7 +141,7 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             "training on padded rows"
         )
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
-    shared = setup.packs_exactly(shared and "shared", model, ref) == "shared"  # measured, else padded rows
+    shared = setup.packs_exactly(shared and "shared", model, ref, unshared="it trains on padded rows") == "shared"
     model = setup.policy(model)
     critic = None
     if algorithm.needs_critic:

@@ -73,11 +73,12 @@ class Setup:
         )
         return False
 
-    def packs_exactly(self, packing, *models):
+    def packs_exactly(self, packing, *models, unshared: str = "packing without them"):
         """``packing`` (True, ``"shared"`` for shared-prompt rows, or falsy) once the loaded ``models`` are measured
         (`packing_probe.probe`: a packed row against the separate forwards, cached per model): packing a model
-        fails steps aside to padded rows (False), shared prompts that fail to ordinary packing (True), each with one
-        note naming the model type. ``data.packing: auto`` that stays on says so."""
+        fails steps aside to padded rows (False), shared prompts that fail to ordinary packing (True; ``unshared``
+        says what the loop does then), each with one note naming the model type. ``data.packing: auto`` that stays on
+        says so."""
         if not packing:
             return False
         for model in models:
@@ -88,7 +89,7 @@ class Setup:
                 self.info(f"[yellow]note:[/yellow] {verdict.note()}")
                 return False
             if packing == "shared" and not verdict.shared_prefix:
-                self.info(f"[yellow]note:[/yellow] {verdict.note('shared prompts')}; packing without them")
+                self.info(f"[yellow]note:[/yellow] {verdict.note('shared prompts', unshared)}")
                 packing = True
         if self.cfg.data.packing == "auto":
             self.info(

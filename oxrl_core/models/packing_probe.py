@@ -47,16 +47,17 @@ class Verdict:
     seconds: float
     error: str = ""  #: the exception a packed call raised (then packing is False)
 
-    def note(self, what: str = "packing") -> str:
-        """Why ``what`` ('packing' or 'shared prompts') steps aside, in one line."""
+    def note(self, what: str = "packing", then: str = "its rows are padded") -> str:
+        """Why ``what`` ('packing', 'shared prompts', ...) steps aside and what happens ``then``, in one line."""
         if self.error:
             cause = f"a packed forward raises {self.error}"
         else:
-            diff = self.packing_diff if what == "packing" else self.shared_diff
+            # the shared-prompt row's difference where it was measured, else the packed row's (which failed first)
+            diff = self.shared_diff if self.packing and self.shared_diff is not None else self.packing_diff
             cause = f"a packed row differs from the separate forwards by {diff:.3g} (tolerance {self.tolerance:.1g})"
         return (
             f"data.packing: {what} off for model type '{self.model_type}': {cause}; it has layers that do not "
-            "restart at a sequence boundary, so its rows are padded"
+            f"restart at a sequence boundary, so {then}"
         )
 
 
