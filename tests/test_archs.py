@@ -131,8 +131,8 @@ def plain_dpo(policy_dir: Path, ref_dir: Path, pairs: list[dict], beta: float) -
     return {
         "loss": float(loss.detach()),
         "grad_norm": _grad_norm(policy),
-        "logps/chosen": float(chosen.mean()),
-        "logps/rejected": float(rejected.mean()),
+        "logps/chosen": float(chosen.detach().mean()),
+        "logps/rejected": float(rejected.detach().mean()),
     }
 
 
