@@ -178,8 +178,11 @@ class DeepSpeedEngine(PrecisionAndDevice):
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         self._hook_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def step(self) -> float:
-        """Reduce, clip, step optimiser and scheduler, zero grads; return the pre-clip gradient norm."""
+    def step(self, check=None) -> float:
+        """Reduce, clip, step optimiser and scheduler, zero grads; return the pre-clip gradient norm. ``check(None)``
+        runs before DeepSpeed's step (which clips inside it), so it may stop the update."""
+        if check is not None:
+            check(None)
         self.ds.step()
         if self.zero_stage == 3:
             self._end_of_step()

@@ -40,8 +40,15 @@ PACKED_SDPA = "oxrl_packed_sdpa"
 _LAST_BOUNDS: tuple = (None, None)  # (cu_seq_lens tensor, its list): every layer of one forward shares it
 
 
-def _row_bounds(cu_seq_lens) -> list[int]:
-    """`cu_seq_lens.tolist()`, once per forward pass instead of once per layer (one device sync on a GPU)."""
+#: model keyword with the packed row boundaries as ints, which the collator knows on the host
+ROW_BOUNDS = "oxrl_row_bounds"
+
+
+def _row_bounds(cu_seq_lens, host=None) -> list[int]:
+    """The row boundaries: ``host`` (the collator's ints: no device read), else `cu_seq_lens.tolist()` once per
+    forward pass instead of once per layer (one device sync on a GPU)."""
+    if host is not None:
+        return list(host)
     global _LAST_BOUNDS
     if _LAST_BOUNDS[0] is not cu_seq_lens:
         _LAST_BOUNDS = (cu_seq_lens, cu_seq_lens.tolist())
@@ -86,7 +93,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bounds = _row_bounds(cu_seq_lens)
+    bounds = _row_bounds(cu_seq_lens, kwargs.get(ROW_BOUNDS))
     gqa = key.shape[1] != query.shape[1]
 
     def attend(s: int, e: int):  # one packed row, causal (banded under a sliding window)
