@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import types
 
-from oxrl_core.models.packed_attention import SHARED_PREFIX
+from oxrl_core.models.packed_attention import ROW_BOUNDS, SHARED_PREFIX
 
 #: the class-name ending of the layers handled here (transformers: Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet,
 #: Qwen3NextGatedDeltaNet), all called as ``forward(hidden_states, cache_params, attention_mask, **kwargs)``
 LINEAR_LAYER_SUFFIX = "GatedDeltaNet"
 
 #: keyword arguments that describe the packed row and mean nothing to a layer that sees one sequence per batch row
-_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids", ROW_BOUNDS)
 
 _LAST: tuple = (None, None)  # (the row description, its layout): every linear layer of one forward shares it
 
@@ -59,7 +59,8 @@ def _per_sequence_forward(self, hidden_states, cache_params=None, attention_mask
     import torch
 
     shared = kwargs.get(SHARED_PREFIX)
-    bounds = kwargs.get("cu_seq_lens_q")
+    # the row boundaries: the collator's ints (no device read), else the tensor
+    bounds = kwargs.get(ROW_BOUNDS, kwargs.get("cu_seq_lens_q"))
     packed = cache_params is None and hidden_states.shape[0] == 1 and (shared is not None or bounds is not None)
     if not packed:
         return self._oxrl_layer_forward(
@@ -87,7 +88,8 @@ def _layout(description, shared: bool, device) -> dict:
 
     The row's sequences — packing (``description`` = ``cu_seq_lens``): one per boundary pair; shared prefix
     (``description`` = ``[(start, p, (n_1, ..., n_k)), ...]``): ``[prompt; response_j]`` per response (the prompt
-    alone where it has none), the prompt's outputs read from its first sequence — sorted longest first and cut into
+    alone where it has none), the prompt's outputs read from its first sequence; the boundaries come as the collator's
+    ints (``oxrl_row_bounds``) or as the tensor — sorted longest first and cut into
     groups whose padding stays within `PADDING_SLACK`. ``groups``: one (n, L_g) tensor of row positions per group,
     right-padded with position 0. ``inverse`` (ΣL,): where each row position's output sits in the concatenation of
     the groups' flattened outputs.
@@ -112,7 +114,7 @@ def _layout(description, shared: bool, device) -> dict:
                 sequences.append(prompt + list(range(begin, begin + n)))
                 begin += n
     else:
-        cuts = description.tolist()
+        cuts = description.tolist() if isinstance(description, torch.Tensor) else list(description)
         sequences = [list(range(s, e)) for s, e in zip(cuts[:-1], cuts[1:]) if e > s]
         owners = [(i, j) for i, sequence in enumerate(sequences) for j in range(len(sequence))]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from oxrl_core.models.packed_attention import SHARED_PREFIX
+from oxrl_core.models.packed_attention import ROW_BOUNDS, SHARED_PREFIX
 
 #: the probe's sequence lengths: both longer than a linear-attention layer's convolution and 64-token chunk
 LENGTHS = (96, 80)
@@ -121,6 +121,7 @@ def _measure(model, shared_prefix: bool, dtype) -> Verdict:
                 cu_seq_lens_k=bounds,
                 max_length_q=max(LENGTHS),
                 max_length_k=max(LENGTHS),
+                **{ROW_BOUNDS: (0, len(a), len(a) + len(b))},  # as the collator passes them (host ints)
             )
             packing_diff = max(
                 float((packed[: len(a)] - separate[0]).abs().max()),
