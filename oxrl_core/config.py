@@ -221,8 +221,10 @@ class DataConfig(StrictModel):
     group_by_length: bool = Field(
         False, description="batch rows of similar length together (less padding; changes the sample order)"
     )
-    packing: bool = Field(
-        False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)"
+    packing: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="padding-free packing of a micro-batch into one row (block-diagonal attention); auto: on where "
+        "a packed row of the loaded model equals its sequences' separate forwards (measured at load), else padded",
     )
 
 

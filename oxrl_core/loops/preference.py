@@ -342,8 +342,9 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         setup.info(
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them"
         )
-    model = setup.policy(model, algorithm.head)
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    packing = setup.packs_exactly(packing, model, ref)  # measured: a packed row = the separate forwards
+    model = setup.policy(model, algorithm.head)
     engine = setup.build_engine(model)
     if ckpt is not None and self_play:
         ref.load_state_dict(load_state_file(ckpt / REF_FILE, map_location=engine.device))

@@ -141,8 +141,9 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); "
             "training on padded rows"
         )
-    model = setup.policy(model)
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    shared = setup.packs_exactly(shared and "shared", model, ref, unshared="it trains on padded rows") == "shared"
+    model = setup.policy(model)
     critic = None
     if algorithm.needs_critic:
         critic = build_critic(

@@ -91,17 +91,17 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
 
     # ---- models: packed micro-batches attend row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
-    model = setup.policy(
-        load_causal_lm(
-            setup.start_from(name),
-            attn_implementation=attn,
-            trust_remote_code=cfg.model.trust_remote_code,
-            reporter=setup.reporter,
-        )
+    model = load_causal_lm(
+        setup.start_from(name),
+        attn_implementation=attn,
+        trust_remote_code=cfg.model.trust_remote_code,
+        reporter=setup.reporter,
     )
     teacher = None
     if algorithm.needs_teacher:
         teacher = setup.frozen(cfg.model.teacher, "model.teacher", attn, check=lambda t: _check_vocab(t, model))
+    packing = setup.packs_exactly(packing, model, teacher)  # measured: a packed row = the separate forwards
+    model = setup.policy(model)
     engine = setup.build_engine(model)
 
     def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)

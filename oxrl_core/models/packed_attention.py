@@ -312,8 +312,15 @@ SHARED_PREFIX_VERIFIED = frozenset(
         "mistral",
         "phi3",
         "olmo2",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
     }
 )
+
+
+#: layer types the fast paths handle: attention (row by row / banded), and Gated DeltaNet linear attention, which
+#: `linear_attention.per_sequence_linear_attention` runs per sequence of a packed row
+KNOWN_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "linear_attention"})
 
 
 def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str, tuple[bool, str]]:
@@ -337,6 +344,8 @@ def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str,
     notes = []
     if uses_window:
         notes.append(f"sliding window {window} honoured (banded masks)")
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        notes.append("linear-attention layers run per sequence")
     if softcap is not None:
         notes.append(
             f"attention soft-capping {softcap} is dropped by transformers' '{attn_implementation}' itself, "
@@ -362,8 +371,8 @@ def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str,
         blocker = "non-causal (bidirectional) attention"
     elif getattr(text, "attention_chunk_size", None):
         blocker = f"chunked attention (attention_chunk_size={text.attention_chunk_size})"
-    elif layer_types - {"full_attention", "sliding_attention"}:
-        blocker = f"layer types {sorted(layer_types - {'full_attention', 'sliding_attention'})}"
+    elif layer_types - KNOWN_LAYER_TYPES:
+        blocker = f"layer types {sorted(layer_types - KNOWN_LAYER_TYPES)}"
     elif model_type not in SHARED_PREFIX_VERIFIED:
         blocker = f"model type '{model_type}' is not in the verified architecture matrix"
     packing = (
