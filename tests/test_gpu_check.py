@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
+SECTIONS = ("archs", "sft_throughput", "step_profile", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
 MEASURED = SECTIONS  # every section measures something now
 
 
@@ -88,6 +88,11 @@ def test_dry_run_figures(dry_run):
     else:
         assert engines["deepspeed"]["reason"] == "no DeepSpeed installed"
     assert "Qwen2" in sections["sft_throughput"]["model"]
+
+    (profiled,) = sections["step_profile"]["rows"]  # one SFT step under the profiler (CPU: no kernels, no sync mode)
+    assert _positive(profiled["step_wall_s"]) and _positive(profiled["tokens_per_s"]) and _positive(profiled["mfu"])
+    assert profiled["kernel_s"] is None and profiled["syncs"] is None
+    assert sections["step_profile"]["top_kernels"] and "Qwen2" in sections["step_profile"]["model"]
 
     rows = {r["row"]: r for r in sections["sgrpo_step"]["rows"]}
     hf = rows["SGRPO step, rollout.backend=hf"]
