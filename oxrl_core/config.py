@@ -250,9 +250,16 @@ class TrainConfig(StrictModel):
     logits_chunk_size: int = Field(
         1024,
         ge=0,
-        description="per-token log-probabilities, entropy and KD's KL computed from the last hidden state "
-        "this many scored tokens at a time (each chunk's logits recomputed in backward), so no (tokens, vocabulary) "
-        "float32 tensor is built; 0 = the model's full logits",
+        description="per-token log-probabilities, entropy and KD's KL computed from the last hidden state in tiles "
+        "of this many scored tokens × train.logits_vocab_tile vocabulary entries (one tile buffer, float32 online "
+        "folds, each tile recomputed in backward), so no (tokens, vocabulary) tensor is built; 0 = the model's full "
+        "logits",
+    )
+    logits_vocab_tile: int = Field(
+        8192,
+        gt=0,
+        description="vocabulary entries per tile of the LM head (with train.logits_chunk_size tokens): the head's "
+        "transient memory is one tile in the compute dtype and two in float32, whatever the vocabulary",
     )
     logits_chunk_min_mb: float = Field(
         64.0,

@@ -127,7 +127,14 @@ class Setup:
         """How ``model``'s per-token quantities are computed (`models.token_head.choose_path`): chunk by chunk
         where one micro-batch's full logits would exceed ``train.logits_chunk_min_mb``, else the full logits."""
         t = self.cfg.train
-        choose_path(model, t.logits_chunk_size, self.info, tokens=self.scored_tokens(), min_mb=t.logits_chunk_min_mb)
+        choose_path(
+            model,
+            t.logits_chunk_size,
+            self.info,
+            tokens=self.scored_tokens(),
+            min_mb=t.logits_chunk_min_mb,
+            vocab_tile=t.logits_vocab_tile,
+        )
 
     def frozen(self, path: str, field: str, attn: str, check=None):
         """A model that is read, never trained (reference, teacher): no gradients, eval mode; moved to
