@@ -338,8 +338,9 @@ def check_engine_matches(ckpt: Path, expected: dict) -> None:
     saved = json.loads((Path(ckpt) / STATE_FILE).read_text()).get("engine", {"name": "torch"})
     if saved != expected:
 
-        def show(d: dict) -> str:
-            return ", ".join(f"engine.{k}={v}" for k, v in d.items())
+        def show(d: dict) -> str:  # (a torch engine's optimiser is train.optimizer; adamw when not recorded)
+            d = {**d, "optimizer": d.get("optimizer", "adamw")} if d.get("name") == "torch" else d
+            return ", ".join(f"{'train' if k == 'optimizer' else 'engine'}.{k}={v}" for k, v in d.items())
 
         raise OxrlError(
             f"{ckpt} was written with {show(saved)} but this run has {show(expected)}; resume with the same "
