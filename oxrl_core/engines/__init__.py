@@ -140,11 +140,11 @@ def check_optimizer(optimizer: str, engine_name: str) -> None:
             "train.optimizer: adamw (ZeRO partitions and restores the optimiser states itself, built for AdamW only; "
             "engine.zero_stage 1+ already splits them over the ranks)"
         )
-    if optimizer == "adamw_8bit":
-        from oxrl_core.engines.optimizers import eight_bit_missing
-
-        if missing := eight_bit_missing():
-            raise OxrlError(f"train.optimizer: {missing}")
+    if optimizer == "adamw_8bit" and importlib.util.find_spec("torchao") is None:
+        raise OxrlError(
+            "train.optimizer: adamw_8bit needs torchao, which is not installed here (pip install torchao); "
+            "use adamw or adamw_bf16"
+        )
 
 
 def check_local_gpus(engine) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from oxrl_core.engines import check_optimizer, distributed
+from oxrl_core.engines import distributed
 from oxrl_core.engines.optimizers import build_optimizer
 from oxrl_core.engines.torch_engine import PrecisionAndDevice, adamw_param_groups, pick_autocast_dtype, pick_device
 from oxrl_core.errors import OxrlError
@@ -142,7 +142,8 @@ class DeepSpeedEngine(PrecisionAndDevice):
             module.train()
         self.module = _Trained(model, extra_modules) if extra_modules else model
         groups = [g for g in adamw_param_groups(model, extra_modules, train_cfg.weight_decay) if g["params"]]
-        check_optimizer(train_cfg.optimizer, "deepspeed")  # adamw (refused earlier otherwise: `check_engine`)
+        if train_cfg.optimizer != "adamw":  # `engines.check_optimizer` refuses the others before any engine is built
+            raise OxrlError(f"train.optimizer={train_cfg.optimizer}: the deepspeed engine builds AdamW only")
         self.optimizer = build_optimizer("adamw", groups, train_cfg.lr)
         self.scheduler = get_scheduler(
             train_cfg.lr_scheduler,

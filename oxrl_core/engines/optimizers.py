@@ -3,26 +3,18 @@
 - ``adamw``: ``torch.optim.AdamW`` (the default): fp32 moment estimates, 8 bytes of state per fp32 parameter.
 - ``adamw_bf16``: `AdamWBf16` below: the same update with both moment estimates stored in bf16, 4 bytes.
 - ``adamw_8bit``: torchao's ``AdamW8bit`` (block-wise 8-bit moment estimates, about 2 bytes; a tensor with fewer
-  than 4,096 elements keeps fp32 ones), where torchao is installed. Its update is ``torch.compile``d once per
+  than 4,096 elements keeps fp32 ones), where torchao is installed (`engines.check_optimizer` says so otherwise). Its update is ``torch.compile``d once per
   parameter shape on the first step (a C++ compiler on a CPU; minutes for a real model on a small CPU).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
 
 #: what ``train.optimizer`` accepts (the config's Literal lists the same)
 OPTIMIZERS = ("adamw", "adamw_bf16", "adamw_8bit")
-
-
-def eight_bit_missing() -> str | None:
-    """Why ``adamw_8bit`` cannot run here (torchao is not installed), or None when it can."""
-    if importlib.util.find_spec("torchao") is None:
-        return "adamw_8bit needs torchao, which is not installed here (pip install torchao); use adamw or adamw_bf16"
-    return None
 
 
 def build_optimizer(name: str, groups: list[dict], lr: float, seed: int = 0, fused: bool | None = None):
@@ -33,7 +25,7 @@ def build_optimizer(name: str, groups: list[dict], lr: float, seed: int = 0, fus
     if name == "adamw_bf16":
         return AdamWBf16(groups, lr=lr, seed=seed)
     if name == "adamw_8bit":
-        from torchao.optim import AdamW8bit
+        from torchao.optim import AdamW8bit  # lazy: an optional library, needed by this optimiser only
 
         return AdamW8bit(groups, lr=lr, weight_decay=0.0)  # each group brings its own weight decay
     raise ValueError(f"train.optimizer: unknown optimizer {name!r}; one of {', '.join(OPTIMIZERS)}")
