@@ -75,12 +75,15 @@ def test_thirty_steps_follow_torch_adamw_within_bf16_tolerance_at_half_the_state
 
 
 def test_the_stored_second_moment_decays_instead_of_stalling():
-    """After one gradient of 1, v = 0.001; with zero gradients v ← 0.999·v. Rounded to nearest, a bf16 v can
+    """After one gradient of 1, v = 0.001; with zero gradients v ← 0.999·v. Rounded to nearest, a bf16 v could
     never move (a 0.1% change is below half its spacing); stochastically rounded, it decays as fp32's does."""
     theta = torch.nn.Parameter(torch.zeros(20_000))
     optimizer = AdamWBf16([theta], lr=1e-3, weight_decay=0.0)
     theta.grad = torch.ones(20_000)
     optimizer.step()
+    # m = 0.1 is no bf16 value: m is stored rounded to nearest (0.10009765625 everywhere), v stochastically
+    assert torch.equal(optimizer.state[theta]["exp_avg"], torch.full((20_000,), 0.1).bfloat16())
+    assert optimizer.state[theta]["exp_avg_sq"].unique().numel() == 2  # 0.001 lies between two bf16 values
     theta.grad = torch.zeros(20_000)
     for _ in range(300):
         optimizer.step()
