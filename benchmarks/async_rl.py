@@ -48,7 +48,10 @@ def run_side(k: int, model_dir: Path, data_file: Path, args, workdir: Path) -> d
         values = [r[key] for r in m if key in r]
         return round(statistics.fmean(values), 4) if values else 0.0
 
-    phases = sum(r.get("perf/gen_s", 0) + r.get("perf/reward_s", 0) + r["perf/train_s"] for r in m)  # sync: in train
+    # generation inside the steps only (batches made during start-up fall in none); sync runs generate in train
+    phases = sum(
+        r.get("perf/gen_in_step_s", r.get("perf/gen_s", 0)) + r.get("perf/reward_s", 0) + r["perf/train_s"] for r in m
+    )
     steps_s = sum(r["perf/step_s"] for r in m)
     return {
         "k": k,

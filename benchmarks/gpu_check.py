@@ -18,6 +18,9 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
   sft_throughput  SFT tokens/s and MFU on a Qwen2-shaped model of Qwen2.5-0.5B's size (494M, random
                   weights, built locally), ~2,000-token rows, packing, bf16: the torch engine and
                   DeepSpeed ZeRO-3 on one GPU (`engine_throughput.py --arch qwen2`)
+  step_profile    one SFT step of that model (4 × ~2,000 tokens packed, bf16) under `torch.profiler`: wall time
+                  beside the kernels' device time, the top kernels; the next step under
+                  `torch.cuda.set_sync_debug_mode("warn")`, its syncs counted by source line; MFU (`step_profile.py`)
   sgrpo_step      one SGRPO step on the `hf` backend (`grpo_step.py --only oxrl`: step seconds and
                   generation tokens/s), the `vllm` backend's generation tokens/s and weight-sync
                   seconds (`vllm_rollout.py --device cuda`), and the same SGRPO step with
@@ -340,7 +343,9 @@ def memory(check: Check) -> dict:
         calls = [("memory", text + toy, 240, "sft,sgrpo,vlm")]
     else:  # its defaults: every side (TRL when installed); the VLM row in a call of its own
         text = ["--only", "sft,dpo,sgrpo", "--device", "cuda"]
-        vlm = ["--only", "vlm", "--device", "cuda"]
+        # the VLM row over 6 measured steps (its rows vary in length: a CUDA stall of a changing last chunk showed
+        # in 2); its ~1,900 tokens a micro-batch are one token tile of the head
+        vlm = ["--only", "vlm", "--device", "cuda", "--steps", 6]
         calls = [("memory", text, 240, "sft,dpo,sgrpo"), ("memory_vlm", vlm, 120, "vlm")]
     rows, info = [], {}
     for label, args, timeout, workloads in calls:
@@ -384,6 +389,29 @@ def memory(check: Check) -> dict:
         if v.get("first_loss_diff") is not None:
             summary += f" (step-1 loss |Δ| {v['first_loss_diff']:.1e})"
     return {**out, "work": "; ".join(work) + f"; sides {sides}{note}", "summary": summary}
+
+
+def step_profile(check: Check) -> dict:
+    """One SFT step of the Qwen2.5-0.5B shape profiled: wall vs kernel time, syncs, MFU (step_profile.py)."""
+    args = ["--device", check.device] + (["--toy"] if check.dry_run else [])
+    extra_env = {"OXRL_PEAK_TFLOPS": os.environ.get("OXRL_PEAK_TFLOPS", "0.2")} if check.dry_run else None
+    f = check.script("step_profile.py", args, timeout=200, extra_env=extra_env)
+    row = {k: f[k] for k in ("step_wall_s", "kernel_s", "kernel_share", "syncs", "tokens_per_s", "mfu")}
+    summary = f"step {f['step_wall_s'] * 1e3:.0f} ms wall"
+    if f["kernel_s"] is not None:
+        summary += f", {f['kernel_s'] * 1e3:.0f} ms of kernels ({f['kernel_share']:.0%})"
+    if f["syncs"] is not None:
+        summary += f", {f['syncs']} syncs"
+    if f.get("mfu") is not None:
+        summary += f", MFU {f['mfu']:.1%}"
+    return {
+        "rows": [{"status": "ok", **row}],
+        "model": f["model"],
+        "work": f["work"],
+        "top_kernels": f["top_kernels"],
+        "sync_sources": f["sync_sources"],
+        "summary": summary,
+    }
 
 
 @dataclass
@@ -479,7 +507,7 @@ def async_rollouts(check: Check) -> dict:
     return {
         "rows": figures["sides"],
         "setup": figures["setup"],
-        "summary": f"k=1: {one['speedup_vs_k0']}× k=0's training time ({one['steps_per_s']} vs {sides[0]['steps_per_s']} "
+        "summary": f"k=1 steps/s = {one['speedup_vs_k0']}× k=0's ({one['steps_per_s']} vs {sides[0]['steps_per_s']} "
         f"steps/s), {one['overlap_share']:.0%} of generation hidden, trainer idle {one['idle_share']:.0%}",
     }
 
@@ -570,6 +598,14 @@ SECTIONS: list[Section] = [
         sft_throughput,
         timeout_s=180,
         dry_timeout_s=120,
+        gpu_gib=24,
+    ),
+    Section(
+        "step_profile",
+        "one SFT step of the 0.5B shape under torch.profiler and CUDA's sync debug mode: kernel vs wall time, syncs",
+        step_profile,
+        timeout_s=120,
+        dry_timeout_s=90,
         gpu_gib=24,
     ),
     Section(
@@ -905,8 +941,14 @@ def main() -> int:
     if set(only) - set(names):
         ap.error(f"unknown sections {sorted(set(only) - set(names))}; known: {', '.join(names)}")
     budget = args.budget_s if args.budget_s is not None else (400.0 if args.dry_run else 450.0)
+    if not (math.isfinite(budget) and budget > 0):
+        ap.error(f"--budget-s {args.budget_s:g}: give a positive number of seconds for all the sections")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # a usage error now, not a traceback after the sections ran
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as exc:
+        ap.error(f"--out {out}: cannot write reports there ({exc.strerror or exc})")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERM ends the running script too (finally)
 
     start = time.monotonic()

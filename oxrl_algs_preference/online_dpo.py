@@ -28,6 +28,7 @@ from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, Stri
 
 class OnlineDPO(Algorithm):
     name = "online_dpo"
+    group_relative = True  # the pair is a group's best and worst: an equal-reward group gives no pair
     loop = "rl"  # trained on its own generations (the RL loop)
     data_format = "prompt"
     needs_ref = True

@@ -33,6 +33,7 @@ from oxrl_core.ops import group_advantages, policy_metrics, policy_objective, sh
 
 class CISPO(PolicyGradient):
     name = "cispo"
+    group_relative = True  # group z-scores: an equal-reward group gets exactly 0
     loop = "rl"
     data_format = "prompt"
     min_group_size = 2

@@ -34,11 +34,12 @@ import torch
 from pydantic import Field
 
 from oxrl_core.interfaces import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import aggregate_loss, group_advantages, policy_objective, shaped_rewards
+from oxrl_core.ops import aggregate_loss, group_advantages, mean_metric, policy_objective, shaped_rewards
 
 
 class GSPO(PolicyGradient):
     name = "gspo"
+    group_relative = True  # group z-scores: an equal-reward group gets exactly 0
     loop = "rl"
     data_format = "prompt"
     min_group_size = 2
@@ -76,14 +77,16 @@ class GSPO(PolicyGradient):
         # + β·KL, − c_H·H; aggregated by loss_agg (seq-mean-token-mean: (1/n) Σ_i (1/|o_i|) Σ_t)
         loss, metrics = policy_objective(policy_term, batch, c)
         seq_ratio = log_s.detach().exp()  # (B,) s_i
-        rows = (mask.sum(-1) > 0).float()  # (B,) samples with a token
         adv_seq = adv.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,) A_i
         clipped = ((seq_ratio < 1 - c.clip_low) & (adv_seq < 0)) | ((seq_ratio > 1 + c.clip_high) & (adv_seq > 0))
+        # a sequence's clip and s_i hold for each of its tokens: weighted as the loss weighs them (sequences for the
+        # seq-mean modes, the default here: the share of clipped sequences, the mean s_i; tokens for token-mean)
+        per_token = (clipped.float()[:, None] * mask, seq_ratio[:, None] * mask)  # (B, T) each
         metrics.update(
             {
                 "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
-                "clip/frac": (clipped.float() * rows).sum() / rows.sum().clamp(min=1),  # of sequences
-                "ratio/mean": (seq_ratio * rows).sum() / rows.sum().clamp(min=1),  # mean s_i
+                "clip/frac": mean_metric(per_token[0], mask, c.loss_agg),
+                "ratio/mean": mean_metric(per_token[1], mask, c.loss_agg),
             }
         )
         return loss, metrics

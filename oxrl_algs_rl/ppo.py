@@ -78,6 +78,7 @@ def gae(
 
 class PPO(Algorithm):
     name = "ppo"
+    signal_note = "its advantages come from a learned critic (GAE), so every sample carries signal whatever its group"
     loop = "rl"
     data_format = "prompt"
     needs_critic = True

@@ -37,6 +37,7 @@ from oxrl_core.ops import (
 
 class REINFORCEPP(PolicyGradient):
     name = "reinforce_pp"
+    signal_note = "its baseline is the whole batch's mean return, so the samples of an equal-reward group still get non-zero advantages"
     loop = "rl"
     data_format = "prompt"
 

@@ -25,6 +25,7 @@ from oxrl_core.ops import shaped_rewards
 
 class REINFORCEPPBaseline(REINFORCEPP):
     name = "reinforce_pp_baseline"
+    group_relative = True  # R_i − mean_g(R): an equal-reward group has R̃ = 0 (only the batch-wide shift remains)
     min_group_size = 2
 
     class Config(REINFORCEPP.Config):

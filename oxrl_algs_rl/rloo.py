@@ -34,6 +34,7 @@ from oxrl_core.ops import (
 
 class RLOO(PolicyGradient):
     name = "rloo"
+    group_relative = True  # leave-one-out baseline: an equal-reward group gets exactly 0
     loop = "rl"
     data_format = "prompt"
     min_group_size = 2

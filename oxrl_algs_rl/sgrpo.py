@@ -40,6 +40,7 @@ from oxrl_core.ops import clipped_surrogate, group_advantages, policy_metrics, p
 
 class SGRPO(PolicyGradient):
     name = "sgrpo"
+    group_relative = True  # A_i = (r_i − mean_g) / std_g: an equal-reward group gets exactly 0
     loop = "rl"
     data_format = "prompt"
     #: samples compared within a group (rollout.n must be at least this)

@@ -221,8 +221,10 @@ class DataConfig(StrictModel):
     group_by_length: bool = Field(
         False, description="batch rows of similar length together (less padding; changes the sample order)"
     )
-    packing: bool = Field(
-        False, description="padding-free packing of a micro-batch into one row (block-diagonal attention)"
+    packing: Union[bool, Literal["auto"]] = Field(
+        "auto",
+        description="padding-free packing of a micro-batch into one row (block-diagonal attention); auto: on where "
+        "a packed row of the loaded model equals its sequences' separate forwards (measured at load), else padded",
     )
 
 
@@ -488,7 +490,8 @@ class RolloutConfig(StrictModel):
         False,
         description="DAPO's dynamic sampling (Yu et al. 2025): drop prompt groups whose rewards are all equal (zero "
         "variance, no learning signal for group-relative advantages) and generate more prompts until the batch has "
-        "train.batch_size groups (metrics sampling/*; reward/* stay the step's scheduled prompts')",
+        "train.batch_size groups (metrics sampling/*; reward/* stay the step's scheduled prompts'); only for "
+        "algorithms whose signal is relative to the group (not RFT, PPO, REINFORCE++: refused, saying why)",
     )
     max_sampling_rounds: int = Field(
         4,

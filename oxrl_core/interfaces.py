@@ -128,6 +128,11 @@ class Algorithm(ABC):
     #   tiny_defaults   {}        config sections that suit the built-in tiny       trainer (under the user's
     #                             model, over the loop's own (``{"train":           settings, model.name empty)
     #                             {"lr": 1e-4}}``)
+    #   group_relative  False     a prompt group whose rewards are all equal        trainer: refuses
+    #                             carries no signal (advantages relative to the     rollout.dynamic_sampling
+    #                             group, or pairs within it)                        without it, saying
+    #   signal_note     ""        without group_relative: where the signal comes    ``signal_note``
+    #                             from (why an equal-reward group still trains)
 
     #
     #   A plugin class that still declares the old ``family`` / ``needs_rollouts`` (needs_rollouts = True ran
@@ -148,6 +153,8 @@ class Algorithm(ABC):
     self_play: ClassVar[bool] = False
     rollout_defaults: ClassVar[dict] = {}
     tiny_defaults: ClassVar[dict] = {}
+    group_relative: ClassVar[bool] = False
+    signal_note: ClassVar[str] = ""
 
     #: the deprecated flags (``family``, ``needs_rollouts``) the class declares instead of ``loop``
     _deprecated_flags: ClassVar[tuple[str, ...]] = ()

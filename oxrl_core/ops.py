@@ -222,16 +222,20 @@ def policy_objective(policy_term: torch.Tensor, batch: dict, options) -> tuple[t
         ℓ_{i,t} = policy_term + β · KL_t(π_θ || π_ref) − c_H · H_t       (KL here unless ``kl_in_reward``)
         L       = aggregate_loss(ℓ, mask, ``loss_agg``)
 
-    Returns the loss and the detached metrics of the KL (``loss/kl``, ``kl/loss_<estimator>``) and entropy terms.
+    Returns the loss and the detached metrics of the KL and entropy terms, each aggregated as the loss is (so
+    L = loss/policy + β·loss/kl − c_H·loss/entropy, and a batch split into micro-batches weighted as the loop weights
+    them gives the whole batch's values): ``loss/kl``, ``loss/entropy``, and ``kl/loss_<estimator>`` the per-token
+    KL weighted as the loss weights tokens (`mean_metric`).
     """
-    mask = batch["mask"]  # (B, T)
+    mask, mode, max_len = batch["mask"], options.loss_agg, batch.get("max_new_tokens")  # (B, T)
     per_token, metrics = policy_term, {}
     if options.kl_coeff > 0 and not options.kl_in_reward:
         kl = kl_estimate(batch["logp"], batch["logp_ref"], options.kl_estimator)  # (B, T)
         per_token = per_token + options.kl_coeff * kl
-        metrics["loss/kl"] = metrics[f"kl/loss_{options.kl_estimator}"] = masked_mean(kl, mask).detach()
+        metrics["loss/kl"] = aggregate_loss(kl, mask, mode, max_len).detach()
+        metrics[f"kl/loss_{options.kl_estimator}"] = mean_metric(kl, mask, mode)
     if options.entropy_coeff > 0:
         per_token = per_token - options.entropy_coeff * batch["entropy"]
-        metrics["loss/entropy"] = masked_mean(batch["entropy"], mask).detach()
-    loss = aggregate_loss(per_token, mask, options.loss_agg, batch.get("max_new_tokens"))
+        metrics["loss/entropy"] = aggregate_loss(batch["entropy"], mask, mode, max_len).detach()
+    loss = aggregate_loss(per_token, mask, mode, max_len)
     return loss, metrics

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from oxrl_core.config import (
 )
 from oxrl_core.data.sources import FILE_SUFFIXES, path_kind, source_specs, sources_argument
 from oxrl_core.engines import check_engine, engine_record
+from oxrl_core.engines.ray_cluster import check_cluster
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Algorithm
 from oxrl_core.launcher import launch
@@ -75,6 +77,30 @@ def load_algorithm(name: str, registry=None) -> type[Algorithm]:
     """The algorithm class ``name`` names, checked against the Algorithm interface before any model loads."""
     registry = registry or plugins.registry()
     return registry.load_checked("algorithm", name)
+
+
+#: a config value that imports code (`plugins.Registry.get`): ``path/to/file.py:Class`` or ``package.module:Class``
+_CODE_REFERENCE = re.compile(r"^(?P<module>[^\s:]+\.py|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+):(?P<attr>[A-Za-z_]\w*)$")
+
+
+def code_it_runs(raw: dict, prefix: str = "") -> list[str]:
+    """What a config imports or executes by design, one entry per key: each ``file.py:Class`` or
+    ``package.module:Class`` value (rewards, environments, tool parsers, ...) and the model repositories whose own
+    code ``model.trust_remote_code: true`` lets transformers run."""
+    found = []
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found += code_it_runs(value, f"{name}.")
+        elif isinstance(value, str) and (match := _CODE_REFERENCE.match(value)):
+            module = match["module"]
+            kind = f"Python file {Path(module).resolve()}" if module.endswith(".py") else f"module {module}"
+            found.append(f"{name}={value} ({kind})")
+    model = raw.get("model") if not prefix else None
+    if isinstance(model, dict) and model.get("trust_remote_code") is True:
+        names = [f"model.{k}={model[k]}" for k in ("name", "ref", "teacher") if model.get(k)] or ["the built-in model"]
+        found.append(f"model.trust_remote_code=true (the repository code of {', '.join(names)})")
+    return found
 
 
 #: config keys that say what a checkpoint is (the model, the data and its order, the method): --resume keeps them
@@ -201,7 +227,17 @@ class Trainer:
             alg = self._alias(alg)
         self.run_dir, base = self._run_dir(alg, config, output_dir, resume)
         source = config if config else (self.run_dir / "config.yaml" if base else None)
-        self.config: RunConfig = self._load_config(read_run_config(config, sets, algorithm=alg, base=base), alg)
+        read = read_run_config(config, sets, algorithm=alg, base=base)
+        if resume:  # a shared run directory's config.yaml may name code: say what, before any of it is imported
+            declared = code_it_runs(read.raw)
+            if declared:  # shown with --quiet too: it is what runs on this machine
+                Console(stderr=True, soft_wrap=True).print(
+                    "[yellow]note:[/yellow] --resume: this config runs code by design: "
+                    + escape("; ".join(declared))
+                    + " (resume only run directories you trust)",
+                    highlight=False,
+                )
+        self.config: RunConfig = self._load_config(read, alg)
         self.algorithm = self.registry.build(
             "algorithm", self.config.algorithm, self.config.alg, field="alg", source=str(source or "--set / defaults")
         )
@@ -385,6 +421,15 @@ class Trainer:
                     "does not use rollouts (sgrpo, cispo, ppo, rlhf, rlaif, rft, online_dpo do)"
                 )
         check_env(cfg, self.registry)  # env.* and the environment's own options, before any warm start
+        if "OXRL_LAUNCHED" not in os.environ:  # the driver (a launched rank's cluster was checked by it)
+            check_cluster(cfg.engine, cfg.rollout, self.algorithm.loop == "rl")  # joinable, actor_placement's node
+        if self.algorithm.loop == "rl" and cfg.rollout.dynamic_sampling and not self.algorithm.group_relative:
+            note = self.algorithm.signal_note or "it does not declare group-relative advantages (group_relative)"
+            raise OxrlError(
+                f"rollout.dynamic_sampling: '{cfg.algorithm}' cannot use it: dynamic sampling drops the prompt groups "
+                f"whose rewards are all equal because a group-relative advantage gives them no signal, but {note}, so "
+                "dropping them would change what it trains on; set rollout.dynamic_sampling=false"
+            )
         if self.algorithm.loop == "rl":  # the backend's class checked, and its options (rollout.<option>)
             self.registry.check("rollout_backend", cfg.rollout.backend, cfg.rollout, field="rollout")
             if cfg.reward.name:  # the class and its own options (reward.*), before any warm start

@@ -28,7 +28,13 @@ FAMILIES: tuple[str, ...] = (
     "mistral",
     "phi3",
     "olmo2",
+    "qwen3_5",
+    "qwen3_5_moe",
 )
+
+#: the families with Gated DeltaNet linear-attention layers (a recurrent state and a short causal convolution
+#: along the row, which a packed row must restart at every sequence boundary)
+LINEAR_ATTENTION = ("qwen3_5", "qwen3_5_moe")
 
 #: the sliding window of the families that have one: shorter than the rows the matrix trains on
 WINDOW = 16
@@ -209,6 +215,8 @@ _FAMILY_STYLE = {
     "gemma3_mm": "gemma_mm",
     "mistral": "mistral",
     "phi3": "phi3",
+    "qwen3_5": "chatml",
+    "qwen3_5_moe": "chatml",
 }
 
 
@@ -396,6 +404,26 @@ def _config(family: str, tokenizer):
             tie_word_embeddings=False,
             **ids,
         )
+    if family in LINEAR_ATTENTION:  # Qwen3.5: a Gated DeltaNet layer, then full attention (gated q, partial rotary)
+        linear = dict(
+            hidden_size=128,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=64,
+            layer_types=["linear_attention", "full_attention"],
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,  # two value heads per key head, as the real models have
+            tie_word_embeddings=family == "qwen3_5",
+            **ids,
+        )
+        if family == "qwen3_5":
+            return tf.Qwen3_5TextConfig(intermediate_size=256, **linear)
+        return tf.Qwen3_5MoeTextConfig(  # 4 experts, top-2, and the shared expert
+            moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2, **linear
+        )
     raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -413,6 +441,8 @@ def _model_class(family: str):
         "mistral": tf.MistralForCausalLM,
         "phi3": tf.Phi3ForCausalLM,
         "olmo2": tf.Olmo2ForCausalLM,
+        "qwen3_5": tf.Qwen3_5ForCausalLM,
+        "qwen3_5_moe": tf.Qwen3_5MoeForCausalLM,
     }[family]
 
 

@@ -24,23 +24,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from archs import FAMILIES, LENGTH_REWARD, WINDOW, run_cli
+from archs import FAMILIES, LENGTH_REWARD, LINEAR_ATTENTION, WINDOW, run_cli
 from conftest import oxrl, read_metrics, write_jsonl
 
 WINDOWED = ("gemma2", "gemma3", "gemma3_mm", "mistral", "phi3")
+#: the chunk of transformers' delta rule (Qwen3.5's linear attention): every row is longer, so a state that runs
+#: from one packed sequence into the next shows
+DELTA_CHUNK = 64
 
 SFT_ROWS = [
     {
         "prompt": f"Compute {a} times {b} and then add {c}. Please think step by step.",
-        "response": f"{a} times {b} is {a * b}. Adding {c} gives {a * b + c}. The answer is {a * b + c}.",
+        "response": f"{a} times {b} is {a * b}. Adding {c} gives {a * b + c}. The answer is {a * b + c}. "
+        f"Let me check: the sum of {a * b} and {c} is {a * b + c}, so the result is {a * b + c}.",
     }
     for a, b, c in ((3, 4, 5), (7, 8, 2), (11, 2, 9), (6, 6, 6))
 ]
 PAIRS = [
     {
         "prompt": f"What is {a}+{b}? Answer briefly, then explain the sum in one short sentence.",
-        "chosen": f"The answer is {a + b}. The sum of {a} and {b} is {a + b}.",
-        "rejected": f"The answer is {a + b + 1}. A model learns to add numbers one step at a time.",
+        "chosen": f"The answer is {a + b}. The sum of {a} and {b} is {a + b}. Please think step by step: {a} and "
+        f"{b} is {a + b}. So it is {a + b}.",
+        "rejected": f"The answer is {a + b + 1}. A model learns to add numbers one step at a time. The quick brown "
+        "fox jumps over the lazy dog.",
     }
     for a, b in ((2, 3), (9, 4), (13, 7), (5, 16))
 ]
@@ -71,37 +77,68 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def _completion_logps(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
-    """log π(y_t | x, y_<t) of each completion token (its tokens, then EOS), one plain forward: (n,)."""
+    """log π(y_t | x, y_<t) of each completion token (its tokens, then EOS), one plain forward: (n,); with
+    gradients when they are enabled."""
     p = _prompt_ids(tokenizer, prompt)
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = torch.tensor([p + c])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (n, V)
+    logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (n, V)
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
+
+
+def _grad_norm(model) -> float:
+    """‖∇‖₂ over every parameter (what the trainer logs as ``grad_norm`` before clipping)."""
+    return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+
+
+def plain_sft(model_dir: Path, rows: list[dict], attn_implementation: str = "sdpa") -> dict:
+    """SFT's first step in plain transformers, one forward per row: the token-mean NLL of the completions, its
+    gradient norm, and the longest row's length."""
+    model, tokenizer = _load(model_dir, attn_implementation)
+    logps = [_completion_logps(model, tokenizer, r["prompt"], r["response"]) for r in rows]
+    loss = -torch.cat(logps).mean()
+    loss.backward()
+    longest = max(len(_prompt_ids(tokenizer, r["prompt"])) + len(lp) for r, lp in zip(rows, logps))
+    return {"loss": float(loss.detach()), "grad_norm": _grad_norm(model), "longest": longest}
 
 
 def plain_sft_loss(model_dir: Path, rows: list[dict], attn_implementation: str = "sdpa") -> tuple[float, int]:
     """Token-mean NLL of the completions (SFT's loss), and the longest row's length."""
-    model, tokenizer = _load(model_dir, attn_implementation)
-    logps = [_completion_logps(model, tokenizer, r["prompt"], r["response"]) for r in rows]
+    with torch.no_grad():
+        model, tokenizer = _load(model_dir, attn_implementation)
+        logps = [_completion_logps(model, tokenizer, r["prompt"], r["response"]) for r in rows]
     longest = max(len(_prompt_ids(tokenizer, r["prompt"])) + len(lp) for r, lp in zip(rows, logps))
     return float(-torch.cat(logps).mean()), longest
 
 
-def plain_dpo_loss(policy_dir: Path, ref_dir: Path, pairs: list[dict], beta: float) -> float:
-    """L = -mean log σ(β[(log π(y_w) - log π_ref(y_w)) - (log π(y_l) - log π_ref(y_l))]), sums over tokens."""
+def plain_dpo(policy_dir: Path, ref_dir: Path, pairs: list[dict], beta: float) -> dict:
+    """DPO's first step in plain transformers, one forward per sequence:
+    L = -mean log σ(β[(log π(y_w) - log π_ref(y_w)) - (log π(y_l) - log π_ref(y_l))]), sums over tokens; with the
+    mean log-probabilities of chosen and rejected and the gradient norm."""
     (policy, tokenizer), (ref, _) = _load(policy_dir), _load(ref_dir)
 
-    def logp(model, row, key):
-        return float(_completion_logps(model, tokenizer, row["prompt"], row[key]).sum())
+    def logp(model, row, key):  # () summed over the completion's tokens
+        return _completion_logps(model, tokenizer, row["prompt"], row[key]).sum()
 
-    losses = []
-    for row in pairs:
-        margin = (logp(policy, row, "chosen") - logp(ref, row, "chosen")) - (
-            logp(policy, row, "rejected") - logp(ref, row, "rejected")
-        )
-        losses.append(-math.log(1 / (1 + math.exp(-beta * margin))))
-    return sum(losses) / len(losses)
+    chosen = torch.stack([logp(policy, row, "chosen") for row in pairs])  # (P,)
+    rejected = torch.stack([logp(policy, row, "rejected") for row in pairs])  # (P,)
+    with torch.no_grad():
+        ref_chosen = torch.stack([logp(ref, row, "chosen") for row in pairs])
+        ref_rejected = torch.stack([logp(ref, row, "rejected") for row in pairs])
+    margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+    loss = -torch.nn.functional.logsigmoid(beta * margin).mean()
+    loss.backward()
+    return {
+        "loss": float(loss.detach()),
+        "grad_norm": _grad_norm(policy),
+        "logps/chosen": float(chosen.detach().mean()),
+        "logps/rejected": float(rejected.detach().mean()),
+    }
+
+
+def plain_dpo_loss(policy_dir: Path, ref_dir: Path, pairs: list[dict], beta: float) -> float:
+    """The DPO loss of `plain_dpo`."""
+    return plain_dpo(policy_dir, ref_dir, pairs, beta)["loss"]
 
 
 # ----------------------------------------------------------------------------- the matrix
@@ -122,6 +159,8 @@ def test_fixtures_are_their_family(arch_model):
         "mistral": "MistralForCausalLM",
         "phi3": "Phi3ForCausalLM",
         "olmo2": "Olmo2ForCausalLM",
+        "qwen3_5": "Qwen3_5ForCausalLM",
+        "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
     }
     marker = {
         "llama": "<|im_start|>",
@@ -134,6 +173,8 @@ def test_fixtures_are_their_family(arch_model):
         "gemma3_mm": "<start_of_turn>",
         "mistral": "[INST]",
         "phi3": "<|user|>",
+        "qwen3_5": "<|im_start|>",
+        "qwen3_5_moe": "<|im_start|>",
     }
     for family in FAMILIES:
         path = arch_model(family)
@@ -152,8 +193,14 @@ def test_fixtures_are_their_family(arch_model):
         assert marker[family] in rendered, (family, rendered)
         if family in WINDOWED:
             assert text.sliding_window == WINDOW
+        if family in LINEAR_ATTENTION:
+            assert text.layer_types == ["linear_attention", "full_attention"]
         for row in SFT_ROWS + PAIRS:
             assert len(_prompt_ids(tokenizer, row["prompt"])) > WINDOW  # every row outgrows the window
+            for key in ("response", "chosen", "rejected"):  # and the delta rule's 64-token chunk
+                if key in row:
+                    completion = tokenizer(row[key], add_special_tokens=False)["input_ids"]
+                    assert len(_prompt_ids(tokenizer, row["prompt"])) + len(completion) + 1 > DELTA_CHUNK  # + EOS
     # the multimodal layout loads through AutoModelForCausalLM as itself (the text config nested), as oxRL loads it
     model, _ = _load(arch_model("gemma3_mm"))
     assert type(model).__name__ == "Gemma3ForConditionalGeneration"
@@ -161,45 +208,57 @@ def test_fixtures_are_their_family(arch_model):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_fast_paths_equal_plain_transformers(family, arch_model):
-    """Below the CLI: a packed row (row-by-row SDPA) and a shared-prompt row give each sequence the logits
-    plain transformers gives it alone — on the sliding-window families too."""
+    """Below the CLI: a packed row (row-by-row SDPA; Qwen3.5's linear-attention layers per sequence) and a
+    shared-prompt row give each sequence the logits plain transformers gives it alone — on the sliding-window and
+    linear-attention families too; and the load-time packing probe passes on every family, within a second."""
+    from oxrl_core.models import packing_probe
+    from oxrl_core.models.linear_attention import per_sequence_linear_attention
     from oxrl_core.models.packed_attention import SHARED_PREFIX, attention_fast_paths, packed_attn_implementation
 
     model, _ = _load(arch_model(family))
+    assert per_sequence_linear_attention(model) == (1 if family in LINEAR_ATTENTION else 0)  # what loading does
     fast = attention_fast_paths(model.config)
     assert fast["packing"][0] and fast["shared_prefix"][0], fast
     if family in WINDOWED:
         assert f"sliding window {WINDOW}" in fast["shared_prefix"][1]
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(10, vocab, (n,), generator=gen) for n in (40, 23, 31)]  # all > the 16-token window
+    # all longer than the 16-token window, the first and last than the delta rule's 64-token chunk
+    seqs = [torch.randint(10, vocab, (n,), generator=gen) for n in (80, 23, 70)]
     with torch.no_grad():
         alone = [model(input_ids=s[None]).logits[0] for s in seqs]
         model.set_attn_implementation(packed_attn_implementation("sdpa"))
-        bounds = torch.tensor([0, 40, 63, 94], dtype=torch.int32)
+        bounds = torch.tensor([0, 80, 103, 173], dtype=torch.int32)
         packed = model(
             input_ids=torch.cat(seqs)[None],
             position_ids=torch.cat([torch.arange(len(s)) for s in seqs])[None],
             cu_seq_lens_q=bounds,
             cu_seq_lens_k=bounds,
-            max_length_q=40,
-            max_length_k=40,
+            max_length_q=80,
+            max_length_k=80,
             use_cache=False,
         ).logits[0]
         for (s, e), ref in zip(zip(bounds[:-1], bounds[1:]), alone):
             torch.testing.assert_close(packed[s:e], ref, atol=1e-5, rtol=1e-5)
-        # [prompt (20), response 1 (20), response 2 (15)], each response at the positions it has after the prompt
+        # [prompt (20), response 1 (60), response 2 (15)], each response at the positions it has after the prompt
         prompt, first, second = seqs[0][:20], seqs[0][20:], seqs[2][:15]
         row = torch.cat([prompt, first, second])[None]
-        positions = torch.cat([torch.arange(20), torch.arange(20, 40), torch.arange(20, 35)])[None]
+        positions = torch.cat([torch.arange(20), torch.arange(20, 80), torch.arange(20, 35)])[None]
         shared = model(
-            input_ids=row, position_ids=positions, use_cache=False, **{SHARED_PREFIX: [(0, 20, (20, 15))]}
+            input_ids=row, position_ids=positions, use_cache=False, **{SHARED_PREFIX: [(0, 20, (60, 15))]}
         ).logits[0]
-    torch.testing.assert_close(shared[:40], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[:80], alone[0], atol=1e-5, rtol=1e-5)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         second_alone = model(input_ids=torch.cat([prompt, second])[None]).logits[0]
-    torch.testing.assert_close(shared[40:], second_alone[20:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[80:], second_alone[20:], atol=1e-5, rtol=1e-5)
+
+    model.set_attn_implementation(packed_attn_implementation("sdpa"))
+    packing_probe._CACHE.clear()  # measured here, not recalled from an earlier test
+    verdict = packing_probe.probe(model, shared_prefix=True)
+    assert verdict.packing and verdict.shared_prefix and verdict.packing_diff <= 1e-5, verdict
+    assert verdict.seconds <= 1.0, verdict  # one packed forward per load, cheap on the tiny models
+    assert model.oxrl_packing_verdict is verdict and packing_probe.probe(model, shared_prefix=True) is verdict
 
 
 def test_fast_paths_decide_at_setup_and_refuse_what_they_cannot_express():
@@ -226,11 +285,14 @@ def test_fast_paths_decide_at_setup_and_refuse_what_they_cannot_express():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sft_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
-    """Packed SFT on Mistral/Phi-3 dropped the sliding window (6.679 vs 6.607 in the issue)."""
+    """Packed SFT on Mistral/Phi-3 dropped the sliding window (6.679 vs 6.607 in the issue); on Qwen3.5 the
+    linear-attention state ran from one packed row into the next (0.0059 nats, gradient norm 0.5% off).
+    The first step's loss and gradient norm, padded and packed (several rows longer than the delta rule's chunk
+    in one packed row), = plain transformers row by row."""
     model_dir = arch_model(family)
     data = write_jsonl(tmp_path / "sft.jsonl", SFT_ROWS)
-    expected, longest = plain_sft_loss(model_dir, SFT_ROWS)
-    assert longest > 2 * WINDOW
+    expected = plain_sft(model_dir, SFT_ROWS)
+    assert expected["longest"] > max(2 * WINDOW, DELTA_CHUNK)
     common = (
         f"model.name={model_dir}",
         f"data.train={data}",
@@ -239,21 +301,25 @@ def test_sft_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
         "train.lr=1e-6",
         "train.save_every=0",
     )
-    padded = run_cli("sft", tmp_path / "padded", *common)[0]["loss"]
-    packed = run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]["loss"]
-    assert padded == pytest.approx(expected, abs=1e-5)
-    assert packed == pytest.approx(expected, abs=1e-5)
+    padded = run_cli("sft", tmp_path / "padded", *common, "data.packing=false")[0]
+    packed = run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]
+    assert packed["perf/micro_batches"] == 1  # the four rows in one packed row
+    for metrics in (padded, packed):
+        assert metrics["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dpo_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
-    """Packed DPO (shared prompts) ignored the window: up to 0.22 off on Gemma-2/3, Mistral, Phi-3."""
+    """Packed DPO (shared prompts) ignored the window: up to 0.22 off on Gemma-2/3, Mistral, Phi-3; on Qwen3.5 the
+    linear-attention state crossed rows (0.0042 off, the rejected log-probability by 0.16 nats). The first step's
+    loss, log-probabilities and gradient norm, padded and packed, = plain transformers sequence by sequence."""
     policy, ref = arch_model(family), arch_model(family, seed=1)
     data = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     beta = 2.0  # a large β: a path that attends differently moves the loss well past the tolerance
-    expected = plain_dpo_loss(policy, ref, PAIRS, beta)
-    assert abs(expected - math.log(2)) > 1e-3  # the separate reference puts the margins away from 0
+    expected = plain_dpo(policy, ref, PAIRS, beta)
+    assert abs(expected["loss"] - math.log(2)) > 1e-3  # the separate reference puts the margins away from 0
     common = (
         f"model.name={policy}",
         f"model.ref={ref}",
@@ -264,10 +330,12 @@ def test_dpo_packed_equals_padded_equals_plain(family, arch_model, tmp_path):
         f"alg.beta={beta}",
         "train.save_every=0",
     )
-    padded = run_cli("dpo", tmp_path / "padded", *common)[0]["loss"]
-    packed = run_cli("dpo", tmp_path / "packed", *common, "data.packing=true")[0]["loss"]
-    assert padded == pytest.approx(expected, abs=1e-4)
-    assert packed == pytest.approx(expected, abs=1e-4)
+    padded = run_cli("dpo", tmp_path / "padded", *common, "data.packing=false")[0]
+    packed = run_cli("dpo", tmp_path / "packed", *common, "data.packing=true")[0]
+    for metrics in (padded, packed):
+        for key in ("loss", "logps/chosen", "logps/rejected"):
+            assert metrics[key] == pytest.approx(expected[key], abs=1e-4), key
+        assert metrics["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
 
 
 def _sgrpo(model_dir: Path, tmp_path: Path, name: str, *sets: str) -> dict:
@@ -295,7 +363,7 @@ def _sgrpo(model_dir: Path, tmp_path: Path, name: str, *sets: str) -> dict:
 def test_sgrpo_shared_prompts_match_the_rollout(family, arch_model, tmp_path):
     """Shared-prompt SGRPO's rollout/logprob_diff was 0.5-1.0 nats on the sliding-window families (4e-7 padded)."""
     model_dir = arch_model(family)
-    padded = _sgrpo(model_dir, tmp_path, "padded")
+    padded = _sgrpo(model_dir, tmp_path, "padded", "data.packing=false")
     packed = _sgrpo(model_dir, tmp_path, "packed", "data.packing=true")
     for metrics in (padded, packed):
         assert metrics["rollout/logprob_diff"] < 1e-4, metrics
@@ -393,7 +461,9 @@ def test_gemma2_soft_capping_is_what_transformers_sdpa_computes(arch_model, tmp_
         "train.save_every=0",
         "model.attn_implementation=eager",
     )
-    assert run_cli("sft", tmp_path / "padded", *common)[0]["loss"] == pytest.approx(expected, abs=1e-5)
+    assert run_cli("sft", tmp_path / "padded", *common, "data.packing=false")[0]["loss"] == pytest.approx(
+        expected, abs=1e-5
+    )
     assert run_cli("sft", tmp_path / "packed", *common, "data.packing=true")[0]["loss"] == pytest.approx(
         expected, abs=1e-5
     )

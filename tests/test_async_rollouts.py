@@ -35,6 +35,7 @@ from oxrl_core.loops.pipeline import (
     encode,
     load_in_flight,
 )
+from oxrl_core.observability.health import ASYNC_BOUND, pipeline_text
 from oxrl_core.rollout.sync import off_policy_metrics, tis_weight
 from oxrl_core.scoring.rewards import RewardFailures
 
@@ -150,7 +151,7 @@ def test_a_checkpoint_in_flight_file_that_does_not_fit_the_run_is_refused_naming
         load_in_flight(ckpt, 3, 4, 10)
     _save_in_flight(ckpt, 2, [5, 6])
     (ckpt / INFLIGHT_FILE).write_bytes(b"PK\x03\x04 not a torch file")
-    with pytest.raises(OxrlError, match=rf"{INFLIGHT_FILE}: not a readable in-flight batch file"):
+    with pytest.raises(OxrlError, match=rf"{INFLIGHT_FILE}: not a readable state file"):
         load_in_flight(ckpt, 2, 4, 10)
     (ckpt / INFLIGHT_FILE).unlink()
     assert load_in_flight(ckpt, 0, 4, 10) == {}
@@ -229,6 +230,47 @@ def test_generation_overlaps_training_and_every_batch_has_its_scheduled_version(
         assert at[("gen_start", s + 1)] < at[("train_end", s)]
     assert [v for name, v, _ in events if name == "load"] == list(range(1, steps + 1))  # every push, in order
     assert max(s for name, s, _ in events if name == "gen_start") == steps  # nothing past train.max_steps
+
+
+def test_the_async_speedup_counts_only_generation_inside_the_steps():
+    """k = 2, 3 steps: the three batches are made during start-up (before step 1), then each step trains 0.02 s
+    without waiting. Counting the batches' whole generation time (``perf/gen_s``) would claim (0.3 + 0.06) / 0.06 =
+    6× over the phases run in turn; inside the steps nothing was generated, so the speedup is 1×, and never above
+    the 2× bound (generation and scoring overlapping training)."""
+    pipe, _, _ = _pipeline(2, 3, gen_s=0.1)
+    records = []
+    try:
+        time.sleep(0.5)  # start-up: the first k + 1 batches are generated meanwhile
+        for step in range(1, 4):
+            start = time.perf_counter()
+            _, info = pipe.take(step)
+            waited = time.perf_counter() - start
+            time.sleep(0.02)  # training
+            train = time.perf_counter() - start - waited
+            pipe.push(step, last=step == 3)
+            end = time.perf_counter()
+            records.append({"step": step, "policy/staleness_max": 0.0, "perf/gen_s": info["perf/gen_s"],
+                            "perf/gen_in_step_s": pipe.generation_within(start, end), "perf/gen_wait_s": waited,
+                            "perf/train_s": train, "perf/step_s": end - start})  # fmt: skip
+    finally:
+        pipe.close()
+    assert all(r["perf/gen_s"] >= 0.1 and r["perf/gen_in_step_s"] == 0.0 for r in records), records
+    whole = sum(r["perf/gen_s"] + r["perf/train_s"] for r in records) / sum(r["perf/step_s"] for r in records)
+    assert whole > 3  # what counting start-up batches would say
+    ratio = float(pipeline_text(records).split("×")[0])
+    assert ratio == pytest.approx(
+        sum(r["perf/train_s"] for r in records) / sum(r["perf/step_s"] for r in records), abs=0.01
+    )
+    assert ratio <= 1.0
+
+
+def test_generation_spans_count_their_part_inside_a_window():
+    pipe, _, _ = _pipeline(1, 1, gen_s=0.0)
+    pipe.close()
+    pipe._spans = [[0.0, 1.0], [2.0, 4.0], [5.0, None]]  # made before, straddling, still running
+    assert pipe.generation_within(1.5, 3.0) == pytest.approx(1.0)
+    assert pipe.generation_within(3.0, 6.0) == pytest.approx(1.0 + 1.0)
+    assert pipe._spans == [[2.0, 4.0], [5.0, None]]  # spans ended before the window are dropped
 
 
 def test_a_batch_that_does_not_arrive_stops_the_run_within_the_timeout_naming_the_actor():
@@ -316,6 +358,8 @@ def test_k2_trains_each_step_on_its_scheduled_version_and_the_rollout_logprobs_a
     assert [m["policy/version"] for m in metrics] == [0, 0, 0, 1, 2, 3]
     assert [m["policy/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2, 2]
     assert all(0 <= m["perf/overlap_share"] <= 1 and "offpolicy/ess" in m for m in metrics)
+    assert all(0 <= m["perf/gen_in_step_s"] <= m["perf/step_s"] for m in metrics)
+    assert 0 < float(pipeline_text(metrics).split("×")[0]) <= ASYNC_BOUND  # the end-of-run table's speedup
     assert metrics[-1]["sync/probe_version"] == 6 and metrics[-1]["sync/probe_logprob_diff"] < 1e-5
 
     # checkpoint 3 keeps the batches of steps 4 and 5 (versions 1 and 2): each one's rollout logprobs are its

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from archs import FAMILIES, WINDOW, build_broken
+from archs import FAMILIES, LINEAR_ATTENTION, WINDOW, build_broken
 from conftest import oxrl
 
 
@@ -45,6 +45,8 @@ EXPECTED = {
     "mistral": (WINDOW, None, None, None, False),
     "phi3": (WINDOW, None, None, None, False),
     "olmo2": (None, None, None, None, False),
+    "qwen3_5": (None, None, None, None, False),
+    "qwen3_5_moe": (None, None, None, "experts", False),
 }
 
 
@@ -90,9 +92,12 @@ def test_check_model_reports_each_family(arch_model, family):
         assert report["model_type"] == "gemma3" and report["text_model_type"] == "gemma3_text"
         assert "vision_tower" in report["paths"]["lora"]["detail"]
     assert report["paths"]["critic"]["applies"] and str(text.hidden_size) in report["paths"]["critic"]["detail"]
-    # the hf backend's prefill-once cache is only for plain full-attention caches
-    assert report["paths"]["hf_prefill_cache"]["applies"] is (window is None)
+    # the hf backend's prefill-once cache is only for plain full-attention caches (not sliding, not linear attention)
+    assert report["paths"]["hf_prefill_cache"]["applies"] is (window is None and family not in LINEAR_ATTENTION)
     assert report["paths"]["packing"]["applies"] and report["paths"]["chunked_logits"]["applies"]
+    assert "measured: a packed row = the separate forwards" in report["paths"]["packing"]["detail"]
+    if family in LINEAR_ATTENTION:  # LoRA's all-linear includes the Gated DeltaNet projections
+        assert {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"} <= set(report["lora_targets"])
     # LoRA adapts the attention projections (Phi-3's are fused into qkv_proj), never the output head
     assert {"q_proj", "qkv_proj"} & set(report["lora_targets"]) and "lm_head" not in report["lora_targets"]
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from archs import LINEAR_ATTENTION
 from conftest import oxrl as _oxrl
 from conftest import read_metrics, write_jsonl
 
@@ -442,6 +443,26 @@ def test_two_zero3_ranks_train_lora_like_one_process(work, tiny_model_dir):
     _assert_same_trajectory(single, run, keys=("loss", "grad_norm"))
     _assert_close_weights(_weights(single / "final" / "adapter"), _weights(run / "final" / "adapter"))
     _assert_close_weights(_weights(single / "final"), _weights(run / "final"))
+
+
+@requires_deepspeed
+@requires_ray
+@pytest.mark.slow
+def test_two_zero3_ranks_train_qwen3_5_moe_like_one_process(work, arch_model):
+    """Qwen3.5-MoE (Gated DeltaNet linear attention packed per sequence, full attention, experts and the shared
+    expert: every part of the dense Qwen3.5 and more) under ZeRO-3 over two Ray ranks: the same SFT trajectory and
+    final weights as one torch process, and `final/` reloads whole."""
+    from transformers import AutoModelForCausalLM
+
+    model = arch_model(LINEAR_ATTENTION[-1])
+    short = ("--set", "train.max_steps=2", "--set", "train.save_every=0")
+    single = _sft(work, "torch-qwen3_5_moe", model, *short)
+    run = _sft(work, "dp-qwen3_5_moe", model, *DP2, *short)
+    _assert_same_trajectory(single, run, keys=("loss", "perf/tokens"))
+    _assert_same_trajectory(single, run, keys=("grad_norm",), atol=1e-4)  # a norm of ~6: summation order
+    _assert_close_weights(_weights(single / "final"), _weights(run / "final"))
+    _, info = AutoModelForCausalLM.from_pretrained(run / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 @requires_deepspeed

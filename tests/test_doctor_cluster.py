@@ -9,6 +9,7 @@ broken plugin)."""
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 from conftest import oxrl
@@ -86,3 +87,77 @@ def test_bug_report_never_joins_a_cluster(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     report = bug_report(None)
     assert "| ray |" in report and "ray cluster" not in report
+
+
+# ----------------------------------------------------------------------------- a run probes its cluster first (issue 43)
+
+RL_ACTORS = ["run", "--alg", "sgrpo", "--set", "rollout.actors=1", "--set", "train.max_steps=1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_refused_before_loading(proc, *expected: str) -> None:
+    text = flat(proc.stdout + proc.stderr)
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and "loading" not in text, text  # nothing loaded: no model, no warm start
+    for part in expected:
+        assert part in text, (part, text)
+
+
+def test_a_run_joining_a_closed_port_is_refused_at_once_naming_the_field(tmp_path):
+    port = free_port()
+    started = time.monotonic()
+    proc = oxrl(*RL_ACTORS, "--set", f"engine.ray_address=127.0.0.1:{port}", "-o", str(tmp_path / "r"),
+                env={"RAY_ADDRESS": ""}, cwd=tmp_path)  # fmt: skip
+    assert_refused_before_loading(
+        proc, f"engine.ray_address='127.0.0.1:{port}': nothing answers at 127.0.0.1:{port} (from engine.ray_address)"
+    )
+    assert time.monotonic() - started < 30 and not (tmp_path / "r").exists()
+
+
+def test_a_run_joining_a_silent_port_is_bounded_by_engine_timeout(tmp_path):
+    """Something listens but never speaks Ray (an HTTP server's port): the join is given min(engine.timeout_s, 60 s)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        started = time.monotonic()
+        proc = oxrl(*RL_ACTORS, "--set", "engine.timeout_s=3", "-o", str(tmp_path / "r"),
+                    env={"RAY_ADDRESS": address}, cwd=tmp_path)  # fmt: skip
+    assert_refused_before_loading(
+        proc, f"RAY_ADDRESS='{address}': no answer from a Ray cluster at {address} (from RAY_ADDRESS) within 3 s"
+    )
+    assert time.monotonic() - started < 40
+
+
+def test_an_unknown_node_in_actor_placement_is_refused_before_loading_with_one_process(tmp_path, two_nodes):
+    head, [worker] = two_nodes.head_node, list(two_nodes.worker_nodes)
+    sets = ["--set", "rollout.actor_placement=deadbeef", "-o", str(tmp_path / "r")]
+    joined = oxrl(*RL_ACTORS, *sets, env={"RAY_ADDRESS": two_nodes.address}, cwd=tmp_path)
+    assert_refused_before_loading(
+        joined, "rollout.actor_placement: 'deadbeef' is not an alive node of the Ray cluster", head.node_id,
+        worker.node_id,
+    )  # fmt: skip
+    local = oxrl(*RL_ACTORS, *sets, env={"RAY_ADDRESS": ""}, cwd=tmp_path)
+    assert_refused_before_loading(local, "rollout.actor_placement='deadbeef' names a Ray node", "new local Ray cluster")
+    # a node of the cluster passes the check (the run itself is test_rollout_actors')
+    from oxrl_core.config import load_run_config
+    from oxrl_core.engines.ray_cluster import check_cluster
+
+    cfg = load_run_config(None, ["engine.ray_address=" + two_nodes.address, "rollout.actors=1",
+                                 f"rollout.actor_placement={worker.node_id[:10]}"], algorithm="sgrpo")  # fmt: skip
+    check_cluster(cfg.engine, cfg.rollout, uses_rollout_actors=True)
+
+
+def test_doctor_local_is_not_a_cluster_to_inspect(monkeypatch):
+    """`--ray-address local` would start a new cluster (seconds, in the probe's child); the doctor says what it
+    means, at once, and starts nothing (no child process is run)."""
+    monkeypatch.setattr(doctor, "probe_nodes", lambda *a: pytest.fail("the doctor probed (started) a cluster"))
+    started = time.monotonic()
+    [row] = doctor.cluster_rows("local")
+    assert row[:2] == ("ray cluster", True) and "'local' means a new Ray cluster" in row[2], row
+    assert "local (from --ray-address)" in row[2] and time.monotonic() - started < 1

@@ -135,6 +135,32 @@ def test_the_config_refuses_dynamic_sampling_with_groups_of_one_naming_the_field
     assert "rollout.dynamic_sampling needs rollout.n >= 2" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("alg", "why"),
+    [
+        ("rft", "it fine-tunes on every sample that reaches the reward threshold, so an all-correct group is training"),
+        ("ppo", "its advantages come from a learned critic (GAE)"),
+        ("reinforce_pp", "its baseline is the whole batch's mean return"),
+    ],
+)
+def test_dynamic_sampling_is_refused_for_algorithms_whose_signal_is_not_group_relative(tmp_path, alg, why):
+    """Before anything loads: exit 2, one message with the reason, no run directory."""
+    proc = oxrl("run", "--alg", alg, "--set", "rollout.dynamic_sampling=true", "-o", str(tmp_path / "r"), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"rollout.dynamic_sampling: '{alg}' cannot use it" in proc.stderr and why in proc.stderr, proc.stderr
+    assert "set rollout.dynamic_sampling=false" in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_the_group_relative_algorithms_are_the_ones_dynamic_sampling_serves():
+    from oxrl_core import plugins
+
+    registry = plugins.registry()
+    relative = {n for n in registry.names("algorithm") if getattr(registry.load_checked("algorithm", n), "loop", "") == "rl"
+                and registry.load_checked("algorithm", n).group_relative}  # fmt: skip
+    assert relative >= {"sgrpo", "cispo", "gspo", "rloo", "reinforce_pp_baseline", "rlhf", "rlaif", "online_dpo"}
+    assert not relative & {"rft", "ppo", "reinforce_pp"}
+
+
 # ----------------------------------------------------------------------------- end to end (the real CLI)
 
 REWARDS = """

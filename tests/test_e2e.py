@@ -171,7 +171,7 @@ def test_gradient_accumulation_equals_big_batch(tmp_path, tiny_model_dir, sft_js
 
 @pytest.mark.slow
 def test_packing_and_gradient_checkpointing_do_not_change_the_maths(tmp_path, tiny_model_dir, sft_jsonl):
-    base = _grad_run(tmp_path, "base", tiny_model_dir, sft_jsonl)
+    base = _grad_run(tmp_path, "base", tiny_model_dir, sft_jsonl, "--set", "data.packing=false")  # padded
     packed = _grad_run(tmp_path, "packed", tiny_model_dir, sft_jsonl, "--set", "data.packing=true")
     ckpt = _grad_run(tmp_path, "gc", tiny_model_dir, sft_jsonl, "--set", "model.gradient_checkpointing=true")
     for other in (packed, ckpt):
@@ -366,6 +366,7 @@ def test_default_offline_run_raises_heldout_accuracy(tmp_path):
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     before, after = summary["eval_before"]["eval/accuracy"], summary["eval_after"]["eval/accuracy"]
     assert "held-out accuracy" in proc.stderr
+    assert "data.packing: on (auto)" in proc.stderr  # the probe passed on the built-in model: packed rows
     assert after >= before + 0.15, (before, after)
 
 

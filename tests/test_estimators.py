@@ -87,6 +87,52 @@ def test_an_aggregation_over_micro_batches_weighted_as_the_loop_does_equals_the_
     assert alg.loss_weighting == ("tokens" if mode == "token-mean" else "sequences")
 
 
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+GROUP_ALGS = (SGRPO, CISPO, GSPO, RLOO, REINFORCEPP, REINFORCEPPBaseline)
+
+
+@pytest.mark.parametrize(
+    "alg",
+    [cls(cls.Config(loss_agg=mode, kl_coeff=0.1, kl_in_reward=False, entropy_coeff=0.01)) for cls in GROUP_ALGS
+     for mode in MODES] + [PPO(PPO.Config(kl_coeff=0.1, kl_in_reward=False, entropy_coeff=0.01))],
+    ids=lambda a: f"{a.name}-{getattr(a.config, 'loss_agg', 'token-mean')}",
+)  # fmt: skip
+def test_every_logged_metric_over_a_three_way_split_equals_the_whole_batch(alg):
+    """Issue 43: the loop adds a micro-batch's metrics with its loss's share (tokens for token-mean, rows with a
+    token otherwise); every metric an algorithm logs -- the loss, loss/policy, loss/kl, loss/entropy, clip/frac,
+    ratio/mean, ... -- must then give the whole batch's value, whatever alg.loss_agg (before: loss/kl and
+    loss/entropy were token means and GSPO's clip/frac a share of sequences in every mode)."""
+    torch.manual_seed(1)
+    B, T = 7, 6
+    mask = (torch.rand(B, T) > 0.3).float()
+    mask[3] = 0  # a fully masked row
+    logp_old = -torch.rand(B, T) * 2
+    batch = {
+        "mask": mask, "logp_old": logp_old, "logp": logp_old + 0.4 * torch.randn(B, T),  # ρ far from 1: clips act
+        "logp_ref": logp_old - 0.3 * torch.rand(B, T), "entropy": torch.rand(B, T) * 3,
+        "adv": torch.randn(B, T) * mask, "max_new_tokens": T,
+        "values": torch.randn(B, T), "values_new": torch.randn(B, T), "returns": torch.randn(B, T),
+    }  # fmt: skip
+    whole_loss, whole = alg.loss(batch)
+    assert {"loss/kl", "clip/frac", "ratio/mean"} <= set(whole)
+
+    def weight(rows):
+        tokens = mask[rows].sum(-1)
+        return float(tokens.sum()) if alg.loss_weighting == "tokens" else float((tokens > 0).sum())
+
+    total, sums = weight(list(range(B))), {"loss": 0.0}
+    for rows in ([0, 1], [2, 3, 4], [5, 6]):
+        part = {k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        loss, metrics = alg.loss(part)
+        share = weight(rows) / total
+        sums["loss"] += float(loss) * share
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * share
+    assert sums["loss"] == pytest.approx(float(whole_loss), abs=1e-6)
+    for key, value in whole.items():
+        assert sums[key] == pytest.approx(float(value), abs=1e-6), key
+
+
 def test_overlong_penalty_by_hand():
     # L_max 10, buffer 4: no penalty up to 6 tokens, then −(|y| − 6)/4 · penalty, −penalty at 10
     lengths = torch.tensor([3, 6, 7, 8, 10])

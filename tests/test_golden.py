@@ -67,13 +67,20 @@ def run(name: str, out: Path) -> dict:
 
 
 def numbers(tree: dict, prefix: str = "") -> dict:
-    """The numeric leaves of summary.json (held-out metrics before/after), flattened; timings left out."""
+    """The numeric leaves of summary.json (held-out metrics before/after), flattened; timings and the number of
+    held-out rows (``eval_rows``, the noise the verdict allows for: a count, not a figure the run measured) left
+    out."""
     flat = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             flat.update(numbers(value, f"{name}."))
-        elif isinstance(value, (int, float)) and "seconds" not in name and not name.endswith("_s"):
+        elif (
+            isinstance(value, (int, float))
+            and "seconds" not in name
+            and not name.endswith("_s")
+            and name != "eval_rows"
+        ):
             flat[name] = value
     return flat
 

@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-SECTIONS = ("archs", "sft_throughput", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
+SECTIONS = ("archs", "sft_throughput", "step_profile", "sgrpo_step", "memory", "images", "async_rollouts", "estimators")
 MEASURED = SECTIONS  # every section measures something now
 
 
@@ -89,6 +89,11 @@ def test_dry_run_figures(dry_run):
         assert engines["deepspeed"]["reason"] == "no DeepSpeed installed"
     assert "Qwen2" in sections["sft_throughput"]["model"]
 
+    (profiled,) = sections["step_profile"]["rows"]  # one SFT step under the profiler (CPU: no kernels, no sync mode)
+    assert _positive(profiled["step_wall_s"]) and _positive(profiled["tokens_per_s"]) and _positive(profiled["mfu"])
+    assert profiled["kernel_s"] is None and profiled["syncs"] is None
+    assert sections["step_profile"]["top_kernels"] and "Qwen2" in sections["step_profile"]["model"]
+
     rows = {r["row"]: r for r in sections["sgrpo_step"]["rows"]}
     hf = rows["SGRPO step, rollout.backend=hf"]
     assert hf["status"] == "ok"
@@ -117,6 +122,8 @@ def test_dry_run_figures(dry_run):
     assert (k0["k"], k1["k"]) == (0, 1) and k0["staleness_mean"] == 0 and k1["staleness_mean"] > 0
     assert all(_positive(r["train_seconds"]) and 0 <= r["overlap_share"] <= 1 for r in (k0, k1))
     assert k0["rewards"][0] == k1["rewards"][0]  # step 1 is version 0's batch on both sides
+    summary = sections["async_rollouts"]["summary"]  # the ratio of steps/s, said as such
+    assert summary.startswith(f"k=1 steps/s = {k1['speedup_vs_k0']}× k=0's ("), summary
 
     estimators = {r["alg"]: r for r in sections["estimators"]["rows"]}  # each with its own defaults, in bf16
     assert list(estimators) == ["sgrpo", "cispo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"]
@@ -124,3 +131,19 @@ def test_dry_run_figures(dry_run):
         assert row["status"] == "ok" and len(row["losses"]) == 2, (alg, row.get("reason"))
         assert row["updates_per_step"] == {"cispo": 4, "gspo": 2, "ppo": 4}.get(alg, 1), alg
         assert _positive(row["train_s_vs_sgrpo"]) and 0 <= row["rollout_logprob_diff"] < 0.05, alg
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--out", "/proc/nope"], "--out /proc/nope: cannot write reports there"),
+        (["--budget-s", "-5"], "--budget-s -5: give a positive number of seconds"),
+        (["--budget-s", "0"], "--budget-s 0: give a positive number of seconds"),
+    ],
+)
+def test_unusable_arguments_are_usage_errors_before_any_section(tmp_path, args, expected):
+    """A usage error (exit 2, one line, no traceback) before anything runs, not a skipped check that exits 0."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "gpu_check.json").exists()

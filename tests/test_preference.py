@@ -252,8 +252,11 @@ def _dpo_losses(tmp_path, tiny_model_dir, name, *overrides):
 
 def test_dpo_gradient_accumulation_and_packing_are_exact(tmp_path, tiny_model_dir):
     """4 pairs in one micro-batch = 2 micro-batches of 2 = one packed row: the same updates."""
-    whole = _dpo_losses(tmp_path, tiny_model_dir, "whole", "train.batch_size=4")
-    accumulated = _dpo_losses(tmp_path, tiny_model_dir, "accum", "train.batch_size=2", "train.grad_accum_steps=2")
+    padded = "data.packing=false"  # the default (auto) packs the tiny model's rows
+    whole = _dpo_losses(tmp_path, tiny_model_dir, "whole", "train.batch_size=4", padded)
+    accumulated = _dpo_losses(
+        tmp_path, tiny_model_dir, "accum", "train.batch_size=2", "train.grad_accum_steps=2", padded
+    )
     packed = _dpo_losses(tmp_path, tiny_model_dir, "packed", "train.batch_size=4", "data.packing=true")
     assert whole[0] == pytest.approx(0.6931, abs=1e-4)  # log 2: the policy starts as its reference
     assert accumulated == pytest.approx(whole, abs=1e-5)

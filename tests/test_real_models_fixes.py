@@ -62,11 +62,16 @@ def _check_lora_final(final: Path, base_dir: Path) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_default_targets_save_a_loadable_final(family, arch_model, tmp_path):
-    """SFT with LoRA on the default targets (`all-linear`), one step at a high learning rate."""
+    """SFT with LoRA on the default targets (`all-linear`), one step at a high learning rate: the first loss is the
+    base model's (plain transformers per row; the adapter starts at zero), and `final/` = base + adapter (so only
+    the adapter changed)."""
+    from test_archs import plain_sft_loss
+
     model_dir = arch_model(family)
-    data = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "What is 2+3?", "response": "The answer is 5."}] * 2)
+    rows = [{"prompt": "What is 2+3?", "response": "The answer is 5."}, {"prompt": "What is 4+4?", "response": "8."}]
+    data = write_jsonl(tmp_path / "sft.jsonl", rows)
     run = tmp_path / "run"
-    run_cli(
+    metrics = run_cli(
         "sft",
         run,
         f"model.name={model_dir}",
@@ -79,6 +84,7 @@ def test_lora_default_targets_save_a_loadable_final(family, arch_model, tmp_path
         "train.save_every=0",
         "train.precision=fp32",
     )
+    assert metrics[0]["loss"] == pytest.approx(plain_sft_loss(model_dir, rows)[0], abs=1e-5)
     _check_lora_final(run / "final", model_dir)
 
 
@@ -92,12 +98,15 @@ def test_lora_default_targets_leave_moe_experts_router_and_vision_tower_out(arch
     cfg = LoraConfig(enabled=True, r=4)
     for family, absent in (
         ("qwen3_moe", ("experts", "mlp.gate")),
+        ("qwen3_5_moe", ("experts", "mlp.gate", "shared_expert_gate")),
         ("gemma3_mm", ("vision_tower", "multi_modal_projector")),
     ):
         model = AutoModelForCausalLM.from_pretrained(arch_model(family))
         peft_model = get_peft_model(model, _peft_config(cfg, "lm", model))
         adapted = {k.rsplit(".lora_A", 1)[0] for k in peft_model.state_dict() if ".lora_A" in k}
         assert any("self_attn.q_proj" in k for k in adapted)
+        if family == "qwen3_5_moe":  # the Gated DeltaNet projections and the shared expert are adapted
+            assert any("linear_attn.in_proj_qkv" in k for k in adapted) and any("shared_expert." in k for k in adapted)
         assert not [k for k in adapted if any(a + "." in k + "." for a in absent)], sorted(adapted)
 
 

@@ -397,6 +397,29 @@ def test_health_checks_each_finding_and_only_when_it_applies():
     assert [f.code for f in nan_stop] == ["non_finite_stop"]
 
 
+def test_a_held_out_fall_beyond_its_noise_warns_whatever_else_rose():
+    """The reinforce_pp case of issue 43: accuracy 0.390 → 0.290 over 100 rows (noise 2·√(0.39·0.61/100) = 0.0975)
+    while eval/reward_sampled rose by 0.005 of noise: a warning, where 'any metric rose' saw nothing wrong."""
+    healthy = [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9}]
+    before = {"eval/reward": 0.39, "eval/accuracy": 0.39, "eval/reward_sampled": 0.234}
+
+    def summary(accuracy, rows=100, **after):
+        return {"eval_before": before, "eval_rows": rows,
+                "eval_after": {**before, "eval/reward_sampled": 0.239, "eval/accuracy": accuracy, **after}}  # fmt: skip
+
+    [fell] = [f for f in check_run(healthy, summary(0.29)) if f.code == "held_out_fell"]
+    assert fell.level == "warning" and fell.message == (
+        "held-out accuracy fell: 0.390 → 0.290, more than its noise 0.098 over 100 held-out rows (whatever else rose)"
+    )
+    assert codes(healthy, summary(0.30)) == set()  # 0.09: within the noise of 100 rows
+    assert codes(healthy, summary(0.36, rows=10_000)) == {"held_out_fell"}  # 0.03 > 2·√(p(1−p)/n) = 0.0098
+    assert codes(healthy, summary(0.375, rows=10_000)) == set()  # 0.015: under the 0.02 floor
+    assert codes(healthy, summary(0.36, rows=0)) == {"held_out_fell"}  # n unknown (an older run): 0.02
+    loss = {"eval_before": {"eval/loss": 1.0}, "eval_after": {"eval/loss": 1.05}, "eval_rows": 50}
+    assert codes(healthy, loss) == {"held_out_fell", "no_held_out_gain"}
+    assert codes(healthy, {**loss, "eval_after": {"eval/loss": 1.01}}) == {"no_held_out_gain"}
+
+
 def test_long_curves_are_thinned_keeping_spikes_and_non_finite_points():
     points = [(float(s), 1.0) for s in range(1, 10_001)]
     points[4_321] = (4_322.0, 50.0)  # a spike

@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from oxrl_core.observability.health import check_run, pipeline_text, summary_rows
+from oxrl_core.observability.health import ASYNC_BOUND, check_run, pipeline_text, summary_rows
 from oxrl_core.observability.report import _lines, _time_axis, elapsed, load_run, render_report
 
 STEPS = 6
@@ -56,7 +56,7 @@ def async_records() -> list[dict]:
 # wall 3.8 + 5 × 2.3 = 15.3 s; 22.8 / 15.3 = 1.4902;
 # waited 2.0 + 5 × 0.5 = 4.5 s of 15.3 = 29.4 %; staleness mean 5 / 6 = 0.833, max 1
 ASYNC_ROW = (
-    "1.49× speedup over its phases run in turn (phases 22.8 s, wall 15.3 s; trainer idle 29%); "
+    "1.49× speedup over its phases run in turn (at most 2×; phases 22.8 s, wall 15.3 s; trainer idle 29%); "
     "staleness mean 0.83, max 1 policy updates"
 )
 
@@ -140,6 +140,22 @@ def test_end_of_run_table_gives_the_async_speedup_over_the_phases_and_nothing_fo
     damaged[1]["perf/step_s"] = "nan"
     assert pipeline_text(damaged).startswith(f"{(22.8 - 3.8) / (15.3 - 2.3):.2f}× ")
     assert pipeline_text(async_records()[:1]).startswith("1.00× ")  # step 1 waits for the whole batch
+
+
+def test_the_speedup_counts_generation_inside_the_steps_only_and_keeps_to_its_bound():
+    """Synthetic records of a run whose first batches were made during start-up: step 1's batch took 10 s of
+    generation before step 1 began (``perf/gen_s``), of which none fell in a step (``perf/gen_in_step_s``)."""
+    records = async_records()
+    records[0]["perf/gen_s"], records[0]["perf/gen_in_step_s"] = 10.0, 0.0
+    for r in records[1:]:
+        r["perf/gen_in_step_s"] = 2.0
+    # by hand: phases 0 + 5 × 2.0 + 6 × (0.1 + 1.7) = 20.8 s over the same 15.3 s of wall-clock
+    assert pipeline_text(records).startswith(f"{20.8 / 15.3:.2f}× speedup over its phases run in turn (at most 2×")
+    # a run logged before perf/gen_in_step_s: each step's generation counts at most its step's time
+    legacy = async_records()
+    legacy[0]["perf/gen_s"] = 10.0
+    assert pipeline_text(legacy).startswith(f"{(3.8 + 5 * 2.0 + 6 * 1.8) / 15.3:.2f}× ")
+    assert float(pipeline_text(legacy).split("×")[0]) <= ASYNC_BOUND
 
 
 def test_logprob_gap_warning_does_not_fire_for_staleness_but_still_for_an_equal_sync_run():

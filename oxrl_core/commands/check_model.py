@@ -32,9 +32,11 @@ from oxrl_core.config import LoraConfig, ModelConfig, TrainConfig
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models import vision
+from oxrl_core.models.linear_attention import per_sequence_linear_attention
 from oxrl_core.models.loading import _check_local_dir, resolve_model_path
 from oxrl_core.models.lora import default_targets
-from oxrl_core.models.packed_attention import attention_fast_paths
+from oxrl_core.models.packed_attention import attention_fast_paths, packed_attn_implementation
+from oxrl_core.models.packing_probe import probe
 from oxrl_core.models.token_head import choose_path, full_logits_mb, vocab_size
 
 #: head sizes vLLM's CPU attention kernels support (vllm/v1/attention/backends/cpu_attn.py, vLLM 0.32)
@@ -194,6 +196,21 @@ def _moe(text) -> dict | None:
         return None
     per_token = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_topk") if getattr(text, k, None)), None)
     return {"num_experts": experts, "experts_per_token": per_token}
+
+
+def _packing_probe(model, shared_prefix: bool):
+    """The run's load-time packing probe (`packing_probe.probe`) on the model as a packing run loads it: linear-attention
+    layers per sequence, sdpa as oxRL's packed sdpa."""
+    per_sequence_linear_attention(model)
+    attn = getattr(model.config, "_attn_implementation", None)
+    packed = packed_attn_implementation(attn) if attn == "sdpa" else attn
+    if packed != attn:
+        model.set_attn_implementation(packed)
+    try:
+        return probe(model, shared_prefix=shared_prefix)
+    finally:
+        if packed != attn:
+            model.set_attn_implementation(attn)
 
 
 def _prefill_cache(model, config) -> tuple[bool, str]:
@@ -580,7 +597,21 @@ def _paths(report: dict, model, config, text, problems: list, vision_parts: tupl
     paths = report["paths"]
     for key, (applies, detail) in attention_fast_paths(config).items():
         paths[key] = {"applies": applies, "detail": detail}
+    verdict = _packing_probe(model, paths["shared_prefix"]["applies"])
+    measured = (
+        ("packing", verdict.packing, "packing", "its rows are padded"),
+        ("shared_prefix", verdict.shared_prefix, "shared prompts", "they do not apply"),
+    )
+    for key, passed, what, then in measured:
+        if not paths[key]["applies"]:
+            continue
+        if passed:
+            paths[key]["detail"] += "; measured: a packed row = the separate forwards"
+        else:
+            paths[key] = {"applies": False, "detail": verdict.note(what, then)}
     applies, detail = _prefill_cache(model, config)
+    if applies and not verdict.packing:
+        applies, detail = False, verdict.note("the prefill-once cache", "it generates with transformers' own cache")
     paths["hf_prefill_cache"] = {"applies": applies, "detail": detail}
     applies, detail, names = _lora(model, vision_parts)
     paths["lora"] = {"applies": applies, "detail": detail}

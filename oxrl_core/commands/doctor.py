@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-import json
-import logging
 import os
 import platform
-import re
-import socket
-import subprocess
-import sys
 
-from oxrl_core.engines.distributed import ray_reason, resolve_ray_address
+from oxrl_core.engines.distributed import resolve_ray_address
+from oxrl_core.engines.ray_cluster import Unreachable, probe_nodes
 
 #: how long `oxrl doctor` waits for a Ray cluster to answer (a wrong address can otherwise hang for minutes)
 CONNECT_TIMEOUT_S = 30.0
@@ -119,65 +114,27 @@ def cluster_rows(option: str | None = None) -> list[Row]:
             )
         ]
     where = f"{address} (from {'--ray-address' if option else source})"
+    if address == "local":
+        return [
+            (
+                "ray cluster",
+                True,
+                f"{where}: 'local' means a new Ray cluster that a run starts for itself, not a cluster to inspect "
+                "(pass the address of a running one, or 'auto' for the one started on this machine)",
+            )
+        ]
     if _version("ray") is None:
         return [("ray cluster", False, f"cannot join {where}: ray is not installed (pip install 'oxrl[ray]')")]
-    hostport = re.fullmatch(r"(?:ray://)?\[?([^\]/]+?)\]?:(\d+)", address)
-    if hostport:  # a quick answer for an address where nothing listens (Ray itself retries for minutes)
-        try:
-            socket.create_connection((hostport.group(1), int(hostport.group(2))), timeout=5).close()
-        except OSError as exc:
-            return [("ray cluster", False, f"nothing answers at {where}: {exc.strerror or exc}")]
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", "from oxrl_core.commands.doctor import _probe; _probe()", address],
-            capture_output=True,
-            text=True,
-            timeout=CONNECT_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        return [("ray cluster", False, f"no answer from a Ray cluster at {where} within {CONNECT_TIMEOUT_S:g} s")]
-    answer = next((line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")), "")
-    if not answer:
-        last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), f"exit {proc.returncode}")
-        return [("ray cluster", False, f"could not join {where}: {last.strip()}")]
-    probe = json.loads(answer)
-    if "error" in probe:
-        return [("ray cluster", False, f"could not join {where}: {probe['error']}")]
-    nodes = sorted(probe["nodes"], key=lambda n: (not n["head"], n["ip"], n["node_id"]))
-    cpus, gpus = sum(n["cpus"] for n in nodes), sum(n["gpus"] for n in nodes)
+        nodes = probe_nodes(address, where, CONNECT_TIMEOUT_S)
+    except Unreachable as exc:
+        return [("ray cluster", False, str(exc))]
+    cpus, gpus = sum(n.cpus for n in nodes), sum(n.gpus for n in nodes)
     rows: list[Row] = [
         ("ray cluster", True, f"{_count(len(nodes), 'node')}, {_count(cpus, 'CPU')}, {_count(gpus, 'GPU')} at {where}")
     ]
     for n in nodes:
-        host = f"{n['host']} ({n['ip']})" if n["host"] and n["host"] != n["ip"] else n["ip"]
-        detail = f"{n['node_id']}: {host}, {_count(n['cpus'], 'CPU')}, {_count(n['gpus'], 'GPU')}"
-        rows.append(("ray node (head)" if n["head"] else "ray node", True, detail))
+        host = f"{n.host} ({n.ip})" if n.host and n.host != n.ip else n.ip
+        detail = f"{n.node_id}: {host}, {_count(n.cpus, 'CPU')}, {_count(n.gpus, 'GPU')}"
+        rows.append(("ray node (head)" if n.head else "ray node", True, detail))
     return rows
-
-
-def _probe() -> None:
-    """In a child process (`cluster_rows`): join the cluster at ``argv[1]``, print its alive nodes as one JSON
-    line (or ``{"error": ...}``), leave. Ray's own log lines stay on this process's stderr."""
-    import ray
-
-    try:
-        ray.init(address=sys.argv[1], include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
-        try:
-            nodes = [
-                {
-                    "node_id": n["NodeID"],
-                    "host": n.get("NodeManagerHostname", ""),
-                    "ip": n.get("NodeManagerAddress", ""),
-                    "cpus": n.get("Resources", {}).get("CPU", 0),
-                    "gpus": n.get("Resources", {}).get("GPU", 0),
-                    "head": "node:__internal_head__" in n.get("Resources", {}),
-                }
-                for n in ray.nodes()
-                if n.get("Alive")
-            ]
-        finally:
-            ray.shutdown()  # only disconnects: the cluster keeps running
-    except Exception as exc:  # noqa: BLE001 - a wrong address or a refused token fails in any way: one line
-        print(json.dumps({"error": f"{type(exc).__name__}: {ray_reason(exc)}"}), flush=True)
-        return
-    print(json.dumps({"nodes": nodes}), flush=True)

@@ -194,7 +194,7 @@ def regroup_by_tokens(picks: list[list[int]], length_of, budget: int, packing: b
     return [[rows[j] for j in batch] for batch in token_budget_batches([length_of(i) for i in rows], budget, packing)]
 
 
-def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
+def collate(examples: list[dict], pad_id: int, packing: bool = False, host: bool = False) -> dict:
     """Pad to the longest row (right padding), or pack all rows into one row.
 
     Packed: ``input_ids`` (1, ΣL) with ``position_ids`` restarting at 0 for each
@@ -208,6 +208,11 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
     A VLM's rows also bring their image inputs (`images.collate_pixels`). Packed image rows are exact only where
     the loop also gives the model each row's own rotary positions (`vision.packed_position_ids`, Qwen-VL); the
     loops pad image rows of the other families (`loops.setup.Setup.packing_for`).
+
+    ``host``: also what the host knows, so that no training step reads it back from the device: ``scored_rows``,
+    ``scored_pos`` (M,) the positions t whose next token t+1 carries a label, ``n_scored`` (M) and
+    ``n_tokens`` (the real tokens) as ints; packed, ``oxrl_row_bounds``, the row boundaries as a tuple of ints
+    (`packed_attention` attends row by row from it).
     """
     import torch
 
@@ -220,6 +225,7 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
             bounds.append(bounds[-1] + len(ex["input_ids"]))
         cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
         longest = max(len(ex["input_ids"]) for ex in examples)
+        known = {"oxrl_row_bounds": tuple(bounds), **scored_positions([labels]), "n_tokens": len(ids)}
         return {
             "input_ids": torch.tensor([ids]),
             "labels": torch.tensor([labels]),
@@ -228,6 +234,7 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
             "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": longest,
             "max_length_k": longest,
+            **(known if host else {}),
             # a VLM's rows: their pixels, per-token inputs as one row (Qwen-VL's rotary positions: the loop's)
             **collate_pixels(examples, 0, packed=True),
         }
@@ -242,4 +249,32 @@ def collate(examples: list[dict], pad_id: int, packing: bool = False) -> dict:
         attention_mask[i, :n] = 1
     # a VLM's rows: their pixels and per-token image inputs, row by row (`images.collate_pixels`)
     pixels = collate_pixels(examples, width)
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, **pixels}
+    known = {
+        **scored_positions([ex["labels"] for ex in examples]),
+        "n_tokens": sum(len(ex["input_ids"]) for ex in examples),
+    }
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": attention_mask,
+        **(known if host else {}),
+        **pixels,
+    }
+
+
+def scored_positions(labels: list[list[int]]) -> dict:
+    """From the rows' label lists (on the host): ``scored_rows``, ``scored_pos`` (M,) the (row, t) whose next token
+    t+1 is labelled — ``(labels[:, 1:] != IGNORE).nonzero()`` without a device read — and ``n_scored`` = M."""
+    import torch
+
+    rows, pos = [], []
+    for i, row in enumerate(labels):
+        for t in range(len(row) - 1):
+            if row[t + 1] != IGNORE:
+                rows.append(i)
+                pos.append(t)
+    return {
+        "scored_rows": torch.tensor(rows, dtype=torch.long),
+        "scored_pos": torch.tensor(pos, dtype=torch.long),
+        "n_scored": len(rows),
+    }

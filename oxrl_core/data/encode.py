@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
 from oxrl_core.chat_templates import describe_error
-from oxrl_core.data.images import TOKEN_INPUTS, check_image_row, row_images
+from oxrl_core.data.images import RESPONSE_FIELDS, TOKEN_INPUTS, check_image_row, row_images
 from oxrl_core.data.rows import is_multi_turn, normalise_row, row_where
 from oxrl_core.data.sources import Source
 from oxrl_core.errors import OxrlError
@@ -342,6 +342,34 @@ def tokenise_preference(
     return Tokenised(examples, dropped, identical)
 
 
+def _texts(value, field: str):
+    """(field path, text) for every string a row's text field holds: a string, or messages' contents and parts."""
+    if isinstance(value, str):
+        yield field, value
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _texts(item, f"{field}[{i}]")
+    elif isinstance(value, dict):
+        for key in ("content", "text"):
+            if key in value:
+                yield from _texts(value[key], f"{field}.{key}")
+
+
+def check_no_image_token_text(row: dict, where: str, reserved: tuple[str, ...]) -> None:
+    """A VLM run: no text of the row holds a token that stands for an image (``<|image_pad|>``...; `VLMProcessing.
+    reserved_texts`): the tokenizer would make it an image token without an image, which the model's forward refuses
+    at the step ("Image features and image tokens do not match") or, in a text-only batch, trains on silently."""
+    for name in ("prompt", "messages", *RESPONSE_FIELDS):
+        for field, text in _texts(row.get(name), name):
+            found = next((t for t in reserved if t in text), None)
+            if found is not None:
+                raise OxrlError(
+                    f"{where}: field '{field}': holds {found!r}, text this model reads as an image token (with no "
+                    "image behind it); remove it, or give the row its image in 'images' with an <image> marker or an "
+                    '{"type": "image"} part'
+                )
+
+
 def check_row_images(row: dict, fmt: str, origin: str, vision, n_images: int) -> dict:
     """Whether this run can train on a checked row with ``n_images`` images (`images.check_image_row` counted and
     placed them): a text model, CPT (``text`` rows) and multi-turn conversations refuse image rows, naming the row.
@@ -362,6 +390,8 @@ def check_row_images(row: dict, fmt: str, origin: str, vision, n_images: int) ->
             f"{where}: field 'messages': a multi-turn conversation with images is not supported yet; give it as "
             "a prompt (the messages up to the last user turn) and a response"
         )
+    if vision is not None:
+        check_no_image_token_text(row, where, vision.reserved_texts)
     if vision is None and isinstance(row.get("prompt"), list):
         prompt = [
             {**m, "content": "".join(p.get("text") or "" for p in m["content"])}

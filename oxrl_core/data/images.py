@@ -2,7 +2,9 @@
 
 A row of any prompt-side format may carry ``images``: a list whose entries are each
 
-- a local path, absolute or relative to the data file the row came from (``~`` expanded),
+- a local path, absolute or relative to the data file the row came from (``~`` expanded): a regular file of at most
+  `MAX_IMAGE_MB` (a FIFO, a device or a multi-GB file given by mistake is refused, never read); a URL is refused
+  (oxRL works offline: it fetches nothing),
 - a base64 string, bare or as a ``data:image/...;base64,`` URI,
 - ``{"bytes": ..., "path": ...}`` -- how a `datasets` ``Image`` feature stores an image and what a Parquet file of
   one holds; ``bytes`` wins when both are set, else ``path`` is read as above,
@@ -15,6 +17,11 @@ prompt side only: the model reads them, it never writes them, so an image part i
 of placeholders differs from its number of images (the processor would fail far from the row, or worse, the model
 would pair features with the wrong tokens: "Image features and image tokens do not match").
 
+Every image becomes 8-bit RGB: 16-bit and 32-bit integer images (``I;16``, ``I``: a 16-bit PNG) are scaled by
+65535 → 255, float images (``F``) with values in [0, 1] by 1 → 255 (PIL's own ``convert("RGB")`` clips them at 255,
+which turns a 16-bit picture almost white); an ``I`` image with values outside 0..65535 or an ``F`` one outside
+[0, 1] has no scale to read it at and is refused, naming the row.
+
 Every problem is an `OxrlError` naming the file, the row and the field, like `rows.normalise_row`'s. Nothing here
 imports PIL at module level (the data layer loads without it for text runs).
 """
@@ -25,6 +32,7 @@ import base64
 import binascii
 import io
 import re
+import stat
 from pathlib import Path
 
 from oxrl_core.data.rows import row_where
@@ -37,6 +45,17 @@ RESPONSE_FIELDS = ("response", "chosen", "rejected", "completion")
 #: what an ``images`` entry may be, for messages
 IMAGE_KINDS = 'a local path, a base64 string, {"bytes": ...} or a PIL image'
 
+#: the largest image file read (MB): a bigger one is refused, naming the row (a wrong path, not a picture)
+MAX_IMAGE_MB = 64
+#: a URL in ``images``: ``scheme://...``
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_FILE_KINDS = {
+    stat.S_ISDIR: "a directory",
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISSOCK: "a socket",
+}
 _BASE64 = re.compile(r"[A-Za-z0-9+/=\s_-]+")
 _DATA_URI = re.compile(r"data:image/[\w.+-]+;base64,", re.IGNORECASE)
 
@@ -62,10 +81,30 @@ def _open(data: bytes, where: str, field: str, what: str):
     try:
         with Image.open(io.BytesIO(data)) as image:
             image.load()
-            return image.convert("RGB")
+            return to_rgb(image, where, field)
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         reason = re.sub(r" <_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(exc)) or type(exc).__name__
         raise OxrlError(f"{where}: field '{field}': cannot decode {what} as an image ({reason})") from None
+
+
+def to_rgb(image, where: str, field: str):
+    """``image`` as 8-bit RGB, scaled from 16-bit, 32-bit integer and float modes (the module docstring)."""
+    from PIL import Image
+
+    if image.mode not in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        return image.convert("RGB")
+    import numpy as np
+
+    values = np.asarray(image, dtype=np.float64)
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    top = 1.0 if image.mode == "F" else 65535.0
+    if low < 0 or high > top or not np.isfinite(values).all():
+        raise OxrlError(
+            f"{where}: field '{field}': a {image.mode} image with values {low:g}..{high:g}, outside 0..{top:g}, has no "
+            "known scale to 8 bits; give an 8-bit or 16-bit image"
+        )
+    gray = np.rint(values * (255.0 / top)).astype(np.uint8)
+    return Image.fromarray(gray).convert("RGB")  # (H, W) uint8: mode L
 
 
 def _looks_like_base64(text: str) -> bool:
@@ -92,11 +131,16 @@ def _from_string(text: str, base: Path | None, where: str, field: str):
     uri = _DATA_URI.match(text)
     if uri:
         return _from_base64(text[uri.end() :], where, field)
+    if _URL.match(text):
+        raise OxrlError(
+            f"{where}: field '{field}': {text[:200]!r} is a URL, not fetched (oxRL works offline): give local paths, "
+            "base64 or bytes"
+        )
     path = Path(text).expanduser()
     if not path.is_absolute() and base is not None:
         path = base / path
     try:
-        data = path.read_bytes()
+        data = _read_image_file(path, where, field)
     except FileNotFoundError:
         if _looks_like_base64(text):
             return _from_base64(text, where, field)
@@ -110,6 +154,24 @@ def _from_string(text: str, base: Path | None, where: str, field: str):
     return _open(data, where, field, str(path))
 
 
+def _read_image_file(path: Path, where: str, field: str) -> bytes:
+    """The bytes of a regular file of at most `MAX_IMAGE_MB`; a FIFO (which would block), a device (``/dev/zero``
+    never ends) or a bigger file is refused without reading it."""
+    info = path.stat()
+    kind = next((name for test, name in _FILE_KINDS.items() if test(info.st_mode)), None)
+    if kind is not None or not stat.S_ISREG(info.st_mode):
+        raise OxrlError(f"{where}: field '{field}': {path} is {kind or 'not a regular file'}, not an image file")
+    limit = MAX_IMAGE_MB * 2**20
+    with path.open("rb") as handle:
+        data = handle.read(limit + 1)  # bounded also where the size lies (/proc files say 0)
+    if len(data) > limit:
+        raise OxrlError(
+            f"{where}: field '{field}': {path} is larger than {MAX_IMAGE_MB} MB, the most an image file may be (a "
+            "wrong path?)"
+        )
+    return data
+
+
 def decode_image(value, base: Path | None, where: str, field: str):
     """One ``images`` entry (see the module docstring) -> an RGB PIL image.
 
@@ -118,7 +180,7 @@ def decode_image(value, base: Path | None, where: str, field: str):
     from PIL import Image
 
     if isinstance(value, Image.Image):
-        return value.convert("RGB")
+        return to_rgb(value, where, field)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _open(bytes(value), where, field, "the bytes")
     if isinstance(value, dict):

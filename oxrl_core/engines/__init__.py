@@ -40,8 +40,11 @@ class Engine(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradients of ``loss``."""
 
-    def step(self) -> float:
-        """Clip, step the optimiser and the scheduler, zero the gradients; the pre-clip gradient norm."""
+    def step(self, check=None) -> float:
+        """Clip, step the optimiser and the scheduler, zero the gradients; the pre-clip gradient norm.
+        ``check(grad_norm)`` runs after clipping and before the optimiser updates anything, with the pre-clip norm
+        as a 0-d device tensor (None where the engine clips inside its own step); it may raise to stop the update,
+        and the float it returns (the norm, read with the step's other figures) is returned."""
 
     @property
     def lr(self) -> float:

@@ -39,6 +39,7 @@ import torch
 
 from oxrl_core.engines import distributed
 from oxrl_core.engines.optimizers import build_optimizer
+from oxrl_core.engines.state_files import deepspeed_allowed, load_state_file
 from oxrl_core.engines.torch_engine import PrecisionAndDevice, adamw_param_groups, pick_autocast_dtype, pick_device
 from oxrl_core.errors import OxrlError
 
@@ -100,6 +101,25 @@ def import_deepspeed(device_type: str):
     # 100 s on a fresh machine); training never uses it, so mark it unavailable.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
+
+
+def _safe_checkpoint_engine(ds):
+    """DeepSpeed's torch checkpoint engine (the one oxRL's generated config selects) with `load` reading each state
+    file through `load_state_file`: DeepSpeed's own loads use ``weights_only=False``, so a pickle payload placed in
+    a copied run's ``deepspeed/state/`` would run on ``--resume``; here it is refused, naming the file."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    if type(ds.checkpoint_engine) is not TorchCheckpointEngine:
+        raise OxrlError(
+            f"DeepSpeed chose the {type(ds.checkpoint_engine).__name__} checkpoint engine; oxRL reads state files only "
+            "through the torch one (checkpoint settings in the DeepSpeed config are not supported)"
+        )
+
+    class SafeLoads(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            return load_state_file(Path(path), deepspeed_allowed(), map_location)
+
+    return SafeLoads(ds._config)
 
 
 class _Trained(torch.nn.Module):
@@ -164,6 +184,7 @@ class DeepSpeedEngine(PrecisionAndDevice):
         self.ds, *_ = deepspeed.initialize(
             model=self.module, optimizer=self.optimizer, lr_scheduler=self.scheduler, config=self.config
         )
+        self.ds.checkpoint_engine = _safe_checkpoint_engine(self.ds)
         self._full_depth = 0
 
     # ------------------------------------------------------------------ the training step
@@ -183,8 +204,11 @@ class DeepSpeedEngine(PrecisionAndDevice):
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
         self._hook_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def step(self) -> float:
-        """Reduce, clip, step optimiser and scheduler, zero grads; return the pre-clip gradient norm."""
+    def step(self, check=None) -> float:
+        """Reduce, clip, step optimiser and scheduler, zero grads; return the pre-clip gradient norm. ``check(None)``
+        runs before DeepSpeed's step (which clips inside it), so it may stop the update."""
+        if check is not None:
+            check(None)
         self.ds.step()
         if self.zero_stage == 3:
             self._end_of_step()
@@ -260,6 +284,8 @@ class DeepSpeedEngine(PrecisionAndDevice):
         self.ds.save_checkpoint(str(Path(directory) / STATE_DIR), tag=STATE_TAG, save_latest=False)
 
     def load_state(self, directory: Path) -> None:
+        """Every rank: its state back from ``save_state``'s files, each read without running code it holds
+        (`_safe_checkpoint_engine`)."""
         path = Path(directory) / STATE_DIR
         if not (path / STATE_TAG).is_dir():
             raise OxrlError(

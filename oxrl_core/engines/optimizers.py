@@ -31,6 +31,16 @@ def build_optimizer(name: str, groups: list[dict], lr: float, seed: int = 0, fus
     raise ValueError(f"train.optimizer: unknown optimizer {name!r}; one of {', '.join(OPTIMIZERS)}")
 
 
+def state_classes(name: str) -> list[type]:
+    """The classes beyond tensors and containers that optimiser ``name``'s state dict holds: what reading it back
+    from ``engine.pt`` must allow (`state_files.load_state_file`)."""
+    if name == "adamw_8bit":
+        from torchao.optim.subclass_8bit import OptimState8bit  # lazy: an optional library, this optimiser only
+
+        return [OptimState8bit]
+    return []
+
+
 def state_bytes(optimizer) -> int:
     """Bytes of the optimiser's per-parameter state (moment estimates, step counters; a quantised state's codes
     and scales): what ``train.optimizer`` changes."""

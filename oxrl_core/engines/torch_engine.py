@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines import distributed
-from oxrl_core.engines.optimizers import build_optimizer
+from oxrl_core.engines.optimizers import build_optimizer, state_classes
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 
 
@@ -109,15 +110,17 @@ class TorchEngine(PrecisionAndDevice):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self) -> float:
-        """Clip, step optimiser and scheduler, zero grads; return the pre-clip gradient norm."""
+    def step(self, check=None) -> float:
+        """Clip, ``check(grad_norm)`` (the norm still on the device: the caller reads it with its other figures,
+        and may stop here, before the update), step optimiser and scheduler, zero grads; the pre-clip norm."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         max_norm = self.max_grad_norm if self.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # (), on the device: no host read
+        norm = check(grad_norm) if check is not None else None
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm)
+        return float(grad_norm) if norm is None else norm
 
     @property
     def lr(self) -> float:
@@ -138,7 +141,8 @@ class TorchEngine(PrecisionAndDevice):
         torch.save(self.state_dict(), Path(directory) / "engine.pt")
 
     def load_state(self, directory: Path) -> None:
-        self.load_state_dict(torch.load(Path(directory) / "engine.pt", map_location=self.device, weights_only=False))
+        allowed = state_classes(self.optimizer_name)  # (adamw_8bit: its quantised state's tensor class)
+        self.load_state_dict(load_state_file(Path(directory) / "engine.pt", allowed, map_location=self.device))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -122,7 +122,7 @@ class DynamicSampling:
             return
         log.warning(
             "step %d: dynamic sampling kept %d of train.batch_size=%d groups with differing rewards after %d refill "
-            "round(s) (rollout.max_sampling_rounds=%d); the batch is filled up with equal-reward groups (advantage 0) "
+            "round(s) (rollout.max_sampling_rounds=%d); the batch is filled up with equal-reward groups (no group signal) "
             "and the run goes on (sampling/short = 1 marks such steps; this message is not repeated). Raise "
             "rollout.max_sampling_rounds, or use prompts the policy solves sometimes but not always (too easy or "
             "too hard prompts give every sample the same reward).",

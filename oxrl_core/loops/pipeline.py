@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines.distributed import broadcast_object, is_main
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.loops.episodes import EnvFailures
@@ -144,8 +145,8 @@ def load_in_flight(ckpt: Path, k: int, start_step: int, max_steps: int) -> dict[
                 f"would have generated with earlier weights; resume with rollout.max_staleness=0"
             )
         return {}
+    saved = load_state_file(path)  # refuses a file that would run code, naming it
     try:
-        saved = torch.load(path, weights_only=True)
         saved_k, batches = int(saved["max_staleness"]), saved["batches"]
         loaded = {int(b["step"]): decode(b["payload"]) for b in batches}
     except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: one message naming it
@@ -184,6 +185,9 @@ class AsyncRollouts:
         self.batches: dict[int, Future] = {}  # step -> its produced batch (rank 0)
         self.pushes: list[tuple[int, Future]] = []  # (version, its load-and-check), not yet reported
         self.worker = Worker() if is_main() else None
+        # the worker's generation-and-scoring spans (start, end; end None while running), for `generation_within`
+        self._spans: list[list] = []
+        self._spans_lock = threading.Lock()
         if self.worker is not None:
             for step, produced in loaded.items():  # a resumed run: the checkpoint's in-flight batches
                 self.batches[step] = done = Future()
@@ -201,11 +205,17 @@ class AsyncRollouts:
 
         def play():
             start = time.perf_counter()
-            if self.ro.dynamic_sampling:  # the refill rounds in this same job, at the same policy version
-                produced = self.strategy.produce_step(step, picks, sampling)
-            else:
-                produced = self.strategy.produce(picks, sampling)
-            return produced, time.perf_counter() - start
+            span = [start, None]
+            with self._spans_lock:
+                self._spans.append(span)
+            try:
+                if self.ro.dynamic_sampling:  # the refill rounds in this same job, at the same policy version
+                    produced = self.strategy.produce_step(step, picks, sampling)
+                else:
+                    produced = self.strategy.produce(picks, sampling)
+            finally:
+                span[1] = time.perf_counter()
+            return produced, span[1] - start
 
         self.batches[step] = self.worker.submit(play)
 
@@ -232,6 +242,17 @@ class AsyncRollouts:
                 if future.done() and future.exception() is not None:
                     raise future.exception()
         return produced, broadcast_object(info)
+
+    def generation_within(self, start: float, end: float) -> float:
+        """Seconds the worker spent generating and scoring between ``start`` and ``end`` (`time.perf_counter`): a
+        step's own share of the overlap (``perf/gen_in_step_s``). Generation before step 1 (the first k batches,
+        made while the run starts up) or between steps (checkpoints, evaluation) falls in no step, so the async
+        speedup (`observability.health.pipeline_text`) cannot exceed 2×. Spans ended before ``start`` are dropped
+        (steps come in order)."""
+        with self._spans_lock:
+            self._spans = [s for s in self._spans if s[1] is None or s[1] > start]
+            spans = [(s[0], end if s[1] is None else s[1]) for s in self._spans]
+        return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
 
     def _reported_pushes(self, wait: bool = False) -> dict:
         """The probe checks of the pushes that have finished (all of them with ``wait``); a failed one raises."""

@@ -32,9 +32,10 @@ from oxrl_core.data.images import image_fields_of, is_image_row
 from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
-from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, backward_share, check_loss
+from oxrl_core.loops.run import ACCURACY, MODEL_INPUTS, Run, RunResult, StepSums, backward_share
 from oxrl_core.loops.setup import Setup
 from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_score_model, load_tokenizer
 from oxrl_core.models.lora import is_peft, policy_state_dict
@@ -61,9 +62,10 @@ def collate_sequences(seqs: list[tuple], pad_id: int, packing: bool) -> dict:
     sequence's last token, where a scalar head is read.
     """
     examples = [{"input_ids": s[0] + s[1], "labels": [IGNORE] * len(s[0]) + s[1], **_image(s)} for s in seqs]
-    batch = collate(examples, pad_id, packing)
+    batch = collate(examples, pad_id, packing, host=True)  # scored positions found on the host
     targets = batch["labels"][:, 1:]  # (R, T-1): position t predicts token t+1
-    rows, pos = (targets != IGNORE).nonzero(as_tuple=True)  # (M,), (M,)
+    rows, pos = batch.pop("scored_rows"), batch.pop("scored_pos")  # (M,), (M,)
+    del batch["n_scored"], batch["n_tokens"]
     if packing:
         bounds = batch["cu_seq_lens_q"].long()  # (N+1,)
         owner = torch.searchsorted(bounds, pos + 1, right=True) - 1  # the sequence token pos+1 belongs to
@@ -72,7 +74,13 @@ def collate_sequences(seqs: list[tuple], pad_id: int, packing: bool) -> dict:
         owner = rows
         last = torch.stack([torch.arange(len(seqs)), batch["attention_mask"].sum(1) - 1], dim=1)  # (N, 2)
     batch.update(
-        pred_index=torch.stack([rows, pos], dim=1), target=targets[rows, pos], owner=owner, last=last, n_seqs=len(seqs)
+        pred_index=torch.stack([rows, pos], dim=1),
+        target=targets[rows, pos],
+        owner=owner,
+        last=last,
+        n_seqs=len(seqs),
+        # (N,) the scored tokens of each sequence (labels[1:], as `targets`), counted on the host
+        seq_tokens=torch.tensor([sum(label != IGNORE for label in ex["labels"][1:]) for ex in examples]),
     )
     return batch
 
@@ -108,6 +116,7 @@ def collate_shared_prompts(prompts: list[list[int]], chosen: list[list[int]], re
         "owner": torch.tensor(owner),
         "last": torch.tensor([[0, c] for c, _ in last] + [[0, r] for _, r in last]),
         "n_seqs": 2 * B,
+        "seq_tokens": torch.tensor([len(c) for c in chosen] + [len(r) for r in rejected]),  # (2B,)
     }
 
 
@@ -126,6 +135,8 @@ def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     logp = token_stats(model, _model_inputs(batch), rows, pos, batch["target"])["logp"]  # (M,)
     n, owner = batch["n_seqs"], batch["owner"]
     sums = torch.zeros(n, device=logp.device, dtype=logp.dtype).index_add(0, owner, logp)  # (N,)
+    if "seq_tokens" in batch:  # counted on the host
+        return sums, batch["seq_tokens"].to(logp.dtype)
     counts = torch.bincount(owner, minlength=n).to(logp.dtype)  # (N,)
     return sums, counts
 
@@ -345,11 +356,12 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         setup.info(
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them"
         )
-    model = setup.policy(model, algorithm.head)
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    packing = setup.packs_exactly(packing, model, ref)  # measured: a packed row = the separate forwards
+    model = setup.policy(model, algorithm.head)
     engine = setup.build_engine(model)
     if ckpt is not None and self_play:
-        ref.load_state_dict(torch.load(ckpt / REF_FILE, map_location=engine.device, weights_only=True))
+        ref.load_state_dict(load_state_file(ckpt / REF_FILE, map_location=engine.device))
     if cfg.train.precompute_ref_logps:
         precompute_ref(ref, train.examples, engine, pad_id, packing, cfg.train.batch_size)
         if not eval_examples:
@@ -395,7 +407,9 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         return metrics
 
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
-    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files)
+    held_out = len(eval_rows) or len(eval_examples)  # greedy accuracy's rows, else pair accuracy's pairs
+    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files,
+              eval_rows=held_out)  # fmt: skip
     builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
     run.banner(builtin, f"{train_source.origin} ({len(train.examples)} rows)")
 
@@ -410,7 +424,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         shares = [shard(idx) for idx in picks]
         total_rows = sum(len(idx) for idx in picks)
         lr = engine.lr
-        sums: dict[str, float] = defaultdict(float)
+        sums = StepSums()  # on the device until the step's one read (`Run.update`)
         gen_seconds, tokens, square_lengths = 0.0, 0, 0
         for k, (rows, padding) in enumerate(shares):
             examples = [train.examples[i] for i in rows]
@@ -426,14 +440,13 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             with engine.autocast():
                 batch = build_batch(algorithm, model, ref, examples, engine, pad_id, packing, rejected)
                 loss, metrics = algorithm.loss(batch)  # ALGO: the algorithm's loss
-            check_loss(loss, step, run.run_dir)
             tokens += 0 if padding else policy_tokens(examples, rejected, packing == "shared")
             square_lengths += 0 if padding else policy_square_lengths(examples, rejected, packing == "shared")
             backward_share(engine, loss, metrics, 0.0 if padding else len(examples) / total_rows, sums)
-        # 4. the optimiser step, metrics summed over ranks
+        # 4. the optimiser step (a non-finite loss stops the run before it), metrics summed over ranks
+        grad_norm, sums = run.update(sums, step)
         sums = reduce_metrics({**sums, "perf/tokens": tokens, "perf/square_lengths": square_lengths})
         tokens, square_lengths = int(sums.pop("perf/tokens")), sums.pop("perf/square_lengths")
-        grad_norm = engine.step()
         # the policy's training FLOPs (the reference model's forward is not counted)
         perf = {
             "perf/rows": total_rows,

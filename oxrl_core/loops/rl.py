@@ -38,7 +38,7 @@ from oxrl_core.loops.rollouts import (
 )
 from oxrl_core.loops.run import Run, RunResult, backward_share, check_finite
 from oxrl_core.loops.strategies import Scored
-from oxrl_core.ops import k3_kl, masked_mean_value
+from oxrl_core.ops import k3_kl, masked_mean_value, mean_metric
 from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 
@@ -87,7 +87,10 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             version += 1
             with clock("sync"):  # asynchronous: pushed without waiting, checked by the worker
                 record.update(parts.sync(version))
-        return {**record, **scored.metrics, **step_metrics(run, scored, versions, lr, clock, parts.plan, picks)}
+        out = {**record, **scored.metrics, **step_metrics(run, scored, versions, lr, clock, parts.plan, picks)}
+        if parts.pipeline is not None:  # the worker's generation inside this step's window (the async speedup)
+            out["perf/gen_in_step_s"] = parts.pipeline.generation_within(clock.start, clock.start + out["perf/step_s"])
+        return out
 
     records = run.train(step, close=parts.close)
     return run.finish(records, None, final_loss=False, extra=parts.extra_files if parts.critic else None)
@@ -261,6 +264,8 @@ class Update:
             tokens = batch["mask"][rows].sum(-1)  # (rows,)
             return float(tokens.sum()) if algorithm.loss_weighting == "tokens" else float((tokens > 0).sum())
 
+        # the entropy metric is weighted as the loss weighs micro-batches (tokens, or sequences)
+        entropy_mode = "token-mean" if algorithm.loss_weighting == "tokens" else "seq-mean-token-mean"
         gen = torch.Generator().manual_seed(self.seed * 7919 + step)
         updates, grad_norms, micro_batch_count = 0, [], 0
         sums: dict[str, float] = defaultdict(float, loss=0.0, entropy=0.0)
@@ -285,7 +290,7 @@ class Update:
                         loss, metrics = algorithm.loss(mb)  # ALGO: the algorithm's loss
                     check_finite("loss", loss.detach().reshape(1), step, self.run_dir)
                     share = (0.0 if padding else weight(mine)) / total
-                    sums["entropy"] += masked_mean_value(mb["entropy"].detach(), mb["mask"]) * share
+                    sums["entropy"] += float(mean_metric(mb["entropy"], mb["mask"], entropy_mode)) * share
                     backward_share(engine, loss, metrics, share, sums)
                 grad_norms.append(engine.step())
                 updates += 1

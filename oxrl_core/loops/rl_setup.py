@@ -21,6 +21,7 @@ from oxrl_core.data.batching import make_plan
 from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import is_main, world_size
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.loops.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
 from oxrl_core.loops.episodes import Episodes
@@ -140,15 +141,16 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); "
             "training on padded rows"
         )
-    model = setup.policy(model)
     ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    shared = setup.packs_exactly(shared and "shared", model, ref, unshared="it trains on padded rows") == "shared"
+    model = setup.policy(model)
     critic = None
     if algorithm.needs_critic:
         critic = build_critic(
             model, algorithm.critic_layout(), lambda: load_causal_lm(policy_path, reporter=setup.reporter)
         )
         if ckpt is not None:
-            critic.load_state_dict(torch.load(ckpt / "critic.pt", weights_only=True))
+            critic.load_state_dict(load_state_file(ckpt / "critic.pt"))
     # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
     # the message names the setting that is too long
     longest, setting = (cfg.env.max_tokens, "env.max_tokens") if env else (ro.max_new_tokens, "rollout.max_new_tokens")
@@ -200,7 +202,14 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     # ---- the run (resumes a checkpoint), then the verified weight sync
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
     run = Run(
-        setup, model, saved_with, engine, evaluate if eval_rows else None, extra=checkpoint_files, every_metric=True
+        setup,
+        model,
+        saved_with,
+        engine,
+        evaluate if eval_rows else None,
+        extra=checkpoint_files,
+        every_metric=True,
+        eval_rows=len(eval_rows),
     )
     k = ro.max_staleness
     loaded = load_in_flight(ckpt, k, run.start_step, cfg.train.max_steps) if ckpt is not None else {}

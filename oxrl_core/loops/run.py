@@ -43,6 +43,7 @@ __all__ = [
     "MODEL_INPUTS",
     "Run",
     "RunResult",
+    "StepSums",
     "backward_share",
     "check_finite",
     "check_loss",
@@ -58,6 +59,7 @@ MODEL_INPUTS = (
     "cu_seq_lens_k",
     "max_length_q",
     "max_length_k",
+    "oxrl_row_bounds",  # the same boundaries as ints, from the host (`packed_attention`)
     # a VLM's image inputs (`data.images.collate_pixels`), as its processor names them
     "pixel_values",
     "image_grid_thw",
@@ -76,12 +78,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def check_loss(loss: torch.Tensor, step: int, run_dir: Path) -> None:
+def check_loss(loss: float, step: int, run_dir: Path) -> None:
     """Stop the run before a non-finite loss reaches the weights; the newest checkpoint stays as it was."""
-    if not torch.isfinite(loss):
+    if not math.isfinite(loss):
         last = latest_checkpoint(run_dir)
         raise OxrlError(
-            f"step {step}: the loss is {loss.item()} (not finite); the run stops here. "
+            f"step {step}: the loss is {loss} (not finite); the run stops here. "
             f"Last complete checkpoint: {last or 'none'}. Lower train.lr or check the data, then --resume."
         )
 
@@ -97,10 +99,41 @@ def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> N
         )
 
 
-def backward_share(engine, loss: torch.Tensor, metrics: dict, share: float, sums: dict) -> None:
+class StepSums:
+    """One optimiser step's loss and metrics, each micro-batch's added with its share (`backward_share`) and kept on
+    the device, then read on the host once, with the gradient norm, before the optimiser updates anything
+    (`Run.update`): a GPU step waits for its device once, not once per metric and micro-batch."""
+
+    def __init__(self):
+        self.values: dict = {}  # name -> a 0-d device tensor (or a host float)
+
+    def add(self, name: str, value, share: float = 1.0) -> None:
+        value = value.detach().float().reshape(()) * share if torch.is_tensor(value) else float(value) * share
+        self.values[name] = self.values.get(name, 0.0) + value
+
+    def read(self, grad_norm=None) -> tuple[dict[str, float], float | None]:
+        """(the sums as floats, the gradient norm as a float) from one device-to-host copy."""
+        on_device = [k for k, v in self.values.items() if torch.is_tensor(v)]
+        tensors = [self.values[k] for k in on_device]
+        if torch.is_tensor(grad_norm):
+            tensors.append(grad_norm.detach().float().reshape(()).to(tensors[0].device if tensors else None))
+        host = torch.stack(tensors).tolist() if tensors else []  # the step's one read
+        read = dict(zip(on_device, host))
+        sums = {k: read[k] if k in read else float(v) for k, v in self.values.items()}
+        norm = host[-1] if torch.is_tensor(grad_norm) else grad_norm
+        return sums, norm
+
+
+def backward_share(engine, loss: torch.Tensor, metrics: dict, share: float, sums) -> None:
     """One micro-batch's part of an optimiser step: the gradient of ``loss × share`` (its share of the
-    batch's rows or tokens), and its loss and metrics added to ``sums`` with the same share."""
+    batch's rows or tokens), and its loss and metrics added to ``sums`` with the same share (a `StepSums`,
+    kept on the device; a dict of floats is read at once)."""
     engine.backward(loss * share)
+    if isinstance(sums, StepSums):
+        sums.add("loss", loss, share)
+        for key, value in metrics.items():
+            sums.add(key, value, share)
+        return
     sums["loss"] += float(loss.detach()) * share
     for key, value in metrics.items():
         sums[key] += float(value) * share
@@ -112,11 +145,12 @@ class Run:
     evaluates; None without held-out data) and the loop's own checkpoint files (``extra(dir)``). Constructing
     it resumes the checkpoint being continued (optimiser state, step, data position, eval-before)."""
 
-    def __init__(self, setup, model, tokenizer, engine, evaluate=None, extra=None, every_metric=False):
+    def __init__(self, setup, model, tokenizer, engine, evaluate=None, extra=None, every_metric=False, eval_rows=0):
         self.cfg, self.ckpt, self.algorithm, self.run_dir = setup.cfg, setup.ckpt, setup.algorithm, setup.run_dir
         self.reporter, self.info = setup.reporter, setup.info
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self._evaluate, self.has_eval, self.every_metric = evaluate, evaluate is not None, every_metric
+        self.eval_rows = eval_rows  # the held-out rows the headline metric is a share of (the verdict's noise)
         self.start_step, self.position, self.eval_before = 0, 0, {}
         if self.ckpt is not None:
             state = load_training_state(self.ckpt, engine)
@@ -168,6 +202,19 @@ class Run:
             self.info(f"held-out accuracy before training: {self.eval_before['eval/accuracy']:.3f}")
 
     # ---- the loop
+
+    def update(self, sums: StepSums, step: int) -> tuple[float, dict[str, float]]:
+        """The optimiser step: clip, read the step's sums and the gradient norm in one host read, stop the run on
+        a non-finite loss before anything is updated (`check_loss`), then update. (gradient norm, sums)."""
+        read: dict = {}
+
+        def check(grad_norm):
+            read["sums"], norm = sums.read(grad_norm)
+            check_loss(read["sums"].get("loss", 0.0), step, self.run_dir)
+            return norm
+
+        grad_norm = self.engine.step(check)
+        return grad_norm, read["sums"]
 
     def draw(self, plan, row_tokens, packing: bool) -> list[list[int]]:
         """The next optimiser step's micro-batches (train.grad_accum_steps of them, as the plan deals
@@ -248,6 +295,7 @@ class Run:
             "train_seconds": time.perf_counter() - self.train_start,
             "eval_before": eval_before,
             "eval_after": eval_after,
+            **({"eval_rows": self.eval_rows} if self.eval_rows else {}),
             "environment": {**versions(), "device": str(self.engine.device)},
         }
         if is_main():

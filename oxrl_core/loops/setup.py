@@ -14,6 +14,7 @@ from oxrl_core.engines import build_engine
 from oxrl_core.loops.run import seed_everything
 from oxrl_core.models.loading import load_causal_lm, resolve_model_path
 from oxrl_core.models.lora import apply_lora, start_path, trainable_summary
+from oxrl_core.models.packing_probe import probe
 from oxrl_core.models.token_head import choose_path
 from oxrl_core.models.vision import PACKS, freeze_vision, is_vlm, load_processing
 from oxrl_core.observability.progress import Reporter
@@ -71,6 +72,31 @@ class Setup:
             "not verified here)"
         )
         return False
+
+    def packs_exactly(self, packing, *models, unshared: str = "packing without them"):
+        """``packing`` (True, ``"shared"`` for shared-prompt rows, or falsy) once the loaded ``models`` are measured
+        (`packing_probe.probe`: a packed row against the separate forwards, cached per model): packing a model
+        fails steps aside to padded rows (False), shared prompts that fail to ordinary packing (True; ``unshared``
+        says what the loop does then), each with one note naming the model type. ``data.packing: auto`` that stays on
+        says so."""
+        if not packing:
+            return False
+        for model in models:
+            if model is None:
+                continue
+            verdict = probe(model, shared_prefix=packing == "shared")
+            if not verdict.packing:
+                self.info(f"[yellow]note:[/yellow] {verdict.note()}")
+                return False
+            if packing == "shared" and not verdict.shared_prefix:
+                self.info(f"[yellow]note:[/yellow] {verdict.note('shared prompts', unshared)}")
+                packing = True
+        if self.cfg.data.packing == "auto":
+            self.info(
+                f"data.packing: on (auto): a packed row of this {verdict.model_type} model equals its sequences' "
+                f"separate forwards (measured, max |Δ| {verdict.packing_diff:.1g}); data.packing=false pads instead"
+            )
+        return "shared" if packing == "shared" else True
 
     def policy(self, model, head: str = "lm"):
         """The loaded policy made trainable: a VLM's vision tower frozen (``model.freeze_vision``), LoRA

@@ -12,7 +12,6 @@ tokens, so accumulating k micro-batches gives the gradient of one big batch.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from pathlib import Path
 
 from oxrl_core.data.batching import collate
@@ -20,7 +19,7 @@ from oxrl_core.data.encode import IGNORE, prepare_examples
 from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import all_reduce_sum, is_main, reduce_metrics, shard
 from oxrl_core.errors import OxrlError
-from oxrl_core.loops.run import MODEL_INPUTS, Run, RunResult, backward_share, check_loss
+from oxrl_core.loops.run import MODEL_INPUTS, Run, RunResult, StepSums, backward_share
 from oxrl_core.loops.setup import Setup
 from oxrl_core.models.loading import builtin_model_for, load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import packed_attn_implementation
@@ -32,6 +31,8 @@ from oxrl_core.scoring.evaluation import evaluate
 def micro_batch_weight(batch: dict, weighting: str) -> float:
     if weighting == "sequences":
         return float(batch["input_ids"].shape[0])
+    if "n_scored" in batch:  # counted on the host by the collator
+        return float(batch["n_scored"])
     return float((batch["labels"][:, 1:] != IGNORE).sum())
 
 
@@ -41,7 +42,10 @@ def supervised_tokens(model, teacher, mb: dict, algorithm) -> dict:
     and, with a teacher, ``kl_teacher`` (B, T-1). Only scored positions meet the LM head (`token_head`)."""
     targets = mb["labels"][:, 1:]  # (B, T-1): position t predicts token t+1
     mask = targets != IGNORE  # (B, T-1)
-    rows, pos = mask.nonzero(as_tuple=True)  # (M,), (M,)
+    if "scored_pos" in mb:  # found on the host by the collator (no device read)
+        rows, pos = mb["scored_rows"], mb["scored_pos"]  # (M,), (M,)
+    else:
+        rows, pos = mask.nonzero(as_tuple=True)
     stats = token_stats(
         model,
         {k: mb[k] for k in MODEL_INPUTS if k in mb},
@@ -87,17 +91,17 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
 
     # ---- models: packed micro-batches attend row by row (sdpa -> PACKED_SDPA), not through a dense (ΣL)² mask
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
-    model = setup.policy(
-        load_causal_lm(
-            setup.start_from(name),
-            attn_implementation=attn,
-            trust_remote_code=cfg.model.trust_remote_code,
-            reporter=setup.reporter,
-        )
+    model = load_causal_lm(
+        setup.start_from(name),
+        attn_implementation=attn,
+        trust_remote_code=cfg.model.trust_remote_code,
+        reporter=setup.reporter,
     )
     teacher = None
     if algorithm.needs_teacher:
         teacher = setup.frozen(cfg.model.teacher, "model.teacher", attn, check=lambda t: _check_vocab(t, model))
+    packing = setup.packs_exactly(packing, model, teacher)  # measured: a packed row = the separate forwards
+    model = setup.policy(model)
     engine = setup.build_engine(model)
 
     def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
@@ -119,7 +123,9 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
 
     # final/ and checkpoints save a VLM's processor (its tokenizer, image processor and chat template)
     saved_with = vision if vision is not None else tokenizer
-    run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None)
+    run = Run(
+        setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, eval_rows=len(eval_rows)
+    )
     builtin = "built-in tiny Qwen2-VL" if vision is not None else "built-in tiny llama"
     run.banner(builtin, f"{train_source.origin} ({len(train.examples)} examples)")
 
@@ -128,7 +134,9 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
         # 1. this step's micro-batches; this rank's rows of each (all of them in one process)
         picks = run.draw(plan, lambda i: lengths[i], packing)
         shares = [shard(idx) for idx in picks]
-        micro = [collate([train.examples[i] for i in rows], tokenizer.pad_token_id, packing) for rows, _ in shares]
+        micro = [
+            collate([train.examples[i] for i in rows], tokenizer.pad_token_id, packing, host=True) for rows, _ in shares
+        ]
         # 2. each micro-batch weighted by its share of the loss tokens of every rank's batch
         weights = [
             0.0 if padding else micro_batch_weight(mb, algorithm.loss_weighting)
@@ -136,7 +144,7 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
         ]
         total_weight = all_reduce_sum([sum(weights)])[0] or 1.0
         lr = engine.lr
-        sums: dict[str, float] = defaultdict(float)
+        sums = StepSums()  # on the device until the step's one read (`Run.update`)
         tokens = square_lengths = 0  # Σ Tᵢ, Σ Tᵢ² over the step's sequences (a packed row's each on its own)
         for mb, weight, (rows, padding) in zip(micro, weights, shares):
             mb = engine.to_device(mb)
@@ -146,15 +154,14 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
             with engine.autocast():
                 batch = {**mb, **supervised_tokens(model, teacher, mb, algorithm)}
                 loss, metrics = algorithm.loss(batch)  # ALGO: the algorithm's loss
-            check_loss(loss, step, run.run_dir)
             backward_share(engine, loss, metrics, weight / total_weight, sums)
             if not padding:
-                tokens += int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
+                tokens += mb["n_tokens"]
                 square_lengths += sum(lengths[i] ** 2 for i in rows)
-        # 4. the optimiser step, metrics summed over ranks
+        # 4. the optimiser step (a non-finite loss stops the run before it), metrics summed over ranks
+        grad_norm, sums = run.update(sums, step)
         sums = reduce_metrics({**sums, "perf/tokens": tokens, "perf/square_lengths": square_lengths})
         tokens, square_lengths = int(sums.pop("perf/tokens")), sums.pop("perf/square_lengths")
-        grad_norm = engine.step()
         perf = {"perf/tokens": tokens, "perf/micro_batches": len(picks), "perf/square_lengths": square_lengths}
         return run.record(sums, lr, grad_norm, plan, picks, perf, time.perf_counter() - t0)
 

@@ -11,6 +11,7 @@ from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.hf_env import quiet_transformers
+from oxrl_core.models.linear_attention import per_sequence_linear_attention
 from oxrl_core.models.tiny import default_model_dir, warm_start_dir
 from oxrl_core.models.tiny_vlm import default_vlm_dir, vlm_warm_start_dir
 from oxrl_core.models.vision import is_vlm_config, vision_family
@@ -313,6 +314,7 @@ def load_causal_lm(
     except Exception as exc:  # noqa: BLE001 - from_pretrained fails in many types (OSError, ValueError, KeyError, ImportError, ...) for a bad checkpoint
         raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     check_loading(model, info, path, field)
+    per_sequence_linear_attention(model)  # Gated DeltaNet layers restart at each sequence of a packed row
     return model
 
 
@@ -383,4 +385,5 @@ def load_score_model(
             f"random values seeded by train.seed{' and its LM head is not used' if unused else ''}"
         )
     model.config.pad_token_id = pad_token_id
+    per_sequence_linear_attention(model)
     return model

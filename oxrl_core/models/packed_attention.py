@@ -40,8 +40,15 @@ PACKED_SDPA = "oxrl_packed_sdpa"
 _LAST_BOUNDS: tuple = (None, None)  # (cu_seq_lens tensor, its list): every layer of one forward shares it
 
 
-def _row_bounds(cu_seq_lens) -> list[int]:
-    """`cu_seq_lens.tolist()`, once per forward pass instead of once per layer (one device sync on a GPU)."""
+#: model keyword with the packed row boundaries as ints, which the collator knows on the host
+ROW_BOUNDS = "oxrl_row_bounds"
+
+
+def _row_bounds(cu_seq_lens, host=None) -> list[int]:
+    """The row boundaries: ``host`` (the collator's ints: no device read), else `cu_seq_lens.tolist()` once per
+    forward pass instead of once per layer (one device sync on a GPU)."""
+    if host is not None:
+        return list(host)
     global _LAST_BOUNDS
     if _LAST_BOUNDS[0] is not cu_seq_lens:
         _LAST_BOUNDS = (cu_seq_lens, cu_seq_lens.tolist())
@@ -86,7 +93,7 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    bounds = _row_bounds(cu_seq_lens)
+    bounds = _row_bounds(cu_seq_lens, kwargs.get(ROW_BOUNDS))
     gqa = key.shape[1] != query.shape[1]
 
     def attend(s: int, e: int):  # one packed row, causal (banded under a sliding window)
@@ -305,8 +312,15 @@ SHARED_PREFIX_VERIFIED = frozenset(
         "mistral",
         "phi3",
         "olmo2",
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
     }
 )
+
+
+#: layer types the fast paths handle: attention (row by row / banded), and Gated DeltaNet linear attention, which
+#: `linear_attention.per_sequence_linear_attention` runs per sequence of a packed row
+KNOWN_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "linear_attention"})
 
 
 def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str, tuple[bool, str]]:
@@ -330,6 +344,8 @@ def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str,
     notes = []
     if uses_window:
         notes.append(f"sliding window {window} honoured (banded masks)")
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        notes.append("linear-attention layers run per sequence")
     if softcap is not None:
         notes.append(
             f"attention soft-capping {softcap} is dropped by transformers' '{attn_implementation}' itself, "
@@ -355,8 +371,8 @@ def attention_fast_paths(config, attn_implementation: str = "sdpa") -> dict[str,
         blocker = "non-causal (bidirectional) attention"
     elif getattr(text, "attention_chunk_size", None):
         blocker = f"chunked attention (attention_chunk_size={text.attention_chunk_size})"
-    elif layer_types - {"full_attention", "sliding_attention"}:
-        blocker = f"layer types {sorted(layer_types - {'full_attention', 'sliding_attention'})}"
+    elif layer_types - KNOWN_LAYER_TYPES:
+        blocker = f"layer types {sorted(layer_types - KNOWN_LAYER_TYPES)}"
     elif model_type not in SHARED_PREFIX_VERIFIED:
         blocker = f"model type '{model_type}' is not in the verified architecture matrix"
     packing = (

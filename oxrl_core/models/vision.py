@@ -361,6 +361,20 @@ class VLMProcessing:
     image_token_id: int
     #: the checkpoint it was loaded from (`save_pretrained` copies what the processor cannot write itself)
     source: str = ""
+    #: the image and video tokens the model's forward counts against its features (`placeholder_token_ids`)
+    placeholder_ids: tuple[int, ...] = ()
+
+    @property
+    def reserved_texts(self) -> tuple[str, ...]:
+        """The texts that encode to the tokens standing for an image -- the image (and video) tokens and the pieces
+        of the family's placeholder, e.g. ``<|image_pad|>``, ``<|vision_start|>`` -- other than the ``<image>``
+        marker (counted as a placeholder). Written literally in a row, the tokenizer turns them into image tokens
+        with no image behind them (`data.encode.check_row_images` refuses such a row, naming it)."""
+        ids = {self.image_token_id, *self.placeholder_ids}
+        texts = set(self.tokenizer.convert_ids_to_tokens(sorted(ids))) | set(
+            re.findall(r"<[^<>]+>", self.family.placeholder)
+        )
+        return tuple(sorted(t for t in texts if t and t != IMAGE_MARKER))
 
     @property
     def tokenizer(self):
@@ -431,4 +445,5 @@ def load_processing(path: str, field: str = "model.name") -> VLMProcessing:
     if not is_vlm_config(config):
         raise OxrlError(f"{field}: {path} is not a vision-language model (model_type '{config.model_type}')")
     family = vision_family(config, field)
-    return VLMProcessing(load_processor(path, field), family, image_token_id(config), str(path))
+    processor = load_processor(path, field)
+    return VLMProcessing(processor, family, image_token_id(config), str(path), tuple(placeholder_token_ids(config)))

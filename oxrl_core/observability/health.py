@@ -133,22 +133,31 @@ def _one(record: dict, key: str, missing: float) -> float:
 #: the phases of an RL step whose sum `pipeline_text` compares with the wall-clock (perf/step_s): generation and
 #: scoring, the trainer's reward phase, training. The weight sync (perf/sync_s) is timed inside the train phase
 #: (loops/rl.py: ``clock("sync")`` within ``clock("train")``), so perf/train_s holds it: adding it would count it twice
-PHASES = ("perf/gen_s", "perf/reward_s", "perf/train_s")
+PHASES = ("perf/gen_in_step_s", "perf/reward_s", "perf/train_s")
+#: the most the phases of an asynchronous step can add up to, over its wall-clock: two activities overlap (the
+#: worker's generation and scoring, the trainer's reward phase and training), each inside the step
+ASYNC_BOUND = 2.0
 
 
 def pipeline_text(records: list[dict]) -> str:
-    """An asynchronous RL run's speedup over its phases run one after the other: Σ(generation and scoring +
-    reward + training with its weight sync seconds: `PHASES`) / Σ wall-clock seconds of the steps, the trainer's idle share (Σ waiting for
-    a batch / Σ step), and the staleness (mean, max); "" for a synchronous run (its phases run in turn: the
-    ratio is 1 by construction, less the step's bookkeeping) or one that logged no phases. A step with a non-finite or missing time is left
-    out (a missing reward phase counts 0)."""
+    """An asynchronous RL run's speedup over its phases run one after the other: Σ(generation and scoring inside
+    the step + reward + training with its weight sync seconds: `PHASES`) / Σ wall-clock seconds of the steps, the
+    trainer's idle share (Σ waiting for a batch / Σ step), and the staleness (mean, max); "" for a synchronous run
+    (its phases run in turn: the ratio is 1 by construction, less the step's bookkeeping) or one that logged no
+    phases. Only generation inside a step counts (``perf/gen_in_step_s``; batches made during start-up or between
+    steps would otherwise inflate it), so the ratio is at most `ASYNC_BOUND`; a run logged before that key existed
+    counts ``perf/gen_s`` up to its step's time. A step with a non-finite or missing time is left out (a missing
+    reward phase counts 0)."""
     if not is_async(records):
         return ""
     phases = wall = wait = 0.0
     counted = 0
     for r in records:
-        parts = [_one(r, key, math.nan if key == "perf/gen_s" else 0.0) for key in PHASES]
         step, waited = _one(r, "perf/step_s", math.nan), _one(r, "perf/gen_wait_s", 0.0)
+        in_step = _one(r, "perf/gen_in_step_s", math.nan)
+        if not math.isfinite(in_step):  # an older run: its whole generation time, within the step's own
+            in_step = min(_one(r, "perf/gen_s", math.nan), step)
+        parts = [in_step, *(_one(r, key, 0.0) for key in PHASES[1:])]
         if not all(math.isfinite(v) for v in (*parts, step, waited)) or step <= 0:
             continue
         phases, wall, wait, counted = phases + sum(parts), wall + step, wait + waited, counted + 1
@@ -157,7 +166,8 @@ def pipeline_text(records: list[dict]) -> str:
     mean = [v for _, v in series(records, "policy/staleness_mean") if math.isfinite(v)]
     most = max((v for _, v in series(records, "policy/staleness_max") if math.isfinite(v)), default=math.nan)
     return (
-        f"{phases / wall:.2f}× speedup over its phases run in turn (phases {phases:.1f} s, wall {wall:.1f} s; "
+        f"{phases / wall:.2f}× speedup over its phases run in turn (at most {ASYNC_BOUND:g}×; phases {phases:.1f} s, "
+        f"wall {wall:.1f} s; "
         f"trainer idle {wait / wall:.0%}); staleness mean {_mean(mean):.2f}, max {most:g} policy updates"
     )
 
@@ -360,6 +370,40 @@ def _no_held_out_gain(records, summary, max_steps, error) -> list[Finding]:
     return [Finding("warning", "no_held_out_gain", f"no held-out improvement: {what}")]
 
 
+#: the smallest fall of a held-out share that is a regression, whatever the number of rows
+MIN_FALL = 0.02
+
+
+def _held_out_fell(records, summary, max_steps, error) -> list[Finding]:
+    """The first headline held-out metric present (`HEADLINE` order) got worse by more than its noise, whatever
+    else rose: a share p over n held-out rows by more than max(`MIN_FALL`, 2·√(p(1−p)/n)) (two standard errors
+    of the binomial share at its value before; n unknown: `MIN_FALL`), ``eval/loss`` by more than
+    max(`MIN_FALL`, 2 % of its value before)."""
+    before, after = (summary or {}).get("eval_before") or {}, (summary or {}).get("eval_after") or {}
+    first = next((key for key, _ in HEADLINE if key in before and key in after), None)
+    if first is None or not (is_finite(before[first]) and is_finite(after[first])):
+        return []
+    was, now = float(before[first]), float(after[first])
+    if first == "eval/loss":
+        bound, fall, what = max(MIN_FALL, 0.02 * abs(was)), now - was, "rose"
+        noise = f"more than max({MIN_FALL:g}, 2% of {was:.3f})"
+    else:
+        n = int((summary or {}).get("eval_rows") or 0)
+        p = min(max(was, 0.0), 1.0)
+        bound = max(MIN_FALL, 2 * math.sqrt(p * (1 - p) / n)) if n else MIN_FALL
+        fall, what = was - now, "fell"
+        noise = f"more than its noise {bound:.3f} over {n} held-out rows" if n else f"more than {MIN_FALL:g}"
+    if fall <= bound:
+        return []
+    return [
+        Finding(
+            "warning",
+            "held_out_fell",
+            f"held-out {first.removeprefix('eval/')} {what}: {was:.3f} → {now:.3f}, {noise} (whatever else rose)",
+        )
+    ]
+
+
 def _weights_unchanged(records, summary, max_steps, error) -> list[Finding]:
     """Every step at learning rate 0 (a warm-up as long as the run): AdamW's update and weight decay are both
     scaled by it, so the weights come out bit-identical to the start, however the loss moved."""
@@ -386,6 +430,7 @@ CHECKS = (
     _clipped,
     _weights_unchanged,
     _no_held_out_gain,
+    _held_out_fell,
 )
 
 

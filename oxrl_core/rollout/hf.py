@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicLayer
 from oxrl_core.data.images import collate_pixels
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams
+from oxrl_core.models.packing_probe import allows_prefill_once
 from oxrl_core.models.vision import placeholder_token_ids
 
 
@@ -213,10 +214,13 @@ class HFRolloutBackend(RolloutBackend):
         what the cache holds), so the samples are drawn from the same distribution as before: positions
         and padding follow ``generate``'s own rule (cumulative mask − 1, padding at 0).
         Only for caches made entirely of transformers' plain ``DynamicLayer`` (full attention); a model with
-        sliding-window, linear-attention or custom caches gets transformers' default.
+        sliding-window, linear-attention or custom caches gets transformers' default, and so does a model whose
+        packed forward the load-time probe found to differ from its separate forwards (`packing_probe`).
         """
         from transformers import DynamicCache
 
+        if not allows_prefill_once(self.model):
+            return None
         config = getattr(self.model, "config", None)
         supports = getattr(self.model, "_supports_default_dynamic_cache", None)
         if config is None or supports is None or not supports():

@@ -38,6 +38,7 @@ import torch
 
 from oxrl_core.atomic import fsync_dir, is_disk_full, write_error
 from oxrl_core.engines import distributed
+from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.models.lora import is_peft, save_lora
 
@@ -354,5 +355,5 @@ def load_training_state(ckpt: Path, engine) -> dict:
     engine.load_state(ckpt)
     rank = distributed.rank()
     rng = ckpt / f"rng-rank{rank}.pt" if rank > 0 else ckpt / "rng.pt"
-    set_rng_state(torch.load(rng if rng.is_file() else ckpt / "rng.pt", weights_only=False))
+    set_rng_state(load_state_file(rng if rng.is_file() else ckpt / "rng.pt"))
     return json.loads((ckpt / STATE_FILE).read_text())

@@ -26,6 +26,9 @@ from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, Stri
 
 class RFT(Algorithm):
     name = "rft"
+    signal_note = (
+        "it fine-tunes on every sample that reaches the reward threshold, so an all-correct group is training data"
+    )
     loop = "rl"  # trained on its own generations (the RL loop)
     data_format = "prompt"
 
