@@ -4,7 +4,8 @@ For the README's performance section on a GPU (bf16): each (algorithm, engine) p
 `oxrl run` on the built-in Llama architecture at `--hidden-size` × `--layers` (random weights,
 character tokenizer, head_dim 64) and the built-in task's data; the first `--warmup` steps are
 skipped and the median of the rest of `perf/tokens_per_s` and `perf/mfu` (oxrl_core/models/perf.py:
-(4 + 2f)·N + 12·L·H·T FLOPs per token over the device's dense bf16 peak) is printed. SGRPO's
+(4 + 2f)·N·tokens + 12·L·H·Σᵢ Tᵢ² FLOPs a step, each packed sequence on its own, over the device's dense
+bf16 peak) is printed. SGRPO's
 figure is its update phase (`perf/train_s`); its generation runs on the `hf` backend.
 
     python benchmarks/engine_throughput.py --hidden-size 2048 --layers 16     # ~1B parameters, GPU

@@ -296,6 +296,12 @@ class TrainConfig(StrictModel):
     _warmup_from_defaults: bool = PrivateAttr(False)
     lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
     weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "adamw_bf16", "adamw_8bit"] = Field(
+        "adamw",
+        description="adamw (fp32 moment estimates, 8 bytes per parameter), adamw_bf16 (bf16 moment estimates with "
+        "stochastic rounding, 4 bytes; torch engine) or adamw_8bit (torchao's block-wise 8-bit estimates, about 2 "
+        "bytes; torch engine, needs torchao)",
+    )
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="auto = bf16 autocast on a GPU that supports it"

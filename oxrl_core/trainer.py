@@ -540,7 +540,7 @@ class Trainer:
                 f"set train.max_steps to at least {step + 1} to train further"
             )
         self._check_identity(ckpt)
-        check_engine_matches(ckpt, engine_record(self.config.engine))
+        check_engine_matches(ckpt, engine_record(self.config.engine, self.config.train.optimizer))
         return ckpt
 
     def _check_identity(self, ckpt: Path) -> None:

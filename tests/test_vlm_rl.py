@@ -208,11 +208,12 @@ def test_flops_per_token_of_a_vlm_come_from_its_language_model(vlms):
     """perf/mfu on a GPU: a VLM's layers and hidden size are its text config's (the top-level config has none; the
     first GPU run stopped on it)."""
     from oxrl_core.models.loading import load_causal_lm
-    from oxrl_core.models.perf import count_parameters, train_flops_per_token
+    from oxrl_core.models.perf import count_parameters, train_flops
 
     model = load_causal_lm(str(vlms["gemma3"]))
     text = model.config.get_text_config()
     n = count_parameters(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    expected = (4 + 2 * trainable / n) * n + 12 * text.num_hidden_layers * text.hidden_size * 100
-    assert train_flops_per_token(model, 100) == pytest.approx(expected)
+    # one sequence of 100 tokens: (4 + 2f)·N·100 + 12·L·H·100²
+    expected = (4 + 2 * trainable / n) * n * 100 + 12 * text.num_hidden_layers * text.hidden_size * 100**2
+    assert train_flops(model, 100, 100**2) == pytest.approx(expected)

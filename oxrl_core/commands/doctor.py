@@ -54,6 +54,7 @@ def checks() -> list[Row]:
         ("ray", "ray", "ray", "multi-process / multi-node runs"),
         ("vllm", "vllm", None, "rollout.backend: vllm"),
         ("peft", "peft", "peft", "LoRA"),
+        ("torchao", "torchao", "torchao", "train.optimizer: adamw_8bit"),
         ("tensorboard", "tensorboard", "tensorboard", "logging.tensorboard"),
         ("mlflow", "mlflow", None, "logging.mlflow"),
         ("wandb", "wandb", "wandb", "logging.wandb"),

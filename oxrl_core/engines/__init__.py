@@ -122,6 +122,7 @@ def check_engine(config, needs_rollouts: bool) -> None:
                 "with each rank's own hf backend on the policy it trains; a backend in separate rollout actors "
                 "(vLLM) is not wired to the Ray launcher yet: use rollout.backend: hf or engine.world_size: 1"
             )
+    check_optimizer(train.optimizer, engine.name)
     if engine.name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         raise OxrlError(
             "engine.name: deepspeed needs the deepspeed package: pip install 'oxrl[deepspeed]' (see `oxrl doctor`)"
@@ -130,6 +131,23 @@ def check_engine(config, needs_rollouts: bool) -> None:
         raise OxrlError(f"engine.world_size={n} runs one Ray actor per rank and needs ray: pip install 'oxrl[ray]'")
     if engine.name == "deepspeed" and resolve_ray_address(engine.ray_address)[0] == "local":
         check_local_gpus(engine)
+
+
+def check_optimizer(optimizer: str, engine_name: str) -> None:
+    """``train.optimizer`` where it can run: adamw everywhere; adamw_bf16 and adamw_8bit on the torch engine (under
+    ZeRO, DeepSpeed partitions and restores the optimiser's states itself, which is built and tested for AdamW
+    only); adamw_8bit where torchao is installed."""
+    if optimizer != "adamw" and engine_name == "deepspeed":
+        raise OxrlError(
+            f"train.optimizer={optimizer} runs on the torch engine; with engine.name: deepspeed use "
+            "train.optimizer: adamw (ZeRO partitions and restores the optimiser states itself, built for AdamW only; "
+            "engine.zero_stage 1+ already splits them over the ranks)"
+        )
+    if optimizer == "adamw_8bit" and importlib.util.find_spec("torchao") is None:
+        raise OxrlError(
+            "train.optimizer: adamw_8bit needs torchao, which is not installed here (pip install torchao); "
+            "use adamw or adamw_bf16"
+        )
 
 
 def check_local_gpus(engine) -> None:
@@ -149,8 +167,9 @@ def check_local_gpus(engine) -> None:
         )
 
 
-def engine_record(engine_cfg) -> dict:
-    """What a checkpoint records about the engine that writes it (`describe()` of the built engine)."""
+def engine_record(engine_cfg, optimizer: str = "adamw") -> dict:
+    """What a checkpoint records about the engine that writes it (`describe()` of the built engine): the torch
+    engine's optimiser when it is not the default (a checkpoint of adamw records none, as before it had a choice)."""
     if engine_cfg.name == "torch":
-        return {"name": "torch"}
+        return {"name": "torch", **({"optimizer": optimizer} if optimizer != "adamw" else {})}
     return {"name": "deepspeed", "zero_stage": engine_cfg.zero_stage, "world_size": engine_cfg.world_size}

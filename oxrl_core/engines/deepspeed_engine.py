@@ -6,7 +6,9 @@ The loops cannot tell it from `TorchEngine`: ``device``, ``autocast()``, ``to_de
 
 - The optimiser is the torch engine's: AdamW with the same decay / no-decay groups and the same
   transformers LR schedule, handed to DeepSpeed as a client optimiser and scheduler (torch's
-  AdamW also with ``offload_optimizer``: DeepSpeedCPUAdam would need a compiled op).
+  AdamW also with ``offload_optimizer``: DeepSpeedCPUAdam would need a compiled op). ``train.optimizer`` is
+  adamw here: ZeRO partitions and restores the optimiser's states itself, built for AdamW; the leaner
+  adamw_bf16 / adamw_8bit are refused before the run starts (`engines.check_optimizer`).
 - The loops own gradient accumulation (micro-batches weighted by loss tokens, a variable number
   per step in the RL loop), so DeepSpeed runs with ``managed_gradient_accumulation: false``:
   every `backward` accumulates, every `step` is the boundary (reduce, clip, update, zero).
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines import distributed
+from oxrl_core.engines.optimizers import build_optimizer
 from oxrl_core.engines.state_files import deepspeed_allowed, load_state_file
 from oxrl_core.engines.torch_engine import PrecisionAndDevice, adamw_param_groups, pick_autocast_dtype, pick_device
 from oxrl_core.errors import OxrlError
@@ -159,7 +162,9 @@ class DeepSpeedEngine(PrecisionAndDevice):
             module.train()
         self.module = _Trained(model, extra_modules) if extra_modules else model
         groups = [g for g in adamw_param_groups(model, extra_modules, train_cfg.weight_decay) if g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr)
+        if train_cfg.optimizer != "adamw":  # `engines.check_optimizer` refuses the others before any engine is built
+            raise OxrlError(f"train.optimizer={train_cfg.optimizer}: the deepspeed engine builds AdamW only")
+        self.optimizer = build_optimizer("adamw", groups, train_cfg.lr)
         self.scheduler = get_scheduler(
             train_cfg.lr_scheduler,
             self.optimizer,

@@ -1,6 +1,7 @@
 """The `torch` engine: one process, CPU or one GPU.
 
-AdamW (fused; no weight decay on biases and norm weights), a transformers LR schedule
+AdamW (fused; no weight decay on biases and norm weights; or the leaner ``train.optimizer`` variants,
+`oxrl_core.engines.optimizers`), a transformers LR schedule
 with warm-up, gradient clipping, bf16 autocast where the device supports it,
 and gradient checkpointing when the model config asks for it. The `deepspeed` engine
 (`oxrl_core.engines.deepspeed_engine`) has the same interface and the same optimiser
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from oxrl_core.engines import distributed
+from oxrl_core.engines.optimizers import build_optimizer, state_classes
 from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 
@@ -95,9 +97,9 @@ class TorchEngine(PrecisionAndDevice):
         fused = self.device.type in ("cpu", "cuda") and all(
             p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in model.parameters() if p.requires_grad
         )
-        self.optimizer = torch.optim.AdamW(
-            adamw_param_groups(model, extra_modules, train_cfg.weight_decay), lr=train_cfg.lr, fused=fused or None
-        )
+        self.optimizer_name = train_cfg.optimizer
+        groups = adamw_param_groups(model, extra_modules, train_cfg.weight_decay)
+        self.optimizer = build_optimizer(train_cfg.optimizer, groups, train_cfg.lr, train_cfg.seed, fused or None)
         self.scheduler = get_scheduler(
             train_cfg.lr_scheduler,
             self.optimizer,
@@ -122,7 +124,7 @@ class TorchEngine(PrecisionAndDevice):
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return float(self.scheduler.get_last_lr()[0])  # (torchao's optimiser keeps lr as a CPU tensor)
 
     def full_weights(self):
         """Whole parameters for code outside the training step (generation, evaluation, saving); they
@@ -132,14 +134,15 @@ class TorchEngine(PrecisionAndDevice):
 
     def describe(self) -> dict:
         """What a checkpoint records about the engine that wrote it (resume checks it)."""
-        return {"name": "torch"}
+        return {"name": "torch", **({"optimizer": self.optimizer_name} if self.optimizer_name != "adamw" else {})}
 
     def save_state(self, directory: Path) -> None:
         """Optimiser and scheduler into a checkpoint directory (``engine.pt``)."""
         torch.save(self.state_dict(), Path(directory) / "engine.pt")
 
     def load_state(self, directory: Path) -> None:
-        self.load_state_dict(load_state_file(Path(directory) / "engine.pt", map_location=self.device))
+        allowed = state_classes(self.optimizer_name)  # (adamw_8bit: its quantised state's tensor class)
+        self.load_state_dict(load_state_file(Path(directory) / "engine.pt", allowed, map_location=self.device))
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}

@@ -87,7 +87,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             version += 1
             with clock("sync"):  # asynchronous: pushed without waiting, checked by the worker
                 record.update(parts.sync(version))
-        out = {**record, **scored.metrics, **step_metrics(run, scored, batch, versions, lr, clock, parts.plan, picks)}
+        out = {**record, **scored.metrics, **step_metrics(run, scored, versions, lr, clock, parts.plan, picks)}
         if parts.pipeline is not None:  # the worker's generation inside this step's window (the async speedup)
             out["perf/gen_in_step_s"] = parts.pipeline.generation_within(clock.start, clock.start + out["perf/step_s"])
         return out
@@ -110,12 +110,14 @@ class Clock:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
-def step_metrics(run: Run, scored: Scored, batch: dict, versions: set[int], lr: float, clock: Clock, plan, picks):
+def step_metrics(run: Run, scored: Scored, versions: set[int], lr: float, clock: Clock, plan, picks):
     """A step's response lengths, policy version, learning rate, timings, throughput and MFU, data mix."""
     completions, seconds = scored.completions, time.perf_counter() - clock.start
     response = [len(c.token_ids) for c in completions]
-    tokens = float(batch["attention_mask"].sum())  # prompt + completion tokens of the rollout batch
-    train_s = clock.seconds["train"]
+    # prompt + completion tokens of the rollout batch's rows, and Σᵢ Tᵢ² over them (`models.perf`), from the host
+    lengths = [len(p) + len(c.token_ids) for p, c in zip(scored.prompts, completions)]  # (B,)
+    tokens, square_lengths = float(sum(lengths)), float(sum(t * t for t in lengths))
+    train_s, passes = clock.seconds["train"], run.cfg.rollout.passes_per_batch
     return {
         "response/length": sum(response) / len(response),
         "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
@@ -128,7 +130,7 @@ def step_metrics(run: Run, scored: Scored, batch: dict, versions: set[int], lr: 
         "perf/tokens": tokens,
         "perf/tokens_per_s": tokens / seconds,
         # MFU of the update phase: the rollout batch's training FLOPs (× passes) over perf/train_s
-        **run.mfu(run.cfg.rollout.passes_per_batch * tokens / train_s, tokens / len(completions)),
+        **run.mfu(passes * tokens, passes * square_lengths, train_s),
         **plan.counts(picks),
     }
 

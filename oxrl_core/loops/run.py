@@ -181,6 +181,7 @@ class Run:
             f"[bold]oxrl {self.cfg.algorithm}[/bold] · model {self.cfg.model.name or label} "
             f"({count_parameters(self.model) / 1e6:.2f}M params, {self.engine.device}) · data {data} · "
             f"run dir {self.run_dir} · {self.saver.describe()}{epochs}{defaults}"
+            + (f" · {self.mfu.describe()}" if self.mfu.peak else "")
         )
 
     def evaluate(self) -> dict:
@@ -225,8 +226,9 @@ class Run:
 
     def record(self, sums: dict, lr: float, grad_norm: float, plan, picks, perf: dict, seconds: float) -> dict:
         """A supervised / preference step's metrics: loss, the algorithm's metrics, the optimiser's,
-        ``perf`` (which must hold perf/tokens and perf/sequences), throughput and MFU, the data mix."""
-        tokens, sequences = perf["perf/tokens"], perf.pop("perf/sequences")
+        ``perf`` (which must hold perf/tokens and perf/square_lengths, Σᵢ Tᵢ² over the step's sequences, packed ones
+        each on its own: `models.perf`), throughput and MFU, the data mix."""
+        tokens, square_lengths = perf["perf/tokens"], perf.pop("perf/square_lengths")
         return {
             "loss": sums.pop("loss"),
             **sums,
@@ -236,7 +238,7 @@ class Run:
             **perf,
             "perf/tokens_per_s": tokens / seconds,
             "perf/step_s": seconds,
-            **self.mfu(tokens / seconds, tokens / max(sequences, 1)),
+            **self.mfu(tokens, square_lengths, seconds),
             **plan.counts([i for idx in picks for i in idx]),
         }
 

@@ -145,8 +145,8 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
         total_weight = all_reduce_sum([sum(weights)])[0] or 1.0
         lr = engine.lr
         sums = StepSums()  # on the device until the step's one read (`Run.update`)
-        tokens = sequences = 0
-        for mb, weight, (_, padding) in zip(micro, weights, shares):
+        tokens = square_lengths = 0  # Σ Tᵢ, Σ Tᵢ² over the step's sequences (a packed row's each on its own)
+        for mb, weight, (rows, padding) in zip(micro, weights, shares):
             mb = engine.to_device(mb)
             if packing and vision is not None:  # Qwen-VL: each packed row's own rotary positions
                 mb["position_ids"] = packed_position_ids(model, mb)
@@ -157,12 +157,12 @@ def run_supervised(trainer, ckpt: Path | None) -> RunResult:
             backward_share(engine, loss, metrics, weight / total_weight, sums)
             if not padding:
                 tokens += mb["n_tokens"]
-                sequences += mb["input_ids"].shape[0]
+                square_lengths += sum(lengths[i] ** 2 for i in rows)
         # 4. the optimiser step (a non-finite loss stops the run before it), metrics summed over ranks
         grad_norm, sums = run.update(sums, step)
-        sums = reduce_metrics({**sums, "perf/tokens": tokens, "perf/sequences": sequences})
-        tokens, sequences = int(sums.pop("perf/tokens")), sums.pop("perf/sequences")
-        perf = {"perf/tokens": tokens, "perf/micro_batches": len(picks), "perf/sequences": sequences}
+        sums = reduce_metrics({**sums, "perf/tokens": tokens, "perf/square_lengths": square_lengths})
+        tokens, square_lengths = int(sums.pop("perf/tokens")), sums.pop("perf/square_lengths")
+        perf = {"perf/tokens": tokens, "perf/micro_batches": len(picks), "perf/square_lengths": square_lengths}
         return run.record(sums, lr, grad_norm, plan, picks, perf, time.perf_counter() - t0)
 
     records = run.train(step)

@@ -1,17 +1,28 @@
 """Model FLOPs utilisation (``perf/mfu`` in metrics.jsonl).
 
-MFU = achieved model FLOPs per second / the hardware's peak, where the model FLOPs of training
-on one token of a causal LM with N parameters, L layers, hidden size H and sequence length T are
-(Chowdhery et al., 2022, PaLM, appendix B; no recomputation counted)
+MFU = the model FLOPs of an optimiser step / (its seconds · the device's peak FLOP/s · devices).
 
-    6·N + 12·L·H·T        (forward 2N + attention 4LHT; backward twice the forward)
+The model FLOPs of one training step of a causal LM with N parameters, L layers and hidden size H over
+sequences of lengths T₁ … Tₛ (tokens = Σᵢ Tᵢ) are PaLM's count (Chowdhery et al., 2022, appendix B; no
+recomputation counted):
 
-Frozen weights (LoRA's base) need no weight gradient: their backward costs 2N instead of 4N,
-so with a fraction f of the parameters trainable the count is (4 + 2f)·N + 12·L·H·T.
+    step FLOPs = 6·N·tokens + 12·L·H·Σᵢ Tᵢ²
 
-The peak is the device's dense bf16 tensor-core figure from its datasheet, looked up by GPU
-name, or ``OXRL_PEAK_TFLOPS`` (per device; e.g. for another GPU or to state a CPU's peak). With
-no known peak, ``perf/mfu`` is not logged.
+- 6·N per token: the forward's 2·N (a multiply-add per weight) and a backward twice the forward.
+- 12·L·H·Tᵢ per token of sequence i: per layer, the forward's Q·Kᵀ and attention·V are 2·H·Tᵢ each (4·H·Tᵢ)
+  and the backward twice that. Summed over sequence i's Tᵢ tokens: 12·L·H·Tᵢ².
+- **No causal halving**: as in PaLM, every token is counted against all Tᵢ positions of its sequence, though a
+  causal mask lets it see only those before it (so this count is the one other MFU figures use, and about twice the
+  attention work a causal kernel does).
+- **Each sequence counts on its own**: a packed micro-batch row holding sequences of lengths 3 and 5 costs
+  12·L·H·(3² + 5²), not 12·L·H·8² (its rows cannot see each other). The loops sum Tᵢ² from the lengths they
+  know on the host (``perf/square_lengths`` in the step's ``perf`` dict, never logged).
+- Frozen weights (LoRA's base) need no weight gradient: their backward costs 2·N instead of 4·N, so with a
+  fraction f of the parameters trainable the weight term is (4 + 2·f)·N·tokens.
+
+The peak is the device's dense bf16 tensor-core figure from its datasheet, looked up by GPU name, or
+``OXRL_PEAK_TFLOPS`` (per device; e.g. for another GPU or to state a CPU's peak); the run's banner names the
+one used. With no known peak, ``perf/mfu`` is not logged.
 """
 
 from __future__ import annotations
@@ -32,11 +43,11 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def peak_flops(device) -> float | None:
-    """Peak FLOP/s of one ``device`` (a torch.device), or None when unknown."""
+def peak(device) -> tuple[float, str] | None:
+    """Peak FLOP/s of one ``device`` (a torch.device) and where it comes from, or None when unknown."""
     override = os.environ.get("OXRL_PEAK_TFLOPS", "")
     if override:
-        return float(override) * 1e12
+        return float(override) * 1e12, f"{float(override):g} TFLOP/s per device (OXRL_PEAK_TFLOPS)"
     if getattr(device, "type", str(device)) != "cuda":
         return None
     import torch
@@ -44,46 +55,63 @@ def peak_flops(device) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, tflops in PEAK_BF16_TFLOPS.items():  # the more specific names come first
         if key in name:
-            return tflops * 1e12
+            return tflops * 1e12, f"{tflops:g} TFLOP/s per device ({name}: {key} dense bf16, datasheet)"
     return None
 
 
+def peak_flops(device) -> float | None:
+    """Peak FLOP/s of one ``device`` (a torch.device), or None when unknown."""
+    found = peak(device)
+    return found[0] if found else None
+
+
 def attention_flops_per_position(model) -> float:
-    """12·L·H: the attention FLOPs per token per position of context, from the language model's sizes (a
+    """12·L·H: the attention FLOPs of one token per position of its sequence, from the language model's sizes (a
     vision-language model's config nests them under its text config)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return 12 * config.num_hidden_layers * config.hidden_size
 
 
-def train_flops_per_token(model, seq_len: float) -> float:
-    """(4 + 2f)·N + 12·L·H·T for ``model`` (f = trainable share of the N parameters) at sequence length ``seq_len``.
-    A VLM's N includes its vision tower, counted for every token (an over-count by the tower's share)."""
+def weight_flops_per_token(model) -> float:
+    """(4 + 2·f)·N for ``model`` (f = trainable share of its N parameters). A VLM's N includes its vision tower,
+    counted for every token (an over-count by the tower's share)."""
     total = count_parameters(model)
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
-    return (4 + 2 * trainable / max(total, 1)) * total + attention_flops_per_position(model) * seq_len
+    return (4 + 2 * trainable / max(total, 1)) * total
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None, devices: int = 1) -> dict[str, float]:
-    """``{"perf/mfu": ...}`` over ``devices`` devices of ``peak`` FLOP/s each; empty when the peak is unknown."""
-    if not peak:
+def train_flops(model, tokens: float, square_lengths: float) -> float:
+    """Step FLOPs = (4 + 2·f)·N·tokens + 12·L·H·Σᵢ Tᵢ² for ``tokens`` = Σᵢ Tᵢ and ``square_lengths`` = Σᵢ Tᵢ²."""
+    return weight_flops_per_token(model) * tokens + attention_flops_per_position(model) * square_lengths
+
+
+def mfu(flops: float, seconds: float, peak_per_device: float | None, devices: int = 1) -> dict[str, float]:
+    """``{"perf/mfu": flops / (seconds · peak · devices)}``; empty when the peak is unknown."""
+    if not peak_per_device:
         return {}
-    return {"perf/mfu": tokens_per_s * flops_per_token / (peak * devices)}
+    return {"perf/mfu": flops / (seconds * peak_per_device * devices)}
 
 
 class MfuMeter:
-    """``perf/mfu`` of one run: the device's peak looked up and the model's FLOPs counted once, not per step.
+    """``perf/mfu`` of one run: the device's peak looked up and the model's sizes counted once, not per step.
 
-    ``meter(tokens_per_s, seq_len)`` is ``mfu(tokens_per_s, train_flops_per_token(model, seq_len), peak,
-    devices)``; an empty dict (and no counting at all) when the device's peak is unknown.
+    ``meter(tokens, square_lengths, seconds)`` is ``mfu(train_flops(model, tokens, square_lengths), seconds,
+    peak, devices)``; an empty dict (and no counting at all) when the device's peak is unknown. ``describe()``
+    names the peak used (for the run's banner).
     """
 
     def __init__(self, model, device, devices: int = 1):
-        self.peak, self.devices = peak_flops(device), devices
+        found, self.devices = peak(device), devices
+        self.peak, self.peak_source = found if found else (None, "")
         if self.peak:
-            self.weight_flops = train_flops_per_token(model, 0)  # (4 + 2f)·N
-            self.attention_flops = attention_flops_per_position(model)  # per position of T
+            self.weight_flops = weight_flops_per_token(model)  # (4 + 2f)·N
+            self.attention_flops = attention_flops_per_position(model)  # 12·L·H, per token per position
 
-    def __call__(self, tokens_per_s: float, seq_len: float) -> dict[str, float]:
+    def describe(self) -> str:
+        return f"MFU against {self.peak_source} × {self.devices}" if self.peak else ""
+
+    def __call__(self, tokens: float, square_lengths: float, seconds: float) -> dict[str, float]:
         if not self.peak:
             return {}
-        return mfu(tokens_per_s, self.weight_flops + self.attention_flops * seq_len, self.peak, self.devices)
+        flops = self.weight_flops * tokens + self.attention_flops * square_lengths
+        return mfu(flops, seconds, self.peak, self.devices)

@@ -338,9 +338,11 @@ def check_engine_matches(ckpt: Path, expected: dict) -> None:
     partitioned per rank and stage); checkpoints without a record were written by the torch engine."""
     saved = json.loads((Path(ckpt) / STATE_FILE).read_text()).get("engine", {"name": "torch"})
     if saved != expected:
+        named = "optimizer" in saved or "optimizer" in expected  # train.optimizer differs: name it on both sides
 
-        def show(d: dict) -> str:
-            return ", ".join(f"engine.{k}={v}" for k, v in d.items())
+        def show(d: dict) -> str:  # (a torch engine's record holds train.optimizer unless it is adamw)
+            d = {**d, "optimizer": d.get("optimizer", "adamw")} if named and d.get("name") == "torch" else d
+            return ", ".join(f"{'train' if k == 'optimizer' else 'engine'}.{k}={v}" for k, v in d.items())
 
         raise OxrlError(
             f"{ckpt} was written with {show(saved)} but this run has {show(expected)}; resume with the same "
