@@ -18,6 +18,7 @@ rows: position t scores token t+1, ``mask`` is 1 where that token is a completio
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -36,9 +37,19 @@ from oxrl_core.loops.rollouts import (
     rollout_batch,
     step_sampling,
 )
-from oxrl_core.loops.run import Run, RunResult, backward_share, check_finite
+from oxrl_core.loops.run import (
+    Run,
+    RunResult,
+    StepSums,
+    backward_share,
+    check_finite,
+    check_loss,
+    check_non_finite_count,
+    non_finite_count,
+    read_together,
+)
 from oxrl_core.loops.strategies import Scored
-from oxrl_core.ops import k3_kl, masked_mean_value, mean_metric
+from oxrl_core.ops import k3_kl, masked_mean, mean_metric
 from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 
@@ -75,7 +86,8 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
             batch = rollout_batch(
                 scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine, scored.images
             )
-            check_finite("rewards", batch["rewards"], step, run.run_dir)
+            if not all(map(math.isfinite, scored.scores)):  # the host's floats: the device is read only to report
+                check_finite("rewards", batch["rewards"], step, run.run_dir)
             lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do
             # 4-6. old/ref logprobs, advantages (ALGO), rollout.passes_per_batch × rollout.minibatches updates (ALGO inside)
             record = update(step, batch, keep_entropy=(logged := parts.rollout_log.due(step)))
@@ -114,7 +126,7 @@ def step_metrics(run: Run, scored: Scored, batch: dict, versions: set[int], lr: 
     """A step's response lengths, policy version, learning rate, timings, throughput and MFU, data mix."""
     completions, seconds = scored.completions, time.perf_counter() - clock.start
     response = [len(c.token_ids) for c in completions]
-    tokens = float(batch["attention_mask"].sum())  # prompt + completion tokens of the rollout batch
+    tokens = float(sum(len(row.ids) for row in batch["host"]))  # prompt + completion tokens of the rollout batch
     train_s = clock.seconds["train"]
     return {
         "response/length": sum(response) / len(response),
@@ -172,17 +184,18 @@ class Update:
 
         # 4. old / reference logprobs (and values); the rollout checks
         fresh = self.old_logprobs(batch, parts, unit, single_pass, keep_entropy)
-        metrics = self.rollout_checks(step, batch)
+        stops = Stops()  # what stops the run, on the device until the first optimiser step's one read
+        metrics = self.rollout_checks(step, batch, stops)
         # 5. advantages
         batch["max_new_tokens"] = ro.max_new_tokens  # L_max: overlong shaping, seq-mean-token-sum-norm
         added, adv_metrics = algorithm.advantages(batch)  # ALGO: the algorithm's advantage estimator
         for name, tensor in added.items():
-            check_finite(name, tensor, step, self.run_dir)
+            stops.finite(name, tensor, step, self.run_dir)
         batch.update(added)
-        metrics.update({k: float(v) for k, v in adv_metrics.items()})
+        metrics.update(adv_metrics)  # 0-d tensors (or floats), read with the first optimiser step's figures
         # 6. the optimiser steps
-        losses, perf = self.optimise(step, batch, parts, unit, fresh)
-        return {**losses, **metrics, **perf}
+        losses, read, perf = self.optimise(step, batch, parts, unit, fresh, metrics, stops)
+        return {**losses, **read, **perf}
 
     def forward_rows(self, module, critic, parts: MicroBatches, unit: int, keys: list[str]) -> dict:
         """A no-grad pass over the rollout batch in micro-batches; with data parallelism each rank
@@ -228,20 +241,27 @@ class Update:
                     batch["values"] = outs["values_new"]
         return fresh
 
-    def rollout_checks(self, step: int, batch: dict) -> dict:
-        """Trainer vs rollout logprobs (the mismatch alarm, `oxrl_core.rollout.sync`), TIS weights, KL to the reference."""
+    def rollout_checks(self, step: int, batch: dict, stops: Stops) -> dict:
+        """Trainer vs rollout logprobs (the mismatch alarm, `oxrl_core.rollout.sync`), TIS weights, KL to the reference:
+        the metrics as 0-d device tensors; the finite check of ``logp_old`` and the alarm added to ``stops``."""
         ro, engine, mask = self.ro, self.engine, batch["mask"]
-        check_finite("logp_old", batch["logp_old"], step, self.run_dir)
-        gap = (batch["logp_old"] - batch["logp_rollout"]).abs() * mask  # (B, T)
-        sums = {"rollout/logprob_diff": masked_mean_value(gap, mask), "rollout/logprob_diff_max": float(gap.max())}
+        stops.finite("logp_old", batch["logp_old"], step, self.run_dir)
+        gap = (batch["logp_old"] - batch["logp_rollout"]).abs().detach() * mask  # (B, T)
+        sums = {"rollout/logprob_diff": masked_mean(gap, mask), "rollout/logprob_diff_max": gap.max()}
         # mismatch alarm: trainer and rollout disagree on the sampled tokens -> stop, checkpoints kept
         autocast_dtype = getattr(engine, "autocast_dtype", None)
         # (asynchronous rollouts: the gap includes the policy's own updates since the samples' version; the alarm is
         # off unless set, and the verified weight sync watches the actors' weights)
         unset = 0.0 if ro.max_staleness else default_max_logprob_diff(autocast_dtype)
         limit = unset if ro.max_logprob_diff is None else ro.max_logprob_diff
-        last = latest_checkpoint(self.run_dir)
-        check_logprob_diff(sums["rollout/logprob_diff"], limit, step, ro.backend, autocast_dtype, last)
+        if limit > 0:  # checked once read (after the finite check of logp_old, as it always was)
+            run_dir = self.run_dir
+            stops.add(
+                sums["rollout/logprob_diff"],
+                lambda diff: check_logprob_diff(
+                    diff, limit, step, ro.backend, autocast_dtype, latest_checkpoint(run_dir)
+                ),
+            )
         # importance weights: w_t = min(π_old / π_rollout, C) (or masked outside [is_low, C]), detached; ones when off
         logp_old, logp_rollout, cap = batch["logp_old"], batch["logp_rollout"], ro.importance_cap
         batch["tis_weight"], tis_metrics = tis_weight(logp_old, logp_rollout, mask, cap, ro.is_mode, ro.is_low)
@@ -249,35 +269,43 @@ class Update:
         if cap > 0:  # how far the behaviour policy is from the proximal one
             sums.update(off_policy_metrics(logp_old, logp_rollout, mask))
         if self.ref is not None:  # k3 estimator of KL(π || π_ref) at the sampling policy
-            sums["kl/ref"] = masked_mean_value(k3_kl(batch["logp_old"], batch["logp_ref"]), mask)
+            sums["kl/ref"] = masked_mean(k3_kl(batch["logp_old"], batch["logp_ref"]).detach(), mask)
         return sums
 
-    def optimise(self, step: int, batch: dict, parts: MicroBatches, unit: int, fresh: dict | None):
+    def optimise(
+        self, step: int, batch: dict, parts: MicroBatches, unit: int, fresh: dict | None, metrics: dict, stops: Stops
+    ):
         """``rollout.passes_per_batch`` passes of ``rollout.minibatches`` optimiser steps; each micro-batch's loss
-        weighted by its share of the minibatch's loss tokens (or rows). Returns the mean losses and
-        metrics over the steps (every rank's shares), and the optimiser's metrics."""
-        algorithm, engine, ro, B = self.algorithm, self.engine, self.ro, parts.B
+        weighted by its share of the minibatch's loss tokens (or rows). Each optimiser step reads its figures once,
+        with the gradient norm and, at the first, ``metrics`` (the rollout's and the advantages') and ``stops`` (the
+        checks that stop the run before the first update). Returns the mean losses and metrics over the steps
+        (every rank's shares), ``metrics`` as floats, and the optimiser's metrics."""
+        algorithm, engine, ro, B, rows = self.algorithm, self.engine, self.ro, parts.B, batch["host"]
 
-        def weight(rows: list[int]) -> float:  # loss tokens, or sequences with at least one (`ops.aggregate_loss`)
-            tokens = batch["mask"][rows].sum(-1)  # (rows,)
-            return float(tokens.sum()) if algorithm.loss_weighting == "tokens" else float((tokens > 0).sum())
+        def weight(part: list[int]) -> float:  # loss tokens, or sequences with at least one (`ops.aggregate_loss`)
+            tokens = [rows[i].loss_tokens for i in part]  # (rows,), known on the host
+            return float(sum(tokens)) if algorithm.loss_weighting == "tokens" else float(sum(t > 0 for t in tokens))
 
         # the entropy metric is weighted as the loss weighs micro-batches (tokens, or sequences)
         entropy_mode = "token-mean" if algorithm.loss_weighting == "tokens" else "seq-mean-token-mean"
         gen = torch.Generator().manual_seed(self.seed * 7919 + step)
         updates, grad_norms, micro_batch_count = 0, [], 0
-        sums: dict[str, float] = defaultdict(float, loss=0.0, entropy=0.0)
+        once = StepSums()  # the rollout's and the advantages' metrics: read with the first optimiser step's figures
+        for name, value in metrics.items():
+            once.add(name, value)
+        totals: dict[str, float] = defaultdict(float, loss=0.0, entropy=0.0)
         for _pass in range(ro.passes_per_batch):
             if fresh is not None:
                 order = list(range(B))
             else:
-                units = torch.randperm(B // unit, generator=gen).tolist()
+                units = torch.randperm(B // unit, generator=gen).tolist()  # a host tensor (no device read)
                 order = [u * unit + j for u in units for j in range(unit)]
             size = -(-(B // unit) // ro.minibatches) * unit
             for minibatch in chunks(order, size):
                 micro = parts(minibatch)
                 micro_batch_count += len(micro)
                 total = sum(weight(p) for p in micro) or 1.0
+                sums = StepSums()  # this optimiser step's, on the device until its one read
                 for part in micro:
                     mine, padding = shard(
                         part, unit
@@ -285,16 +313,63 @@ class Update:
                     mb = parts.rows_of(mine)
                     with engine.autocast():
                         mb.update(fresh if fresh is not None else self.forward(self.model, self.critic, mb))
-                        loss, metrics = algorithm.loss(mb)  # ALGO: the algorithm's loss
-                    check_finite("loss", loss.detach().reshape(1), step, self.run_dir)
+                        loss, loss_metrics = algorithm.loss(mb)  # ALGO: the algorithm's loss
+                    stops.finite("loss", loss.reshape(1), step, self.run_dir)
                     share = (0.0 if padding else weight(mine)) / total
-                    sums["entropy"] += float(mean_metric(mb["entropy"], mb["mask"], entropy_mode)) * share
-                    backward_share(engine, loss, metrics, share, sums)
-                grad_norms.append(engine.step())
+                    sums.add("entropy", mean_metric(mb["entropy"], mb["mask"], entropy_mode), share)
+                    backward_share(engine, loss, loss_metrics, share, sums)
+                figures, first, grad_norm = self.step(step, sums, once, stops)
+                if updates == 0:
+                    metrics = first
+                for key, value in figures.items():
+                    totals[key] += value
+                grad_norms.append(grad_norm)
                 updates += 1
-        losses = {k: v / updates for k, v in reduce_metrics(sums).items()}  # every rank's shares
-        return losses, {
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "perf/updates": float(updates),
-            "perf/micro_batches": micro_batch_count / updates,  # per optimiser step
-        }
+                once, stops = StepSums(), Stops()  # the later steps: their own figures and loss checks only
+        losses = {k: v / updates for k, v in reduce_metrics(totals).items()}  # every rank's shares
+        return (
+            losses,
+            metrics,
+            {
+                "grad_norm": sum(grad_norms) / len(grad_norms),
+                "perf/updates": float(updates),
+                "perf/micro_batches": micro_batch_count / updates,  # per optimiser step
+            },
+        )
+
+    def step(self, step: int, sums: StepSums, once: StepSums, stops: Stops) -> tuple[dict, dict, float]:
+        """One optimiser step: clip, read its figures, ``once`` and ``stops`` with the gradient norm in one host read,
+        stop the run (``stops`` in order, then a non-finite loss) before anything is updated, then update.
+        (the step's figures, ``once``'s, the gradient norm)."""
+        read: dict = {}
+
+        def check(grad_norm):
+            (read["figures"], read["once"], values), norm = read_together([sums, once, stops.values], grad_norm)
+            stops.check(values)
+            check_loss(read["figures"].get("loss", 0.0), step, self.run_dir)
+            return norm
+
+        grad_norm = self.engine.step(check)
+        return read["figures"], read["once"], grad_norm
+
+
+class Stops:
+    """The checks that stop an RL step before the weights change, each a value computed on the device and a test of
+    it on the host (which raises), run in the order they were added once the values are read with the optimiser
+    step's figures (`Update.step`): no device read of their own."""
+
+    def __init__(self):
+        self.values, self.tests = StepSums(), []
+
+    def add(self, value: torch.Tensor, test) -> None:
+        """``test(value as a float)`` at the read."""
+        self.values.add(str(len(self.tests)), value)
+        self.tests.append(test)
+
+    def finite(self, name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
+        """`check_finite` of ``tensor`` at the read (every entry, masked or not: NaN · 0 is still NaN)."""
+        self.add(non_finite_count(tensor), lambda bad: check_non_finite_count(name, int(bad), step, run_dir))
+
+    def check(self, values: dict[str, float]) -> None:
+        for test, value in zip(self.tests, values.values()):
+            test(value)
