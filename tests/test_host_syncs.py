@@ -97,3 +97,83 @@ def test_the_counter_sees_what_makes_a_gpu_wait():
     assert counter.counts["aten::_unique2"] == 1, counter.counts
     assert counter.counts["aten::repeat_interleave (no output_size)"] == 1
     assert counter.counts["Tensor.tolist"] == 1
+
+
+def _rl_update_syncs(tmp_path, *sets: str) -> list:
+    """The RL update phase's syncs per optimiser step: windows from `Update.__call__`'s entry to its first optimiser
+    step's end, then from each step's end to the next's; what follows the last step (the rest of the call, the
+    step's metrics, `rl.step_metrics`) counts in the last window. Counted at steps 2 and 3 of a 3-step run (the
+    generation and the rest of the step between two updates go at full speed, uncounted)."""
+    from oxrl_core.engines.torch_engine import TorchEngine
+    from oxrl_core.loops import rl
+
+    counter, windows, calls = SyncCounter(), [], []
+    call, step, metrics = rl.Update.__call__, TorchEngine.step, rl.step_metrics
+
+    def counting(fn):
+        def counted(*args, **kwargs):
+            if len(calls) < 2:  # step 1: not counted
+                return fn(*args, **kwargs)
+            counter.__enter__()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.__exit__(None, None, None)
+                windows[-1].update(counter.window())  # the tail: into the step's last window
+
+        return counted
+
+    def update(self, *args, **kwargs):
+        calls.append(len(calls) + 1)
+        counter.counts.clear()  # a window opens at the entry
+        return counting(call)(self, *args, **kwargs)
+
+    def optimiser_step(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        if counter.active:
+            windows.append(counter.window())  # everything from the previous window's end to this update's end
+        return out
+
+    data = tmp_path / "arith.jsonl"  # a file of prompts (no held-out split: no evaluation before and after)
+    rows = [(f"What is {a} + {b}?", str(a + b)) for a in range(2, 9) for b in range(3, 7)]
+    data.write_text("".join(json.dumps({"prompt": p, "answer": r}) + "\n" for p, r in rows))
+    rl.Update.__call__, TorchEngine.step, rl.step_metrics = update, optimiser_step, counting(metrics)
+    try:
+        Trainer(
+            alg=sets[0],
+            overrides=[
+                f"data.train={data}",
+                "reward.name=exact_match",
+                "train.max_steps=3",
+                "train.save_every=0",
+                "train.batch_size=4",
+                "rollout.max_new_tokens=8",
+                *sets[1:],
+            ],
+            quiet=True,
+            output_dir=tmp_path / "run",
+        ).train()
+    finally:
+        rl.Update.__call__, TorchEngine.step, rl.step_metrics = call, step, metrics
+    return windows
+
+
+@pytest.mark.parametrize(
+    ("sets", "updates"),
+    [
+        (["sgrpo"], 1),  # one update on the training forward's own logp_old (shared prompts, the default)
+        (["sgrpo", "rollout.minibatches=2"], 2),  # a no-grad logp_old pass, then two optimiser steps
+        (["sgrpo", "data.packing=false"], 1),  # padded rows: transformers checks their padding mask per forward
+    ],
+)
+def test_the_rl_update_phase_makes_at_most_two_host_syncs_per_optimiser_step(tmp_path, sets, updates):
+    """Issue 42: from the update's entry (old logprobs, the rollout checks and the mismatch alarm, the advantages)
+    through each optimiser step (loss, backward, clip, update) to the step's metrics, at most 2 syncs per optimiser
+    step (before: 26 for the default SGRPO step, 36 + 20 with two minibatches). Every check that stops the run is
+    read with the first step's figures; the rest is what transformers does per forward (a padded row's mask) and,
+    with several minibatches, their order drawn on the host (a CPU generator's ``tolist``, counted like a read)."""
+    windows = _rl_update_syncs(tmp_path, *sets)
+    assert len(windows) == 2 * updates, windows  # steps 2 and 3
+    assert max(sum(window.values()) for window in windows) <= 2, windows
+    # each optimiser step reads its figures (and, at the first, every stop check) in one copy
+    assert sum(window["Tensor.tolist"] for window in windows) >= len(windows), windows

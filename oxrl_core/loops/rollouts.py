@@ -26,7 +26,7 @@ from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
-from oxrl_core.models.packed_attention import SHARED_PREFIX
+from oxrl_core.models.packed_attention import SHARED_PREFIX, shared_prefix_mask
 from oxrl_core.models.token_head import on_grid, token_stats
 from oxrl_core.scoring.rewards import RewardFailures, score_batch
 
@@ -272,6 +272,7 @@ def token_logprobs_shared(model, mb: dict, temperature: float):
     inputs = {
         "input_ids": row["input_ids"].to(device),
         "position_ids": row["position_ids"].to(device),
+        "attention_mask": shared_prefix_mask(device),  # no mask to build, no packed rows to look for
         SHARED_PREFIX: row[SHARED_PREFIX],
     }
     stats = token_stats(
