@@ -134,28 +134,29 @@ def _rl_update_syncs(tmp_path, *sets: str) -> list:
             windows.append(counter.window())  # everything from the previous window's end to this update's end
         return out
 
-    data = tmp_path / "arith.jsonl"  # a file of prompts (no held-out split: no evaluation before and after)
-    rows = [(f"What is {a} + {b}?", str(a + b)) for a in range(2, 9) for b in range(3, 7)]
-    data.write_text("".join(json.dumps({"prompt": p, "answer": r}) + "\n" for p, r in rows))
     rl.Update.__call__, TorchEngine.step, rl.step_metrics = update, optimiser_step, counting(metrics)
     try:
-        Trainer(
-            alg=sets[0],
-            overrides=[
-                f"data.train={data}",
-                "reward.name=exact_match",
-                "train.max_steps=3",
-                "train.save_every=0",
-                "train.batch_size=4",
-                "rollout.max_new_tokens=8",
-                *sets[1:],
-            ],
-            quiet=True,
-            output_dir=tmp_path / "run",
-        ).train()
+        _rl_run(tmp_path, *sets)
     finally:
         rl.Update.__call__, TorchEngine.step, rl.step_metrics = call, step, metrics
     return windows
+
+
+def _rl_run(tmp_path, alg: str, *sets: str):
+    """A 3-step run of ``alg`` on a small file of arithmetic prompts (no held-out split: no evaluation)."""
+    data = tmp_path / "arith.jsonl"
+    rows = [(f"What is {a} + {b}?", str(a + b)) for a in range(2, 9) for b in range(3, 7)]
+    data.write_text("".join(json.dumps({"prompt": p, "answer": r}) + "\n" for p, r in rows))
+    overrides = [
+        f"data.train={data}",
+        "reward.name=exact_match",
+        "train.max_steps=3",
+        "train.save_every=0",
+        "train.batch_size=4",
+        "rollout.max_new_tokens=8",
+        *sets,
+    ]
+    return Trainer(alg=alg, overrides=overrides, quiet=True, output_dir=tmp_path / "run").train()
 
 
 @pytest.mark.parametrize(
@@ -177,3 +178,34 @@ def test_the_rl_update_phase_makes_at_most_two_host_syncs_per_optimiser_step(tmp
     assert max(sum(window.values()) for window in windows) <= 2, windows
     # each optimiser step reads its figures (and, at the first, every stop check) in one copy
     assert sum(window["Tensor.tolist"] for window in windows) >= len(windows), windows
+
+
+def test_the_checks_read_with_the_first_optimiser_step_still_stop_the_run_before_the_weights_change(
+    tmp_path, monkeypatch
+):
+    """The mismatch alarm (and every finite check) is read with the first optimiser step's figures, after the loss's
+    backward: it must still raise its message before the optimiser changes a weight."""
+    import torch
+
+    from oxrl_core.errors import OxrlError
+    from oxrl_core.loops import rl
+
+    batch_of, call, seen = rl.rollout_batch, rl.Update.__call__, {}
+
+    def off_by_half(*args, **kwargs):  # the rollout's logprobs 0.5 nats off the trainer's on every sampled token
+        batch = batch_of(*args, **kwargs)
+        batch["logp_rollout"] = batch["logp_rollout"] - 0.5 * batch["mask"]
+        batch["rewards"] = torch.arange(len(batch["rewards"]), dtype=torch.float32)  # advantages ≠ 0: a gradient
+        return batch
+
+    def update(self, *args, **kwargs):
+        seen["model"], seen["before"] = self.model, [p.detach().clone() for p in self.model.parameters()]
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(rl, "rollout_batch", off_by_half)
+    monkeypatch.setattr(rl.Update, "__call__", update)
+    with pytest.raises(
+        OxrlError, match=r"step 1: rollout/logprob_diff = 0\.5 nats .* exceeds rollout\.max_logprob_diff"
+    ):
+        _rl_run(tmp_path, "sgrpo", "train.warmup_steps=0")  # (a warmup's first rate is 0: no update to see)
+    assert all(torch.equal(p, q) for p, q in zip(seen["model"].parameters(), seen["before"]))
