@@ -7,6 +7,12 @@ the host already knows (scored positions, token counts, packed row boundaries). 
 own: on packed rows it looks for the sequence boundaries in ``position_ids`` (one read per forward); on padded
 rows it checks the padding mask (two per forward). So a packed SFT step and a packed DPO step whose reference
 log-probabilities are precomputed make 2; a DPO step that runs the reference each step makes 3.
+
+The RL update phase (`loops.rl.Update`) is counted per optimiser step, from the update's entry: the rollout
+batch carries what the host knows of each row (`rollouts.HostRow`), the rollout checks, the advantages' metrics
+and every check that stops the run are read with the first optimiser step's figures, and a shared-prompt forward
+gives transformers nothing to look for. SGRPO with shared prompts makes 1 per optimiser step; with two minibatches
+2 (their order drawn on the host, a CPU ``tolist``) then 1; on padded rows 2 (transformers' padding-mask check).
 """
 
 from __future__ import annotations
