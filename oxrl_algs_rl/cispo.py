@@ -54,7 +54,7 @@ class CISPO(PolicyGradient):
         rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
-        return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean()), **metrics}
+        return {"adv": adv}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config

@@ -60,7 +60,7 @@ class GSPO(PolicyGradient):
         rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
         adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
-        return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": float(adv_seq.abs().mean()), **metrics}
+        return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config

@@ -121,14 +121,14 @@ class PPO(Algorithm):
             # r_t −= β KL_t, KL_t = log π_old − log π_ref with k1
             kl = kl_estimate(batch["logp_old"], batch["logp_ref"], c.kl_estimator) * mask  # (B, T)
             rewards = rewards - c.kl_coeff * kl
-            metrics["kl/penalty"] = metrics[f"kl/reward_{c.kl_estimator}"] = float(masked_mean(kl, mask))
+            metrics["kl/penalty"] = metrics[f"kl/reward_{c.kl_estimator}"] = masked_mean(kl, mask)
         adv, returns = gae(rewards, batch["values"], mask, c.gamma, c.lam)  # (B, T), (B, T)
         if c.whiten_advantages:
             mean = masked_mean(adv, mask)
             std = masked_mean((adv - mean) ** 2, mask).sqrt()
             adv = (adv - mean) / (std + 1e-8) * mask
-        metrics["values/mean"] = float(masked_mean(batch["values"], mask))
-        metrics["returns/mean"] = float(masked_mean(returns, mask))
+        metrics["values/mean"] = masked_mean(batch["values"], mask)
+        metrics["returns/mean"] = masked_mean(returns, mask)
         return {"adv": adv, "returns": returns}, metrics
 
     def loss(self, batch: RLLossBatch):

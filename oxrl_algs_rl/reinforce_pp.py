@@ -60,7 +60,7 @@ class REINFORCEPP(PolicyGradient):
         returns = returns_to_go(token_rewards, mask)  # (B, T)
         # A = (G − mean) / std over the batch's tokens
         adv = whiten(returns, mask)  # (B, T)
-        return {"adv": adv}, {"returns/mean": float(masked_mean(returns, mask)), **metrics, **kl_metrics}
+        return {"adv": adv}, {"returns/mean": masked_mean(returns, mask), **metrics, **kl_metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config

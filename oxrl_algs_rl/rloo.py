@@ -50,7 +50,7 @@ class RLOO(PolicyGradient):
         rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         # A_i = r_i − mean of the other n − 1 rewards of the group
         adv_seq = leave_one_out_advantages(rewards, batch["group_size"])  # (B,)
-        return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": float(adv_seq.abs().mean()), **metrics}
+        return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config

@@ -57,7 +57,7 @@ class SGRPO(PolicyGradient):
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
         adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
-        return {"adv": adv}, {"adv/abs_mean": float(adv_seq.abs().mean()), **metrics}
+        return {"adv": adv}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config

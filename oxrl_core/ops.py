@@ -147,31 +147,32 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     return (x - mean) / (std + eps) * mask
 
 
-def shaped_rewards(batch: dict, options, kl: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+def shaped_rewards(batch: dict, options, kl: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A group algorithm's sequence rewards (B,) after the shared options (``options`` = its config):
 
         r_i ← r_i + R_len(o_i)                          ``overlong_buffer`` > 0 (`overlong_penalty`)
         r_i ← r_i − β Σ_t KL_t(π_old || π_ref)          ``kl_in_reward`` with β = ``kl_coeff`` > 0 (as verl)
 
-    KL_t is ``kl_estimator``'s at the sampling policy (logp_old), detached. Metrics name what was applied.
+    KL_t is ``kl_estimator``'s at the sampling policy (logp_old), detached. Metrics (0-d tensors) name what was
+    applied.
     ``kl=False`` leaves the KL to the caller (REINFORCE++ puts it in each token's reward, `token_kl_rewards`).
     """
     rewards, mask = batch["rewards"], batch["mask"]  # (B,), (B, T)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     if options.overlong_buffer > 0:
         length_penalty = overlong_penalty(
             mask.sum(-1), batch["max_new_tokens"], options.overlong_buffer, options.overlong_penalty
         )  # fmt: skip  (B,)
         rewards = rewards + length_penalty
-        metrics["reward/overlong_penalty"] = float(length_penalty.mean())
+        metrics["reward/overlong_penalty"] = length_penalty.mean()
     if kl and options.kl_in_reward and options.kl_coeff > 0:
         kl = kl_estimate(batch["logp_old"], batch["logp_ref"], options.kl_estimator) * mask  # (B, T)
         rewards = rewards - options.kl_coeff * kl.sum(-1)
-        metrics[f"kl/reward_{options.kl_estimator}"] = float(masked_mean(kl, mask))
+        metrics[f"kl/reward_{options.kl_estimator}"] = masked_mean(kl, mask).detach()
     return rewards, metrics
 
 
-def token_kl_rewards(rewards: torch.Tensor, batch: dict, options) -> tuple[torch.Tensor, dict[str, float]]:
+def token_kl_rewards(rewards: torch.Tensor, batch: dict, options) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token rewards (B, T): the sequence reward R_i (B,) on its last completion token and, with
     ``kl_in_reward`` and β = ``kl_coeff`` > 0, a KL penalty on every token (PPO's and REINFORCE++'s reward):
 
@@ -180,11 +181,11 @@ def token_kl_rewards(rewards: torch.Tensor, batch: dict, options) -> tuple[torch
     mask = batch["mask"]  # (B, T)
     last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & mask.bool()  # (B, T) the last completion token
     token_rewards = last.to(rewards.dtype) * rewards[:, None]  # (B, T)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     if options.kl_in_reward and options.kl_coeff > 0:
         kl = kl_estimate(batch["logp_old"], batch["logp_ref"], options.kl_estimator) * mask  # (B, T)
         token_rewards = token_rewards - options.kl_coeff * kl
-        metrics[f"kl/reward_{options.kl_estimator}"] = float(masked_mean(kl, mask))
+        metrics[f"kl/reward_{options.kl_estimator}"] = masked_mean(kl, mask).detach()
     return token_rewards, metrics
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +26,7 @@ from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
-from oxrl_core.models.packed_attention import SHARED_PREFIX
+from oxrl_core.models.packed_attention import SHARED_PREFIX, shared_prefix_mask
 from oxrl_core.models.token_head import on_grid, token_stats
 from oxrl_core.scoring.rewards import RewardFailures, score_batch
 
@@ -104,6 +105,41 @@ def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend:
                 raise OxrlError(f"{where}: ends with EOS but is marked as cut at the length limit")
 
 
+class HostRow(NamedTuple):
+    """What the host knows of one row of the rollout batch, so that the update never reads it back from the device."""
+
+    ids: list[int]  # the row's tokens, prompt + completion, unpadded (its length: attention_mask's 1s)
+    prompt_len: int
+    group: int  # the prompt it samples (``group``)
+    scored: list[int]  # the positions t whose next token is trained on (``mask`` > 0)
+    loss_tokens: float  # Σ_t mask: the row's weight in a token-mean loss
+
+
+def host_rows(prompt_ids: list[list[int]], completions, n: int) -> list[HostRow]:
+    """`HostRow` of each sample (B): its prompt ``prompt_ids[i]``, its completion, the ``n`` samples of a prompt
+    contiguous; the scored positions are those `rollout_tensors` sets in ``mask``."""
+    rows = []
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        start = len(p) - 1  # position start + j predicts completion token j
+        sampled = [1] * len(c.token_ids) if c.sampled is None else c.sampled
+        scored = [start + j for j, s in enumerate(sampled) if s > 0]
+        rows.append(HostRow(p + c.token_ids, len(p), i // n, scored, float(sum(sampled))))
+    return rows
+
+
+def rows_from_tensors(mb: dict) -> list[HostRow]:
+    """`HostRow` of each row of a micro-batch that came without them (read from its tensors: one device read each)."""
+    ids, attn = mb["input_ids"].tolist(), mb["attention_mask"].sum(1).tolist()
+    plen, group = mb["prompt_len"].tolist(), mb["group"].tolist()
+    mask = mb["mask"].tolist() if "mask" in mb else None
+    rows = []
+    for i in range(len(ids)):
+        scored = list(range(plen[i] - 1, attn[i] - 1)) if mask is None else [t for t, m in enumerate(mask[i]) if m > 0]
+        weight = float(len(scored)) if mask is None else float(sum(mask[i]))
+        rows.append(HostRow(ids[i][: attn[i]], plen[i], group[i], scored, weight))
+    return rows
+
+
 def rollout_tensors(prompt_ids: list[list[int]], completions, pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion rows and the per-token tensors of the sampled tokens.
 
@@ -145,15 +181,28 @@ def check_no_padding_holes(batch: dict[str, torch.Tensor], multi_turn: bool = Fa
 
 
 def token_logprobs(
-    model, input_ids, attention_mask, temperature: float, want_hidden: bool = False, where=None, images=None
+    model,
+    input_ids,
+    attention_mask,
+    temperature: float,
+    want_hidden: bool = False,
+    where=None,
+    images=None,
+    scored: list[list[int]] | None = None,
 ):
     """logp (B, L-1) of each next token under logits / temperature, entropy (B, L-1), last hidden state (B, L, H).
 
     Computed where ``where`` (B, L-1) is non-zero (default: every attended next token), 0 elsewhere;
-    only those positions meet the LM head, chunk by chunk (`token_head`). ``images``: each row's image inputs
+    only those positions meet the LM head, chunk by chunk (`token_head`). ``scored``: those positions of each
+    row as the host knows them (`HostRow.scored`; no device read to find them). ``images``: each row's image inputs
     (a VLM's rows; {} for a text row), joined row by row (`images.collate_pixels`) and given to the model."""
-    where = attention_mask[:, 1:] if where is None else where
-    rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
+    if scored is not None:
+        rows = torch.tensor([i for i, at in enumerate(scored) for _ in at], dtype=torch.long)  # (M,)
+        pos = torch.tensor([t for at in scored for t in at], dtype=torch.long)  # (M,)
+        rows, pos = rows.to(input_ids.device), pos.to(input_ids.device)
+    else:
+        where = attention_mask[:, 1:] if where is None else where
+        rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if images is not None:
         pixels = collate_pixels(images, input_ids.shape[1])
@@ -172,64 +221,65 @@ def token_logprobs(
     return on_grid(stats["logp"], rows, pos, shape), on_grid(stats["entropy"], rows, pos, shape), stats.get("hidden")
 
 
-def shared_prompt_row(mb: dict) -> dict:
+def shared_prompt_row(rows: list[HostRow]) -> dict:
     """A micro-batch of rollout rows as one packed row in which the samples of a prompt share it.
 
     Rows with the same ``group`` have the same prompt (``prompt_len`` tokens); each group becomes a
     segment ``[prompt, completion_1, ..., completion_k]`` (`packed_attention.SHARED_PREFIX`), the
     completions at the positions they have after the prompt, each without its last token (whose
-    logits would predict nothing). ``index`` (B, L-1) is the row position
-    whose logits predict each completion token (-1 elsewhere).
+    logits would predict nothing). ``scored``: (row, column, at) of each completion token, by sample row, its
+    column in the (B, L-1) grid and the position in the packed row whose logits predict it — lists, from the host.
     """
-    ids, attn = mb["input_ids"].tolist(), mb["attention_mask"].sum(1).tolist()
-    plen, group = mb["prompt_len"].tolist(), mb["group"].tolist()
-    B, L = mb["input_ids"].shape
-    index = torch.full((B, L - 1), -1, dtype=torch.long)
     members: dict[int, list[int]] = {}
-    for i, g in enumerate(group):
-        members.setdefault(g, []).append(i)
+    for i, row in enumerate(rows):
+        members.setdefault(row.group, []).append(i)
     flat, positions, segments = [], [], []
-    for rows in members.values():
-        start, p = len(flat), plen[rows[0]]
-        flat += ids[rows[0]][:p]
+    at = {}  # (row, column) -> its position in the packed row
+    for group in members.values():
+        start, p = len(flat), rows[group[0]].prompt_len
+        flat += rows[group[0]].ids[:p]
         positions += list(range(p))
         lengths = []
-        for i in rows:
-            c = attn[i] - p  # completion tokens of row i
+        for i in group:
+            c = len(rows[i].ids) - p  # completion tokens of row i
             offset = len(flat)
             # the completion's last token predicts nothing: only its first c-1 tokens are inputs
-            flat += ids[i][p : p + c - 1]
+            flat += rows[i].ids[p : p + c - 1]
             positions += list(range(p, p + c - 1))
             lengths.append(c - 1)
             # position p-1 (the prompt's last token) predicts the first completion token, then the completion's own
-            index[i, p - 1] = start + p - 1
-            index[i, p : p + c - 1] = torch.arange(offset, offset + c - 1)
+            at[i, p - 1] = start + p - 1
+            at.update({(i, p + j): offset + j for j in range(c - 1)})
         segments.append((start, p, tuple(lengths)))
+    order = sorted(at)  # row by row, column by column
     return {
         "input_ids": torch.tensor([flat]),
         "position_ids": torch.tensor([positions]),
         SHARED_PREFIX: segments,
-        "index": index,
+        "scored": ([i for i, _ in order], [t for _, t in order], [at[k] for k in order]),
     }
 
 
 def token_logprobs_shared(model, mb: dict, temperature: float):
     """`token_logprobs` with each prompt computed once per micro-batch: logp, entropy (B, L-1), set at
-    completion-predicting positions (0 elsewhere, where nothing reads them)."""
+    completion-predicting positions (0 elsewhere, where nothing reads them). The packed row is laid out on the
+    host from ``mb["host"]`` (`HostRow`; read from the tensors when absent)."""
     device = mb["input_ids"].device
-    row = shared_prompt_row({k: mb[k].cpu() for k in ("input_ids", "attention_mask", "prompt_len", "group")})
-    index = row["index"].to(device)  # (B, L-1)
-    rows, cols = (index >= 0).nonzero(as_tuple=True)  # (M,): the scored tokens, by sample row and column
+    row = shared_prompt_row(mb["host"] if "host" in mb else rows_from_tensors(mb))
+    # the scored tokens, by sample row and column, and where in the packed row each is predicted (a prompt's last
+    # token: once per sample)
+    rows, cols, at = (torch.tensor(v, dtype=torch.long, device=device) for v in row["scored"])  # (M,) each
     inputs = {
         "input_ids": row["input_ids"].to(device),
         "position_ids": row["position_ids"].to(device),
+        "attention_mask": shared_prefix_mask(device),  # no mask to build, no packed rows to look for
         SHARED_PREFIX: row[SHARED_PREFIX],
     }
-    at = index[rows, cols]  # (M,) where in the packed row each is predicted (a prompt's last token: once per sample)
     stats = token_stats(
         model, inputs, torch.zeros_like(at), at, mb["input_ids"][rows, cols + 1], temperature=temperature, entropy=True
     )
-    return on_grid(stats["logp"], rows, cols, index.shape), on_grid(stats["entropy"], rows, cols, index.shape)
+    B, L = mb["input_ids"].shape
+    return on_grid(stats["logp"], rows, cols, (B, L - 1)), on_grid(stats["entropy"], rows, cols, (B, L - 1))
 
 
 # ----------------------------------------------------------------------------- data parallelism
@@ -356,7 +406,7 @@ def rollout_batch(
 ) -> dict:
     """The rollout batch the update reads, on the trainer's device: `rollout_tensors` of each sample's prompt
     (B of them) and completion, plus ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each
-    sample, ``prompt_len`` (B,); with ``images`` (each sample's prompt's image inputs), ``images`` (B,): a list,
+    sample, ``prompt_len`` (B,), ``host`` (B,) each row's `HostRow` (a list, selected with the rows); with ``images`` (each sample's prompt's image inputs), ``images`` (B,): a list,
     selected with the rows (`MicroBatches.rows_of`) and joined per micro-batch by the forward (`token_logprobs`)."""
     batch = rollout_tensors(prompts, completions, pad_id)
     check_no_padding_holes(batch, multi_turn=any(c.sampled is not None for c in completions))
@@ -366,6 +416,7 @@ def rollout_batch(
     batch["group_size"] = n
     batch["group"] = torch.arange(len(completions), device=device) // n  # (B,)
     batch["prompt_len"] = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
+    batch["host"] = host_rows(prompts, completions, n)  # (B,) what the host knows of each row (`HostRow`)
     if images is not None:
         batch["images"] = images  # (B,) each row's image inputs, moved to the device per micro-batch
     return batch
@@ -381,8 +432,9 @@ def policy_forward(model, critic, mb: dict, temperature: float, shared: bool = F
         return {"logp": logp, "entropy": entropy}
     want_hidden = critic is not None and critic.shared
     # logprobs at the completion tokens only (``mask``): the prompt's positions never meet the LM head
+    scored = [row.scored for row in mb["host"]] if "host" in mb else None  # (B,) known on the host
     logp, entropy, hidden = token_logprobs(
-        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"], mb.get("images")
+        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"], mb.get("images"), scored
     )
     out = {"logp": logp, "entropy": entropy}
     if critic is not None:
@@ -402,7 +454,9 @@ class MicroBatches:
     def __init__(self, batch: dict, unit: int, micro: int, token_budget: int, shared: bool):
         self.batch, self.unit, self.micro, self.token_budget, self.shared = batch, unit, micro, token_budget, shared
         self.B = batch["input_ids"].shape[0]
-        self.lengths = batch["attention_mask"].sum(1).tolist()  # (B,) prompt + completion tokens of each row
+        # (B,) prompt + completion tokens of each row, from the host where it came with the batch
+        host = batch.get("host")
+        self.lengths = [len(row.ids) for row in host] if host else batch["attention_mask"].sum(1).tolist()
 
     def __call__(self, rows: list[int]) -> list[list[int]]:
         if self.token_budget > 0:

@@ -45,7 +45,10 @@ __all__ = [
     "RunResult",
     "StepSums",
     "backward_share",
+    "non_finite_count",
+    "read_together",
     "check_finite",
+    "check_non_finite_count",
     "check_loss",
     "seed_everything",
 ]
@@ -91,7 +94,18 @@ def check_loss(loss: float, step: int, run_dir: Path) -> None:
 def check_finite(name: str, tensor: torch.Tensor, step: int, run_dir: Path) -> None:
     """Every entry, masked or not: NaN · 0 is still NaN once it reaches the loss."""
     if not torch.isfinite(tensor).all():
-        bad = int((~torch.isfinite(tensor)).sum())
+        check_non_finite_count(name, int((~torch.isfinite(tensor)).sum()), step, run_dir)
+
+
+def non_finite_count(tensor: torch.Tensor) -> torch.Tensor:
+    """How many entries of ``tensor`` are NaN or inf, as a 0-d tensor on its device (read later, with other figures:
+    `check_non_finite_count`)."""
+    return (~torch.isfinite(tensor.detach())).sum()
+
+
+def check_non_finite_count(name: str, bad: int, step: int, run_dir: Path) -> None:
+    """`check_finite` from a count read on the host: stop the run when ``bad`` entries of ``name`` were not finite."""
+    if bad:
         last = latest_checkpoint(run_dir)
         raise OxrlError(
             f"step {step}: {bad} non-finite value(s) (NaN/inf) in '{name}'; the run stops before updating the model. "
@@ -113,15 +127,19 @@ class StepSums:
 
     def read(self, grad_norm=None) -> tuple[dict[str, float], float | None]:
         """(the sums as floats, the gradient norm as a float) from one device-to-host copy."""
-        on_device = [k for k, v in self.values.items() if torch.is_tensor(v)]
-        tensors = [self.values[k] for k in on_device]
-        if torch.is_tensor(grad_norm):
-            tensors.append(grad_norm.detach().float().reshape(()).to(tensors[0].device if tensors else None))
-        host = torch.stack(tensors).tolist() if tensors else []  # the step's one read
-        read = dict(zip(on_device, host))
-        sums = {k: read[k] if k in read else float(v) for k, v in self.values.items()}
-        norm = host[-1] if torch.is_tensor(grad_norm) else grad_norm
+        (sums,), norm = read_together([self], grad_norm)
         return sums, norm
+
+
+def read_together(parts: list[StepSums], grad_norm=None) -> tuple[list[dict[str, float]], float | None]:
+    """Several `StepSums` (the step's figures and, say, what the RL update computed once before it) and the
+    gradient norm from one device-to-host copy: (each one's values as floats, the norm as a float)."""
+    tensors = [v for part in parts for v in part.values.values() if torch.is_tensor(v)]
+    if torch.is_tensor(grad_norm):
+        tensors.append(grad_norm.detach().float().reshape(()).to(tensors[0].device if tensors else None))
+    host = iter(torch.stack(tensors).tolist() if tensors else [])  # the step's one read
+    read = [{k: next(host) if torch.is_tensor(v) else float(v) for k, v in part.values.items()} for part in parts]
+    return read, next(host) if torch.is_tensor(grad_norm) else grad_norm
 
 
 def backward_share(engine, loss: torch.Tensor, metrics: dict, share: float, sums) -> None:

@@ -166,6 +166,16 @@ SHARED_PREFIX = "oxrl_shared_prefix"
 _LAST_LAYOUT: tuple = (None, {})  # (segments list, {window: layout}): every layer of one forward shares it
 
 
+def shared_prefix_mask(device):
+    """The ``attention_mask`` a shared-prefix forward passes: an empty 4-D one. transformers takes a 4-D mask as
+    already prepared, so it neither builds a (ΣL)² mask nor looks for packed rows in ``position_ids`` (a device
+    read per forward pass); `packed_sdpa_attention` never reads it (the segments say who attends to whom), and any
+    other attention would refuse its shape rather than attend through it."""
+    import torch
+
+    return torch.zeros((1, 1, 0, 0), dtype=torch.bool, device=device)
+
+
 def _segment_layout(segments, device, window: int | None = None) -> dict:
     """Index tensors that regroup a shared-prefix row for two batched SDPA calls (built once per forward
     and sliding window).

@@ -132,7 +132,8 @@ def check_weight_sync(
 def tis_weight(
     logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, cap: float, mode="truncate", low=0.0
 ):
-    """The importance weights (B, T) and their metrics; ones (and no metrics) when ``cap`` is 0.
+    """The importance weights (B, T) and their metrics (0-d tensors, read with the step's figures); ones (and no
+    metrics) when ``cap`` is 0.
 
     logp_old, logp_rollout, mask (B, T): the trainer's (proximal policy's) and the rollout engine's (behaviour
     policy's) logprobs of the sampled tokens, 1 on completion tokens. ``mode`` (`rollout.is_mode`): ``truncate``
@@ -147,29 +148,33 @@ def tis_weight(
         # w_t = r_t if low <= r_t <= C else 0
         kept = ((ratio >= low) & (ratio <= cap)).float()  # (B, T)
         weight = ratio * kept * mask  # (B, T), 0 off the completion and where dropped
-        share = {"tis/masked_frac": float(((1 - kept) * mask).sum() / tokens)}
+        share = {"tis/masked_frac": ((1 - kept) * mask).sum() / tokens}
     else:
         # w_t = min(r_t, C)
         weight = ratio.clamp(max=cap) * mask  # (B, T), 0 off the completion
-        share = {"tis/clipped_frac": float(((ratio > cap).float() * mask).sum() / tokens)}
-    return weight, {"tis/weight_mean": float(weight.sum() / tokens), **share}
+        share = {"tis/clipped_frac": ((ratio > cap).float() * mask).sum() / tokens}
+    return weight, {"tis/weight_mean": weight.sum() / tokens, **share}
 
 
-def off_policy_metrics(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def off_policy_metrics(
+    logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """How far the behaviour policy (the rollout engine's, possibly older) is from the proximal one (the trainer's
     current weights), over the completion tokens (B, T) sampled from the behaviour policy, with r_t = π_old / π_rollout:
 
         offpolicy/kl_k3 = mean_t (r_t − 1) − log r_t        (k3 estimate of KL(π_rollout ‖ π_old), ≥ 0)
         offpolicy/chi2  = mean_t (r_t − 1)²                 (χ² divergence estimate)
         offpolicy/ess   = (Σ_t r_t)² / (N Σ_t r_t²)          (effective sample share, 1 = on-policy)
+
+    Each a 0-d tensor (read with the step's figures).
     """
     log_ratio = (logp_old - logp_rollout).detach()  # (B, T)
     ratio = torch.exp(log_ratio) * mask
     tokens = mask.sum().clamp(min=1)
     return {
-        "offpolicy/kl_k3": float((((ratio - 1) - log_ratio) * mask).sum() / tokens),
-        "offpolicy/chi2": float((((ratio - 1) ** 2) * mask).sum() / tokens),
-        "offpolicy/ess": float(ratio.sum() ** 2 / (tokens * (ratio**2).sum()).clamp(min=1e-30)),
+        "offpolicy/kl_k3": (((ratio - 1) - log_ratio) * mask).sum() / tokens,
+        "offpolicy/chi2": (((ratio - 1) ** 2) * mask).sum() / tokens,
+        "offpolicy/ess": ratio.sum() ** 2 / (tokens * (ratio**2).sum()).clamp(min=1e-30),
     }
 
 

@@ -46,7 +46,7 @@ class RFT(Algorithm):
             keep = keep & is_best.view(-1)
         # "adv" is the 0/1 weight of each token: 1 on the completion tokens of kept samples
         weight = keep.float()[:, None] * batch["mask"]  # (B, T)
-        return {"adv": weight}, {"rft/kept_frac": float(keep.float().mean()), "rft/kept": float(keep.sum())}
+        return {"adv": weight}, {"rft/kept_frac": keep.float().mean(), "rft/kept": keep.sum()}
 
     def loss(self, batch: RLLossBatch):
         weight = batch["adv"]  # (B, T) 1 on kept completion tokens
