@@ -5,8 +5,9 @@ update and the next, in steady state (steps 2 and 3 of a run; no evaluation, no 
 The step reads its loss, metrics and gradient norm once (`loops.run.Run.update`), and the collator gives what
 the host already knows (scored positions, token counts, packed row boundaries). What is left is transformers'
 own: on packed rows it looks for the sequence boundaries in ``position_ids`` (one read per forward); on padded
-rows it checks the padding mask (two per forward). So a packed SFT step and a packed DPO step whose reference
-log-probabilities are precomputed make 2; a DPO step that runs the reference each step makes 3.
+rows it checks the padding mask (two per forward). Shared-prompt rows (packed DPO, packed RL groups) pass an
+empty 4-D mask (`packed_attention.shared_prefix_mask`), which transformers takes as prepared. So a packed SFT step
+makes 2, a packed DPO step 1, a padded DPO step 5 (policy and reference).
 
 The RL update phase (`loops.rl.Update`) is counted per optimiser step, from the update's entry: the rollout
 batch carries what the host knows of each row (`rollouts.HostRow`), the rollout checks, the advantages' metrics
@@ -70,8 +71,8 @@ def _syncs_per_step(tmp_path, alg: str, *sets: str):
     ("alg", "sets", "most"),
     [
         ("sft", ["data.packing=true"], 2),
-        ("dpo", ["data.packing=true", "train.precompute_ref_logps=true"], 2),
-        ("dpo", ["data.packing=true"], 3),
+        ("dpo", ["data.packing=true"], 1),  # shared prompts: no mask to build, the one read
+        ("dpo", ["data.packing=false"], 5),  # padded: transformers' padding check, twice a forward
     ],
 )
 def test_a_training_step_makes_at_most_its_host_syncs(tmp_path, alg, sets, most):

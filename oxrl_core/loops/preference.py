@@ -44,6 +44,7 @@ from oxrl_core.models.packed_attention import (
     SHARED_PREFIX,
     attention_fast_paths,
     packed_attn_implementation,
+    shared_prefix_mask,
 )
 from oxrl_core.models.token_head import token_stats
 from oxrl_core.scoring.evaluation import evaluate
@@ -110,6 +111,7 @@ def collate_shared_prompts(prompts: list[list[int]], chosen: list[list[int]], re
     return {
         "input_ids": torch.tensor([ids]),
         "position_ids": torch.tensor([positions]),
+        "attention_mask": shared_prefix_mask("cpu"),  # no mask to build, no packed rows to look for (a device read)
         SHARED_PREFIX: segments,
         "pred_index": torch.stack([torch.zeros_like(pred_pos), pred_pos], dim=1),
         "target": torch.tensor(target),
