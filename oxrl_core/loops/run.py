@@ -142,19 +142,14 @@ def read_together(parts: list[StepSums], grad_norm=None) -> tuple[list[dict[str,
     return read, next(host) if torch.is_tensor(grad_norm) else grad_norm
 
 
-def backward_share(engine, loss: torch.Tensor, metrics: dict, share: float, sums) -> None:
+def backward_share(engine, loss: torch.Tensor, metrics: dict, share: float, sums: StepSums) -> None:
     """One micro-batch's part of an optimiser step: the gradient of ``loss × share`` (its share of the
-    batch's rows or tokens), and its loss and metrics added to ``sums`` with the same share (a `StepSums`,
-    kept on the device; a dict of floats is read at once)."""
+    batch's rows or tokens), and its loss and metrics added to ``sums`` with the same share (kept on the device
+    until the step's one read)."""
     engine.backward(loss * share)
-    if isinstance(sums, StepSums):
-        sums.add("loss", loss, share)
-        for key, value in metrics.items():
-            sums.add(key, value, share)
-        return
-    sums["loss"] += float(loss.detach()) * share
+    sums.add("loss", loss, share)
     for key, value in metrics.items():
-        sums[key] += float(value) * share
+        sums.add(key, value, share)
 
 
 class Run:
