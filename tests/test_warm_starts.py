@@ -57,3 +57,38 @@ def _vocabulary(directory) -> tuple:
     added = sorted((t["id"], t["content"], t["special"]) for t in tokenizer["added_tokens"])
     model = tokenizer["model"]
     return model["type"], model["vocab"], [list(m) if isinstance(m, list) else m for m in model["merges"]], added
+
+
+def test_a_worker_that_loses_the_race_to_publish_keeps_the_winners_directory(tmp_path, monkeypatch):
+    """Two xdist workers seed the same cache at once: both find the entry missing, both copy, one renames first.
+    The other's rename onto the now non-empty directory fails (ENOTEMPTY); that is a lost race, not an error:
+    the winner's files are kept and the loser's copy is removed. (CI once failed every test of a worker here: the
+    other worker published between this one's check and its rename.)"""
+    import os
+
+    from oxrl_core.models import tiny
+
+    target = tmp_path / "entry"
+    rename = os.replace
+
+    def publish_first_then_rename(src, dst):  # the other worker wins just before this rename
+        target.mkdir()
+        (target / "theirs").write_text("winner")
+        rename(src, dst)
+
+    monkeypatch.setattr(tiny.os, "replace", publish_first_then_rename)
+    assert tiny.publish_dir(target, lambda tmp: (tmp.mkdir(), (tmp / "mine").write_text("loser"))) == target
+    assert sorted(p.name for p in target.iterdir()) == ["theirs"]
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]  # no temporary copy is left behind
+
+
+def test_a_publish_that_fails_for_another_reason_still_raises(tmp_path):
+    """Only a lost race is swallowed: a rename that fails with nothing published (here: the writer wrote nothing,
+    as after a full disk it might) raises."""
+    import pytest
+
+    from oxrl_core.models.tiny import publish_dir
+
+    with pytest.raises(FileNotFoundError):
+        publish_dir(tmp_path / "entry", lambda tmp: None)
+    assert not (tmp_path / "entry").exists()

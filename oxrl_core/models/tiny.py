@@ -205,8 +205,10 @@ def publish_dir(path: Path, write) -> Path:
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
-    if path.exists():
+    try:
+        os.replace(tmp, path)  # atomic; fails when another process published a (non-empty) ``path`` first
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, path)
+        if not path.is_dir():  # not a lost race: a real failure (full disk, permissions)
+            raise
     return path
