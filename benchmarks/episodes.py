@@ -2,7 +2,7 @@
 
 The same work two ways, in one process, on the same model and backend:
 
-  (a) batched   `oxrl_core.loops.episodes.Episodes.play` on all rows at once: per turn, ONE
+  (a) batched   `oxrl_core.rl.episodes.Episodes.play` on all rows at once: per turn, ONE
                 ``generate`` call for every live episode (what the RL loop does)
   (b) one-by-one the same `Episodes.play`, called once per row: every turn of every episode is its
                 own ``generate`` call (what a loop over episodes does)
@@ -28,8 +28,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from oxrl_core.config import RunConfig
 from oxrl_core.data.task import CalculatorEnv, product_rows
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.loops.episodes import Episodes
 from oxrl_core.models.tiny import warm_start_dir
+from oxrl_core.rl.episodes import Episodes
 from oxrl_core.rollout.hf import HFRolloutBackend
 
 

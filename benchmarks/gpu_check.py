@@ -768,9 +768,9 @@ def archs_child(args) -> None:
 def head_agreement(model_dir: Path, device: str, torch) -> dict:
     """RL log-probabilities and entropies (`token_logprobs`, temperature 0.8) through the chunked head
     (chunks of 5 tokens) and through the model's full logits, under bf16 autocast on `device`."""
-    from oxrl_core.loops.rollouts import token_logprobs
     from oxrl_core.models.loading import count_parameters, load_causal_lm
     from oxrl_core.models.token_head import choose_path
+    from oxrl_core.rl.batch import token_logprobs
 
     model = load_causal_lm(str(model_dir)).to(device).eval()
     vocab = model.get_output_embeddings().weight.shape[0]

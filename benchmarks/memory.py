@@ -179,10 +179,10 @@ def oxrl_sgrpo(args, workdir: Path, chunk: int) -> dict:
 
     from oxrl_algs_rl.sgrpo import SGRPO
     from oxrl_core.interfaces import Completion
-    from oxrl_core.loops.rollouts import policy_forward as _forward
-    from oxrl_core.loops.rollouts import rollout_tensors
     from oxrl_core.models.loading import load_causal_lm
     from oxrl_core.models.token_head import choose_path
+    from oxrl_core.rl.batch import policy_forward as _forward
+    from oxrl_core.rl.batch import rollout_tensors
 
     tokenizer, prompt_ids, completions = rollout_rows(workdir)
     device = torch.device(args.device)

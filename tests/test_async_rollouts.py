@@ -1,4 +1,4 @@
-"""Asynchronous rollouts (``rollout.max_staleness: k``, `oxrl_core.loops.pipeline`): the batch of step s comes from
+"""Asynchronous rollouts (``rollout.max_staleness: k``, `oxrl_core.rl.sources`): the batch of step s comes from
 policy version max(0, s − 1 − k), exactly, whatever the timing; the importance weights and off-policy metrics by
 their formulas; in-flight batches kept and refused as files a user could hand over; overlap shown by events;
 end to end: the schedule, the rollout logprobs re-scored with each version's saved weights, a lying backend, and
@@ -25,8 +25,9 @@ from conftest import oxrl, read_metrics
 from oxrl_core.config import RolloutConfig
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion
-from oxrl_core.loops.episodes import EnvFailures
-from oxrl_core.loops.pipeline import (
+from oxrl_core.observability.health import ASYNC_BOUND, pipeline_text
+from oxrl_core.rl.episodes import EnvFailures
+from oxrl_core.rl.sources import (
     INFLIGHT_FILE,
     AsyncRollouts,
     Worker,
@@ -35,7 +36,6 @@ from oxrl_core.loops.pipeline import (
     encode,
     load_in_flight,
 )
-from oxrl_core.observability.health import ASYNC_BOUND, pipeline_text
 from oxrl_core.rollout.sync import off_policy_metrics, tis_weight
 from oxrl_core.scoring.rewards import RewardFailures
 

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (``rollout.dynamic_sampling``, `oxrl_core.loops.dynamic_sampling`): which groups a step
+"""DAPO's dynamic sampling (``rollout.dynamic_sampling``, `oxrl_core.rl.dynamic_sampling`): which groups a step
 keeps, by hand; when refill rounds stop and what they take (a pure function of seed, step and round); the config's
 refusals; end to end through the CLI: the sampling/* metrics single-turn and multi-turn, the limit (one message, the
 run goes on), and asynchronous rollouts (the refill rounds inside the pipeline's job, the in-flight batch filtered)."""
@@ -16,7 +16,8 @@ from conftest import oxrl, read_metrics
 from oxrl_core.config import RolloutConfig
 from oxrl_core.data.batching import BatchPlan
 from oxrl_core.interfaces import Completion
-from oxrl_core.loops.dynamic_sampling import (
+from oxrl_core.rl.batch import step_sampling
+from oxrl_core.rl.dynamic_sampling import (
     REFILL_SEED_STRIDE,
     DynamicSampling,
     Selection,
@@ -24,9 +25,8 @@ from oxrl_core.loops.dynamic_sampling import (
     has_signal,
     select_groups,
 )
-from oxrl_core.loops.pipeline import INFLIGHT_FILE, decode
-from oxrl_core.loops.rollouts import step_sampling
-from oxrl_core.loops.strategies import Scored, join_groups
+from oxrl_core.rl.sources import INFLIGHT_FILE, decode
+from oxrl_core.rl.strategies import Scored, join_groups
 
 # ----------------------------------------------------------------------------- the selection, by hand
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from oxrl_core.config import RunConfig
 from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams, ToolEnvironment
-from oxrl_core.loops.episodes import EnvFailures, Episodes, extension_ids, render
-from oxrl_core.loops.rollouts import policy_forward, rollout_batch
 from oxrl_core.models.tiny import build_model, build_tokenizer
+from oxrl_core.rl.batch import policy_forward, rollout_batch
+from oxrl_core.rl.episodes import EnvFailures, Episodes, extension_ids, render
 from oxrl_core.rollout.hf import HFRolloutBackend
 from oxrl_core.scoring.rewards import RewardFailures
 from oxrl_core.tool_parsers import ToolCall, parser_for

@@ -323,9 +323,9 @@ EOS = 3
 def test_each_new_loss_has_the_same_value_and_gradient_with_the_packed_forward(alg, tiny_model_dir):
     """`data.packing`: the samples of a prompt share its forward pass; the loss and every parameter's gradient
     equal the padded rows' (a minibatch a few updates in: ρ ≠ 1, so the clips act)."""
-    from oxrl_core.loops.rollouts import policy_forward, rollout_tensors
     from oxrl_core.models.loading import load_causal_lm
     from oxrl_core.models.packed_attention import packed_attn_implementation
+    from oxrl_core.rl.batch import policy_forward, rollout_tensors
 
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=packed_attn_implementation("sdpa"))
     prompts = [[5, 9, 11, 12], [5, 9, 11, 12], [7, 8], [7, 8]]

@@ -28,8 +28,8 @@ from test_episodes import play
 
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Environment
-from oxrl_core.loops.episodes import EnvFailures, EnvWatch, Episode
 from oxrl_core.models.tiny import build_model, build_tokenizer, warm_start_dir
+from oxrl_core.rl.episodes import EnvFailures, EnvWatch, Episode
 
 
 def flat(text: str) -> str:

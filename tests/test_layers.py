@@ -50,12 +50,14 @@ LAYERS: dict[int, tuple[str, ...]] = {
     7: ("oxrl_core.run_io", "oxrl_core.run_io.*"),  # checkpoints, lifecycle, tracking, recorded inputs
     8: ("oxrl_core.rollout", "oxrl_core.rollout.*"),  # the hf backend, actors, weight sync, rollout log, env workers
     9: ("oxrl_core.scoring", "oxrl_core.scoring.*"),  # rewards at run time, `oxrl score`, held-out evaluation
-    # L10 the loops: one run skeleton and one file per loop
-    10: ("oxrl_core.loops", "oxrl_core.loops.*"),
-    # L11 the run: the trainer (start-up checks, the loop for the algorithm) and the multi-rank launcher
-    11: ("oxrl_core.trainer", "oxrl_core.launcher"),
-    # L12 the command line and the commands beside `oxrl run`
-    12: ("oxrl_core.cli", "oxrl_core.commands", "oxrl_core.commands.*"),
+    # L10 what an RL step is made of: prompts, the rollout batch, typed records, strategies, episodes, the source
+    10: ("oxrl_core.rl", "oxrl_core.rl.*"),
+    # L11 the loops: one run skeleton and one file per loop
+    11: ("oxrl_core.loops", "oxrl_core.loops.*"),
+    # L12 the run: the trainer (start-up checks, the loop for the algorithm) and the multi-rank launcher
+    12: ("oxrl_core.trainer", "oxrl_core.launcher"),
+    # L13 the command line and the commands beside `oxrl run`
+    13: ("oxrl_core.cli", "oxrl_core.commands", "oxrl_core.commands.*"),
 }  # fmt: skip
 
 LAZY_MARK = "lazy:"

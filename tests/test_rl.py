@@ -12,7 +12,7 @@ from conftest import ROOT, oxrl, read_metrics
 
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion
-from oxrl_core.loops.rollouts import check_completions, check_no_padding_holes, rollout_tensors
+from oxrl_core.rl.batch import check_completions, check_no_padding_holes, rollout_tensors
 
 EOS = 3
 
@@ -404,9 +404,9 @@ def test_rl_config_errors_are_clear(tmp_path, tiny_model_dir):
 def test_shared_prompt_forward_equals_separate_rows(tiny_model_dir):
     """`data.packing`: the n samples of a prompt share one copy of it; logprobs, entropy and gradients
     at completion positions equal the padded per-row forward pass."""
-    from oxrl_core.loops.rollouts import policy_forward as _forward
     from oxrl_core.models.loading import load_causal_lm
     from oxrl_core.models.packed_attention import packed_attn_implementation
+    from oxrl_core.rl.batch import policy_forward as _forward
 
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=packed_attn_implementation("sdpa"))
     prompts = [[5, 9, 11, 12], [7, 8]]

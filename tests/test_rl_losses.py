@@ -193,7 +193,7 @@ def test_on_policy_ratio_is_one_and_sgrpo_cispo_gradients_equal_plain_policy_gra
     and both losses have the gradient of −(1/N) Σ A·log π — the plain policy gradient."""
     from transformers import AutoModelForCausalLM
 
-    from oxrl_core.loops.rollouts import token_logprobs
+    from oxrl_core.rl.batch import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)

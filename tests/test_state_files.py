@@ -87,7 +87,7 @@ def test_the_loader_refuses_a_payload_and_reads_what_oxrl_writes(tmp_path):
 
 
 def test_an_inflight_file_with_a_payload_is_refused_without_torchs_advice(tmp_path):
-    from oxrl_core.loops.pipeline import INFLIGHT_FILE, load_in_flight
+    from oxrl_core.rl.sources import INFLIGHT_FILE, load_in_flight
 
     marker = tmp_path / "ran"
     torch.save({"max_staleness": 1, "batches": [Payload(marker)]}, tmp_path / INFLIGHT_FILE)

@@ -256,8 +256,8 @@ def test_rl_logprobs_equal_the_models_own_logits(arch_model, family):
     """token_logprobs (temperature 0.8, entropy, completion positions only) chunked = plain, values and gradients,
     on every family of the matrix (the probe keeps the chunked path on all of them). Gemma-2 soft-caps its
     final logits at 30: the probe finds it and the head applies it."""
-    from oxrl_core.loops.rollouts import token_logprobs
     from oxrl_core.models.loading import load_causal_lm
+    from oxrl_core.rl.batch import token_logprobs
 
     model = load_causal_lm(str(arch_model(family)))
     if family == "gemma2":
@@ -345,9 +345,9 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
     """sequence_logps (padded, packed, shared prompts) and token_logprobs_shared, chunked, against each
     sequence on its own through plain transformers."""
     from oxrl_core.loops.preference import collate_sequences, collate_shared_prompts, sequence_logps
-    from oxrl_core.loops.rollouts import token_logprobs_shared
     from oxrl_core.models.loading import load_causal_lm
     from oxrl_core.models.packed_attention import packed_attn_implementation
+    from oxrl_core.rl.batch import token_logprobs_shared
 
     attn = "sdpa" if layout == "padded" else packed_attn_implementation("sdpa")
     model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
@@ -368,7 +368,7 @@ def test_preference_and_shared_prompt_rl_logprobs_equal_per_sequence_transformer
             ]
             assert float(sums[i]) == pytest.approx(float(direct.sum()), abs=1e-4)
         if layout == "shared":  # the RL form: 2 samples of each prompt in one packed row
-            from oxrl_core.loops.rollouts import token_logprobs
+            from oxrl_core.rl.batch import token_logprobs
 
             rows = [p + c for p, c in seqs[:1] + seqs[2:3] + seqs[1:2] + seqs[3:]]  # prompt 0 twice, prompt 1 twice
             L = max(map(len, rows))

@@ -1,5 +1,5 @@
 """Issue 29, item 4: multi-turn episodes on a vision-language model — image prompts, and an environment whose
-messages carry images (`oxrl_core.loops.episodes`, the built-in ``second_look`` environment).
+messages carry images (`oxrl_core.rl.episodes`, the built-in ``second_look`` environment).
 
 The independent side never sees oxRL's ids or pixels: the whole conversation (the row's image and question, the
 model's turns as text, the environment's message with its image) is rendered by the model's own processor and chat
@@ -20,8 +20,8 @@ from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of
 from oxrl_core.config import RunConfig
 from oxrl_core.data.shapes import SecondLookEnv
 from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams
-from oxrl_core.loops.episodes import Episodes
-from oxrl_core.loops.rollouts import policy_forward, rollout_batch
+from oxrl_core.rl.batch import policy_forward, rollout_batch
+from oxrl_core.rl.episodes import Episodes
 
 
 def _png(colour: tuple[int, int, int]) -> bytes:
@@ -276,7 +276,7 @@ def _failures(name):
 
 
 def _env_failures():
-    from oxrl_core.loops.episodes import EnvFailures
+    from oxrl_core.rl.episodes import EnvFailures
 
     return EnvFailures("second_look")
 

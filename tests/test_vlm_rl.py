@@ -52,9 +52,9 @@ def _rollout(model_dir: Path, rows: list[dict], n: int = 2, completions=None):
     pixels, the rollout batch and the trainer's forward (`policy_forward`). ``completions``: score these instead
     of sampling (the same tokens on other images)."""
     from oxrl_core.interfaces import SamplingParams
-    from oxrl_core.loops.rollouts import policy_forward, prepare_prompts, rollout_batch
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
     from oxrl_core.models.vision import load_processing
+    from oxrl_core.rl.batch import policy_forward, prepare_prompts, rollout_batch
     from oxrl_core.rollout.hf import HFRolloutBackend
 
     torch.manual_seed(0)

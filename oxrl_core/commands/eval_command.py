@@ -11,13 +11,13 @@ so pass@1 is the mean accuracy of single samples. With ``n = 1`` decoding is gre
 and pass@1 is the greedy accuracy; with ``n > 1`` the default temperature is 1.0.
 
 With ``env`` (``--env NAME``) each sample is a multi-turn episode with that environment, played as
-the RL loop plays them (`oxrl_core.loops.episodes`), and its reward is the episode's.
+the RL loop plays them (`oxrl_core.rl.episodes`), and its reward is the episode's.
 
 Image rows (``images`` with ``<image>`` markers or ``{"type": "image"}`` parts, as the training loops take them) are
 evaluated with a vision-language model: with a VLM every prompt goes through the model's processor, as the run that
-trained it encoded its prompts (`loops.rollouts.prepare_prompts`), and each sample is generated with its prompt's
+trained it encoded its prompts (`rl.batch.prepare_prompts`), and each sample is generated with its prompt's
 pixel inputs (`interfaces.generate_from`); with ``--env`` an episode starts from its row's images and may be shown
-more by the environment (`loops.episodes`). Image rows with a model that reads no images or with a backend that
+more by the environment (`rl.episodes`). Image rows with a model that reads no images or with a backend that
 takes no images are refused before the weights load, naming the row.
 """
 
@@ -35,12 +35,12 @@ from oxrl_core.data.rows import normalise_row, row_where
 from oxrl_core.data.sources import Source, load_data
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
-from oxrl_core.loops.episodes import Episodes
-from oxrl_core.loops.rollouts import prepare_prompts
 from oxrl_core.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from oxrl_core.models.vision import is_vlm_config, load_config, load_processing
 from oxrl_core.observability.progress import counter
 from oxrl_core.plugins import registry as get_registry
+from oxrl_core.rl.batch import prepare_prompts
+from oxrl_core.rl.episodes import Episodes
 from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.schema import format_validation_error
 from oxrl_core.scoring.rewards import RewardFailures, build_reward, score_batch

@@ -23,16 +23,16 @@ from oxrl_core.data.sources import eval_source, load_data
 from oxrl_core.engines.distributed import is_main, world_size
 from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
-from oxrl_core.loops.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
-from oxrl_core.loops.episodes import Episodes
-from oxrl_core.loops.pipeline import AsyncRollouts, load_in_flight
-from oxrl_core.loops.rollouts import prepare_prompts, sync_weights
 from oxrl_core.loops.run import Run
 from oxrl_core.loops.setup import Setup
-from oxrl_core.loops.strategies import Completions, EpisodeRollouts, RolloutStrategy
 from oxrl_core.models.critic import build_critic
 from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
+from oxrl_core.rl.batch import prepare_prompts, sync_weights
+from oxrl_core.rl.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
+from oxrl_core.rl.episodes import Episodes
+from oxrl_core.rl.sources import AsyncRollouts, load_in_flight
+from oxrl_core.rl.strategies import Completions, EpisodeRollouts, RolloutStrategy
 from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.rollout.log import RolloutLog
 from oxrl_core.rollout.sync import SyncCheck
@@ -55,7 +55,7 @@ class RLParts:
     verify_sync: SyncCheck  # the trainer and the backend score a fixed probe alike
     rollout_log: RolloutLog  # rollouts.jsonl: a bounded sample of the rollouts (the report's viewer)
     extra_files: Callable[[Path], None]  # the loop's own checkpoint files (the critic)
-    pipeline: AsyncRollouts | None = None  # rollout.max_staleness >= 1: batches generated ahead (`loops.pipeline`)
+    pipeline: AsyncRollouts | None = None  # rollout.max_staleness >= 1: batches generated ahead (`rl.sources`)
 
     def sync(self, version: int) -> dict:
         """Push the policy's weights to the backend as ``version`` and verify them (the probe's metrics).

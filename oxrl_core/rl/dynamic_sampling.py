@@ -17,7 +17,7 @@ and the data position stays one integer: refill round r of step s takes micro-ba
 the step's seed + r·2³² (every step's seed is train.seed·1_000_003 + step, and shards add multiples of 7_919, so a
 refill seed is none of them).
 
-The strategy does the rounds (`loops.strategies.RolloutStrategy.rollout`, and with asynchronous rollouts
+The strategy does the rounds (`rl.strategies.RolloutStrategy.rollout`, and with asynchronous rollouts
 ``produce_step`` inside the pipeline's job, at the scheduled policy version); this module is the pure part.
 """
 
@@ -30,7 +30,7 @@ from typing import TypeVar
 
 from oxrl_core.engines.distributed import is_main
 from oxrl_core.interfaces import SamplingParams
-from oxrl_core.loops.rollouts import step_sampling
+from oxrl_core.rl.batch import step_sampling
 
 log = logging.getLogger("oxrl.sampling")
 

@@ -41,8 +41,8 @@ from oxrl_core.engines.distributed import broadcast_object, is_main
 from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, SamplingParams
-from oxrl_core.loops.episodes import EnvFailures
-from oxrl_core.loops.rollouts import step_sampling
+from oxrl_core.rl.batch import step_sampling
+from oxrl_core.rl.episodes import EnvFailures
 from oxrl_core.rollout.sync import trainer_logprobs
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 from oxrl_core.scoring.rewards import RewardFailures

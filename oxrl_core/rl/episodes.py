@@ -64,7 +64,7 @@ from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
-from oxrl_core.loops.rollouts import SHARD_SEED_STRIDE
+from oxrl_core.rl.batch import SHARD_SEED_STRIDE
 from oxrl_core.rollout.env_worker import EnvWorker, Malformed, call_all, class_tools, spawn
 from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, prompt_snippet, row_number, score_batch
 from oxrl_core.tool_parsers import parser_for
