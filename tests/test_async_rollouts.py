@@ -35,6 +35,7 @@ from oxrl_core.rl.sources import (
     decode,
     encode,
     load_in_flight,
+    scheduled_version,
 )
 from oxrl_core.rollout.sync import off_policy_metrics, tis_weight
 from oxrl_core.scoring.rewards import RewardFailures
@@ -78,8 +79,8 @@ def test_off_policy_metrics_by_their_formulas():
 
 def test_the_schedule_and_the_options_that_go_with_it():
     ro = RolloutConfig(actors=1, max_staleness=2)
-    assert [ro.policy_version_of(s) for s in range(1, 7)] == [0, 0, 0, 1, 2, 3]
-    assert [RolloutConfig().policy_version_of(s) for s in range(1, 4)] == [0, 1, 2]
+    assert [scheduled_version(s, ro.max_staleness) for s in range(1, 7)] == [0, 0, 0, 1, 2, 3]
+    assert [scheduled_version(s, RolloutConfig().max_staleness) for s in range(1, 4)] == [0, 1, 2]
     assert ro.importance_cap == 2.0 and RolloutConfig().importance_cap == 0.0  # unset: 2.0 when asynchronous
     assert RolloutConfig(actors=1, max_staleness=1, tis_cap=3).importance_cap == 3.0
     refused = {
@@ -204,7 +205,7 @@ def _pipeline(k: int, max_steps: int, gen_s: float, timeout_s: float = 30, block
     )
     engine = SimpleNamespace(full_weights=contextlib.nullcontext, autocast=contextlib.nullcontext)
     plan = SimpleNamespace(micro_batch=lambda i: [i])
-    pipe = AsyncRollouts(strategy, actors, plan, cfg, None, engine, None, 1e-3, 0, {}, Path("/nonexistent"))
+    pipe = AsyncRollouts(strategy, actors, plan, cfg, None, engine, None, 1e-3, 0, {}, Path("/nonexistent"), k=k)
     return pipe, events, strategy
 
 
@@ -419,16 +420,16 @@ def test_a_backend_that_reports_another_version_stops_the_run(tmp_path, tiny_mod
 
 
 def test_the_start_says_what_an_asynchronous_run_does_and_warns_of_stacked_off_policyness():
-    from oxrl_core.loops.rl_setup import _async_notes
+    from oxrl_core.rl.sources import _async_notes
 
     said: list[str] = []
-    _async_notes(RolloutConfig(actors=1, max_staleness=2), said.append)
+    _async_notes(RolloutConfig(actors=1, max_staleness=2), 2, said.append)
     assert len(said) == 1 and "max(0, s-1-2)" in said[0] and "truncated at 2 (rollout.tis_cap unset)" in said[0]
     assert "mismatch alarm is off" in said[0]
     said.clear()
     ro = RolloutConfig(
         actors=1, max_staleness=1, is_mode="mask", is_low=0.5, tis_cap=3, minibatches=2, max_logprob_diff=1
     )
-    _async_notes(ro, said.append)
+    _async_notes(ro, 1, said.append)
     assert "masked outside [0.5, 3]" in said[0] and "unset" not in said[0] and "alarm" not in said[0]
     assert "rollout.minibatches=2" in said[1] and "more than 1 versions behind" in said[1]

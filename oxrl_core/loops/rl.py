@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,15 +41,8 @@ from oxrl_core.loops.run import (
     read_together,
 )
 from oxrl_core.ops import k3_kl, masked_mean, mean_metric
-from oxrl_core.rl.batch import (
-    MicroBatches,
-    check_on_policy,
-    chunks,
-    policy_forward,
-    rollout_batch,
-    step_sampling,
-)
-from oxrl_core.rl.sources import check_schedule
+from oxrl_core.rl.batch import MicroBatches, chunks, policy_forward, rollout_batch
+from oxrl_core.rl.sources import Clock, RolloutSource
 from oxrl_core.rl.strategies import Scored
 from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
@@ -59,30 +51,17 @@ from oxrl_core.run_io.checkpoint import latest_checkpoint
 
 
 def run_rl(trainer, ckpt: Path | None) -> RunResult:
-    parts = build_rl(trainer, ckpt)  # data, reward, models, engine, backend, strategy, the Run: all before step 1
-    run, cfg, ro, engine = parts.run, parts.run.cfg, parts.run.cfg.rollout, parts.run.engine
-    update = Update(run, parts.model, parts.ref, parts.critic, parts.shared)
+    parts = build_rl(trainer, ckpt)  # data, reward, models, engine, backend, strategy, source, the Run: before step 1
+    run, ro, engine = parts.run, parts.run.cfg.rollout, parts.run.engine
+    update = Update(run, parts.model, parts.ref, parts.critic, parts.shared, parts.source)
     pad_id = parts.tokenizer.pad_token_id
-    version = run.start_step  # the policy version: optimiser phases completed
 
     def step(step: int) -> dict:
-        nonlocal version
         clock, picks = Clock(), parts.plan.micro_batch(step - 1)
         run.position = step
-        sampling = step_sampling(ro, cfg.train.seed, step)
-        if parts.pipeline is None:
-            # 1-2. play n samples for each of batch_size prompts (completions, or multi-turn episodes) and score them
-            # (rollout.dynamic_sampling: groups of equal rewards dropped, refill rounds of more prompts played)
-            scored = parts.strategy.rollout(step, picks, sampling, clock)
-            with clock("reward"):  # every sample must come from the policy version being trained
-                versions = check_on_policy(scored.completions, version, ro.strict_on_policy, step)
-        else:  # asynchronous rollouts (rollout.max_staleness = k): the batch the actors generated and scored ahead
-            with clock("gen_wait"):
-                produced, clock.pipeline = parts.pipeline.take(step)
-            with clock("reward"):  # every sample from version max(0, step-1-k), exactly
-                scored = parts.strategy.receive(produced, step)
-                expected = ro.policy_version_of(step)
-                versions = check_schedule(scored.completions, expected, step, ro.max_staleness, run.run_dir)
+        # 1-2. the step's scored batch from the rollout source (played now, or generated ahead by the actors), its
+        # samples' policy versions checked against the schedule
+        scored, versions = parts.source.batch(step, picks, clock)
         with clock("train"):
             # 3. the rollout batch, on the trainer's device
             batch = rollout_batch(
@@ -97,34 +76,18 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
                 kept = {**batch, "entropy_old": update.entropy_old}
                 images = parts.strategy.sample_images(scored.picks if scored.picks is not None else picks)
                 parts.rollout_log.write(step, scored.prompts, scored.completions, scored.scores, kept, ro.n, images)
-            # 7. the weight sync (the policy version + 1), verified by the probe
-            version += 1
+            # 7. the weight sync (the policy version + 1 = step), verified by the probe
             with clock("sync"):  # asynchronous: pushed without waiting, checked by the worker
-                record.update(parts.sync(version))
-        out = {**record, **scored.metrics, **step_metrics(run, scored, versions, lr, clock, parts.plan, picks)}
-        if parts.pipeline is not None:  # the worker's generation inside this step's window (the async speedup)
-            out["perf/gen_in_step_s"] = parts.pipeline.generation_within(clock.start, clock.start + out["perf/step_s"])
-        return out
+                record.update(parts.source.push(step))
+        return {**record, **scored.metrics, **step_metrics(run, parts.source, scored, versions, lr, clock, parts.plan,
+                                                           picks)}  # fmt: skip
 
     records = run.train(step, close=parts.close)
     return run.finish(records, None, final_loss=False, extra=parts.extra_files if parts.critic else None)
 
 
-class Clock:
-    """Seconds per phase of a step (``perf/<phase>_s``, added up over a phase's calls) and since the step began."""
-
-    def __init__(self):
-        self.start, self.seconds = time.perf_counter(), {}
-        self.pipeline: dict = {}  # asynchronous rollouts: the pipeline's metrics of the step (`AsyncRollouts.take`)
-
-    @contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        yield
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-
-
-def step_metrics(run: Run, scored: Scored, versions: set[int], lr: float, clock: Clock, plan, picks):
+def step_metrics(run: Run, source: RolloutSource, scored: Scored, versions: set[int], lr: float, clock: Clock, plan,
+                 picks):  # fmt: skip
     """A step's response lengths, policy version, learning rate, timings, throughput and MFU, data mix."""
     completions, seconds = scored.completions, time.perf_counter() - clock.start
     response = [len(c.token_ids) for c in completions]
@@ -136,7 +99,7 @@ def step_metrics(run: Run, scored: Scored, versions: set[int], lr: float, clock:
         "response/length": sum(response) / len(response),
         "response/clipped": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "policy/version": float(min(versions)),
-        **(pipeline_metrics(run.position, completions, clock, seconds) if "gen_wait" in clock.seconds else {}),
+        **source.step_metrics(run.position, completions, clock, seconds),  # asynchronous: staleness, overlap
         "lr": lr,
         **{f"perf/{phase}_s": s for phase, s in clock.seconds.items()},
         "perf/step_s": seconds,
@@ -149,27 +112,14 @@ def step_metrics(run: Run, scored: Scored, versions: set[int], lr: float, clock:
     }
 
 
-def pipeline_metrics(step: int, completions, clock: Clock, step_s: float) -> dict:
-    """Asynchronous rollouts: how stale the samples are (policy updates between generating and training them)
-    and how the step's time split — waiting for the batch vs the worker's seconds generating and scoring it."""
-    staleness = [step - 1 - c.policy_version for c in completions]  # (B,)
-    wait, gen = clock.seconds["gen_wait"], clock.pipeline.get("perf/gen_s", 0.0)
-    return {
-        "policy/staleness_mean": sum(staleness) / len(staleness),
-        "policy/staleness_max": float(max(staleness)),
-        **clock.pipeline,
-        "perf/idle_share": wait / step_s,  # of the step, the trainer waiting for its batch
-        "perf/overlap_share": max(0.0, 1 - wait / gen) if gen > 0 else 1.0,  # of the generation, hidden by training
-    }
-
-
 class Update:
     """Steps 4-6 of an RL step, set up once per run: old/reference logprobs (and values), the
     rollout checks, the algorithm's advantages, then ``rollout.passes_per_batch`` × ``rollout.minibatches``
     optimiser steps of the algorithm's loss. ``update(step, batch)`` returns the step's metrics."""
 
-    def __init__(self, run: Run, model, ref, critic, shared: bool):
+    def __init__(self, run: Run, model, ref, critic, shared: bool, source: RolloutSource):
         self.model, self.ref, self.critic, self.shared = model, ref, critic, shared
+        self.ahead = source.ahead  # samples generated ahead differ from the trainer's policy by its own updates
         self.algorithm, self.engine, self.run_dir, ro = run.algorithm, run.engine, run.run_dir, run.cfg.rollout
         self.ro, self.seed, self.token_budget = ro, run.cfg.train.seed, run.cfg.train.max_tokens_per_micro_batch
         # the forward pass, chosen once: the samples of a prompt share it (packed), or padded rows
@@ -256,7 +206,7 @@ class Update:
         autocast_dtype = getattr(engine, "autocast_dtype", None)
         # (asynchronous rollouts: the gap includes the policy's own updates since the samples' version; the alarm is
         # off unless set, and the verified weight sync watches the actors' weights)
-        unset = 0.0 if ro.max_staleness else default_max_logprob_diff(autocast_dtype)
+        unset = 0.0 if self.ahead else default_max_logprob_diff(autocast_dtype)
         limit = unset if ro.max_logprob_diff is None else ro.max_logprob_diff
         if limit > 0:  # checked once read (after the finite check of logp_old, as it always was)
             run_dir = self.run_dir

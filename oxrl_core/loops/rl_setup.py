@@ -31,7 +31,7 @@ from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths,
 from oxrl_core.rl.batch import prepare_prompts, sync_weights
 from oxrl_core.rl.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
 from oxrl_core.rl.episodes import Episodes
-from oxrl_core.rl.sources import AsyncRollouts, load_in_flight
+from oxrl_core.rl.sources import RolloutSource, rollout_source
 from oxrl_core.rl.strategies import Completions, EpisodeRollouts, RolloutStrategy
 from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.rollout.log import RolloutLog
@@ -52,24 +52,13 @@ class RLParts:
     shared: bool  # the fast path: the samples of a prompt share one copy of it in a packed row
     backend: object | None  # the rollout backend (None on ranks other than 0 with rollout actors)
     strategy: RolloutStrategy  # completions or multi-turn episodes, chosen once
-    verify_sync: SyncCheck  # the trainer and the backend score a fixed probe alike
+    source: RolloutSource  # where each step's scored batch comes from: in turn, or generated ahead; chosen once
     rollout_log: RolloutLog  # rollouts.jsonl: a bounded sample of the rollouts (the report's viewer)
     extra_files: Callable[[Path], None]  # the loop's own checkpoint files (the critic)
-    pipeline: AsyncRollouts | None = None  # rollout.max_staleness >= 1: batches generated ahead (`rl.sources`)
-
-    def sync(self, version: int) -> dict:
-        """Push the policy's weights to the backend as ``version`` and verify them (the probe's metrics).
-        Asynchronous rollouts: pushed without waiting; the probe's check comes back with a later step."""
-        if self.pipeline is not None:
-            return self.pipeline.push(version, last=version == self.run.cfg.train.max_steps)
-        with self.run.engine.full_weights():  # ZeRO-3: the backend may read the weights
-            sync_weights(self.backend, self.model, version)
-        return self.verify_sync(version)
 
     def close(self) -> None:
         self.rollout_log.close()
-        if self.pipeline is not None:
-            self.pipeline.close()  # the jobs still queued are dropped; the actors go next
+        self.source.close()  # asynchronous: the jobs still queued are dropped; the actors go next
         if self.backend is not None:
             self.backend.close()
 
@@ -182,22 +171,15 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     else:
         strategy = Completions(backend, engine, tokenizer, prompts, eval_prompts, shards, **common)
 
-    pipeline: AsyncRollouts | None = None  # built last, once the run and the backend's weights are settled
-
-    def evaluate(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
-        with engine.full_weights():
-            if pipeline is not None:  # asynchronous: the worker generates with the actors, after its queued jobs
-                return pipeline.evaluate(strategy.evaluate, progress)
-            return strategy.evaluate(progress) if is_main() else {}
+    source: RolloutSource | None = None  # chosen last, once the run and the backend's weights are settled
 
     def extra_files(tmp: Path) -> None:
         if critic is not None:
             torch.save(critic.state_dict(), tmp / "critic.pt")
 
-    def checkpoint_files(tmp: Path) -> None:  # rank 0: + an asynchronous run's in-flight batches
+    def checkpoint_files(tmp: Path) -> None:  # rank 0: + what the rollout source has in flight
         extra_files(tmp)
-        if pipeline is not None:
-            pipeline.save(tmp, run.position)
+        source.save(tmp, run.position)
 
     # ---- the run (resumes a checkpoint), then the verified weight sync
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
@@ -206,13 +188,11 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
         model,
         saved_with,
         engine,
-        evaluate if eval_rows else None,
+        (lambda progress: source.evaluate(progress)) if eval_rows else None,
         extra=checkpoint_files,
         every_metric=True,
         eval_rows=len(eval_rows),
     )
-    k = ro.max_staleness
-    loaded = load_in_flight(ckpt, k, run.start_step, cfg.train.max_steps) if ckpt is not None else {}
     # verified weight sync (oxrl_core.rollout.sync): the backend and the trainer score a fixed probe
     can_score = ro.sync_check and backend_cls.can_score()
     verify_sync = SyncCheck(
@@ -242,31 +222,14 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     rollout_log = RolloutLog(
         run.run_dir, cfg.logging.rollout_samples_every, cfg.train.max_steps, tokenizer, run.start_step if ckpt else None
     )
-    if k:  # asynchronous rollouts: the worker starts generating the first k+1 batches (or the resumed ones' next)
-        _async_notes(ro, run.info)
-        pipeline = AsyncRollouts(strategy, backend, plan, cfg, model, engine, verify_sync.probe, verify_sync.tolerance,
-                                 run.start_step, loaded, run.run_dir)  # fmt: skip
-    return RLParts(run, tokenizer, plan, model, ref, critic, shared, backend, strategy, verify_sync, rollout_log,
-                   extra_files, pipeline)  # fmt: skip
-
-
-def _async_notes(ro, info) -> None:
-    """What an asynchronous run does differently, said once at the start."""
-    k, cap = ro.max_staleness, ro.importance_cap
-    unset = " (rollout.tis_cap unset)" if ro.tis_cap is None else ""
-    weights = f"masked outside [{ro.is_low:g}, {cap:g}]" if ro.is_mode == "mask" else f"truncated at {cap:g}"
-    alarm = "" if ro.max_logprob_diff is not None else "; the logprob mismatch alarm is off (rollout.max_logprob_diff)"
-    info(
-        f"asynchronous rollouts: rollout.max_staleness={k} — the {ro.actors} rollout actor(s) generate up to {k} "
-        f"steps ahead; the batch of step s comes from policy version max(0, s-1-{k}) (checked); importance weights "
-        f"π_old/π_rollout {weights}{unset}{alarm}"
-    )
-    extra = [f"rollout.{key}={getattr(ro, key)}" for key in ("minibatches", "passes_per_batch") if getattr(ro, key) > 1]
-    if extra:
-        info(
-            f"[yellow]note:[/yellow] {' and '.join(extra)} add optimiser steps within a batch on top of its "
-            f"staleness: its later updates train on samples more than {k} versions behind"
-        )
+    try:  # the source, chosen once (rl.sources.rollout_source): in turn, or generated ahead by the actors
+        source = rollout_source(strategy, backend, plan, cfg, model, engine, verify_sync, run, ckpt)
+    except OxrlError:
+        if backend is not None:
+            backend.close()
+        raise
+    return RLParts(run, tokenizer, plan, model, ref, critic, shared, backend, strategy, source, rollout_log,
+                   extra_files)  # fmt: skip
 
 
 def _check_images(cfg, algorithm, backend_cls, policy_path: str) -> None:
