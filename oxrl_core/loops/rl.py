@@ -42,8 +42,8 @@ from oxrl_core.loops.run import (
 )
 from oxrl_core.ops import k3_kl, masked_mean, mean_metric
 from oxrl_core.rl.batch import MicroBatches, chunks, policy_forward, rollout_batch
+from oxrl_core.rl.records import Scored
 from oxrl_core.rl.sources import Clock, RolloutSource
-from oxrl_core.rl.strategies import Scored
 from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 

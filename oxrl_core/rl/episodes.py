@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from oxrl_core.data.images import TOKEN_INPUTS, decode_image, image_base_dir
 from oxrl_core.data.rows import row_where
@@ -65,7 +65,18 @@ from oxrl_core.engines.distributed import all_gather_object, broadcast_object, i
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
 from oxrl_core.rl.batch import SHARD_SEED_STRIDE
-from oxrl_core.rollout.env_worker import EnvWorker, Malformed, call_all, class_tools, spawn
+from oxrl_core.rl.records import EpisodeBatch, EpisodeShare
+from oxrl_core.rl.turns import (  # noqa: F401 - `render`, `extension_ids`: one episode's parts, used here and by tests
+    Episode,
+    _as_text,
+    _check_step,
+    encode,
+    extension_ids,
+    extension_text,
+    image_parts,
+    render,
+)
+from oxrl_core.rollout.env_worker import Malformed, call_all, class_tools, spawn
 from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, prompt_snippet, row_number, score_batch
 from oxrl_core.tool_parsers import parser_for
 
@@ -82,174 +93,6 @@ EPISODE_MEANS = (
 )
 #: reward failures, counted over the episodes scored on their final answers
 COUNTS = ("reward/errors", "reward/timeouts")
-
-
-# ----------------------------------------------------------------------------- rendering
-
-
-def render(tokenizer, messages: list[dict], tools: list[dict], generation_prompt: bool) -> str:
-    """The chat template's text of ``messages`` (``tokenizer``: a tokenizer, or a VLM's processor, whose template
-    writes each image part as the family's placeholder; the images themselves are not read here)."""
-    return tokenizer.apply_chat_template(
-        [_without_pixels(m) for m in messages], tools=tools or None, add_generation_prompt=generation_prompt,
-        tokenize=False,
-    )  # fmt: skip
-
-
-def _without_pixels(message: dict) -> dict:
-    """``message`` with its image parts as bare ``{"type": "image"}`` (the template writes the placeholder)."""
-    content = message.get("content")
-    if isinstance(content, str) or content is None:
-        return message
-    return {**message, "content": [{"type": "image"} if _is_image(p) else p for p in content]}
-
-
-def _is_image(part) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image"
-
-
-def _as_text(message: dict) -> dict:
-    """A message whose content is text parts only, as one string (a text model's template may take no parts)."""
-    content = message["content"]
-    return message if isinstance(content, str) else {**message, "content": "".join(p["text"] for p in content)}
-
-
-def image_parts(messages: list[dict]) -> list:
-    """The image values of ``messages``' image parts, in order."""
-    return [
-        p.get("image") for m in messages if isinstance(m.get("content"), list) for p in m["content"] if _is_image(p)
-    ]
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def extension_ids(tokenizer, before: list[dict], turn: dict, added: list[dict], ended_eos: bool, tools) -> list | None:
-    """The environment's tokens after the model's ``turn``: the template's rendering of ``added`` and the next
-    generation prompt, as an exact-prefix extension of the conversation; None when the template breaks it.
-
-    ``before`` is the conversation the model answered, ``turn`` its answer as sampled (``ended_eos``: the
-    sampled tokens ended with EOS, which the template's end of turn may repeat and is then not added twice)."""
-    rest = extension_text(tokenizer, tokenizer, before, turn, added, ended_eos, tools)
-    return None if rest is None else encode(tokenizer, rest)
-
-
-def extension_text(renderer, tokenizer, before, turn, added, ended_eos: bool, tools) -> str | None:
-    """`extension_ids`' text (placeholders not yet expanded): ``renderer`` renders (a tokenizer or a VLM's
-    processor), ``tokenizer`` names EOS. None when the template breaks the extension."""
-    prompt = render(renderer, before, tools, True)  # what the model answered, as the template writes it
-    full = render(renderer, before + [turn] + added, tools, True)
-    if not full.startswith(prompt):
-        return None  # the template rewrote the conversation before the model's turn
-    rest = full[len(prompt) :]
-    if not rest.startswith(turn["content"]):
-        return None  # ... or the model's turn itself
-    rest = rest[len(turn["content"]) :]
-    eos = tokenizer.eos_token or ""
-    if ended_eos and eos and rest.startswith(eos):
-        rest = rest[len(eos) :]  # the model sampled the template's end of turn
-    return rest
-
-
-# ----------------------------------------------------------------------------- one episode
-
-
-@dataclass
-class Episode:
-    """One sample: the conversation, the training sample's ids and who wrote each token."""
-
-    row: dict
-    env: EnvWorker | None  # the episode's environment, in its worker process (`oxrl_core.rollout.env_worker`)
-    messages: list[dict]
-    prompt_ids: list[int]  # the training sample's prompt (re-rendered after a fallback)
-    token_ids: list[int] = field(default_factory=list)  # after prompt_ids: the model's and the environment's
-    logprobs: list[float] = field(default_factory=list)  # the backend's, 0 at environment tokens
-    sampled: list[int] = field(default_factory=list)  # 1 at the model's tokens
-    step_rewards: list[float] = field(default_factory=list)
-    versions: set = field(default_factory=set)
-    turns: int = 0
-    used: int = 0  # episode tokens so far (model + environment), against env.max_tokens
-    fallbacks: int = 0
-    #: done | max_turns | error | timeout, or cut: max_tokens (the episode's budget env.max_tokens), length (a
-    #: model turn cut at rollout.max_new_tokens); each cut names its own setting (the end-of-run findings)
-    ended: str = ""
-    finish_reason: str = "stop"
-    earlier: tuple | None = None  # the sample before the last fallback (kept if the new one gets no model token)
-    tools: list[dict] = field(default_factory=list)  # the environment's tool schemas (rendered by the template)
-    turn: dict | None = None  # the model's latest turn, as sampled
-    ended_eos: bool = False  # ... and whether it ended with EOS
-    start_failure: str = ""  # error | timeout: the environment failed to start (one model turn, reward 0)
-    error: str = ""  # what failed, when ended is error | timeout (`describe_failure`)
-    #: a VLM's image inputs of every image in prompt_ids + token_ids, in order (`encode.image_fields`' form:
-    #: ``pixel_inputs``, ``token_inputs`` lists as long as the ids up to the last image, ``pixels_by``); {} for none
-    pixels: dict = field(default_factory=dict)
-    images_shown: int = 0  # images the environment added (``env/images_shown``)
-
-    def image_inputs(self) -> dict:
-        """`pixels` with each per-token input as long as the whole sequence (0 after the last image), as
-        `images.collate_pixels` lines them up with the ids ({} for an episode without images)."""
-        if not self.pixels:
-            return {}
-        width = len(self.prompt_ids) + len(self.token_ids)
-        tokens = {k: list(v) + [0] * (width - len(v)) for k, v in self.pixels["token_inputs"].items()}
-        return {**self.pixels, "token_inputs": tokens}
-
-    def add(self, ids: list[int], logprobs: list[float] | None) -> None:
-        self.token_ids += ids
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.sampled += [1 if logprobs is not None else 0] * len(ids)
-        self.used += len(ids)
-
-    def end(self, why: str) -> None:
-        self.ended = why
-        if not any(self.sampled) and self.earlier is not None:  # nothing of the model since the fallback
-            self.prompt_ids, self.token_ids, self.logprobs, self.sampled, self.pixels = self.earlier
-
-    @property
-    def failed(self) -> bool:
-        return self.ended in ("error", "timeout")
-
-    def final_answer(self) -> str:
-        turns = [m["content"] for m in self.messages if m["role"] == "assistant"]
-        return turns[-1] if turns else ""
-
-    def as_completion(self) -> Completion:
-        return Completion(
-            list(self.token_ids), list(self.logprobs), self.finish_reason, min(self.versions), list(self.sampled)
-        )
-
-
-def _check_step(result) -> tuple[list[dict], float, bool]:
-    """An environment's ``step`` output, checked: (messages with string role/content, a finite reward, done)."""
-    if not (isinstance(result, tuple) and len(result) == 3):
-        raise Malformed(f"step() must return (messages, reward, done), got {type(result).__name__}")
-    messages, reward, done = result
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and _content_ok(m.get("content")) for m in messages
-    ):
-        raise Malformed(
-            "step() must return a list of {role, content} messages, content a string or a list of parts "
-            '{"type": "text", "text": str} / {"type": "image", "image": path | base64 string | bytes}'
-        )
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise Malformed(f"step() returned reward {reward!r}, not a finite number")
-    if not isinstance(done, bool):
-        raise Malformed(f"step() returned done={done!r}, not True/False")
-    return messages, float(reward), done
-
-
-def _content_ok(content) -> bool:
-    if isinstance(content, str):
-        return True
-    return isinstance(content, list) and all(
-        isinstance(p, dict)
-        and (
-            (p.get("type") == "text" and isinstance(p.get("text"), str))
-            or (p.get("type") == "image" and p.get("image") is not None)
-        )
-        for p in content
-    )
 
 
 # ----------------------------------------------------------------------------- failures of the environment
@@ -515,7 +358,9 @@ class Episodes:
         with engine.full_weights():  # ZeRO-3: every rank generates on whole weights
             return self.play_shards(blocks[rank() * per_rank : (rank() + 1) * per_rank], sampling)
 
-    def collect(self, played: list[Episode], reward, failures: RewardFailures, env_failures: EnvFailures):
+    def collect(
+        self, played: list[Episode], reward, failures: RewardFailures, env_failures: EnvFailures
+    ) -> EpisodeBatch:
         """Every process's episodes of the step on every process: ``(prompt ids, completions, scores,
         metrics)`` in batch order. Each process scores its own episodes (their environments live there);
         the reward failures of all of them are added to ``failures``, the environment's to ``env_failures``
@@ -525,13 +370,13 @@ class Episodes:
         parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
         return self.merge(parts, failures, env_failures)
 
-    def share(self, played: list[Episode], reward, reward_name: str, env_name: str) -> tuple:
+    def share(self, played: list[Episode], reward, reward_name: str, env_name: str) -> EpisodeShare:
         """This process's episodes scored, with no collective: (each episode's (prompt ids, completion), scores,
         reward counts, episode metrics, `RewardFailures`, `EnvFailures`, image inputs or None) — plain data that
         `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
         local = RewardFailures(reward_name)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
-        return (
+        return EpisodeShare(
             [(e.prompt_ids, e.as_completion()) for e in played],
             scores,
             {k: v for k, v in counts.items() if k in COUNTS},
@@ -541,26 +386,26 @@ class Episodes:
             [e.image_inputs() for e in played] if self.vision is not None else None,
         )
 
-    def merge(self, parts: list[tuple], failures: RewardFailures, env_failures: EnvFailures):
+    def merge(self, parts: list[EpisodeShare], failures: RewardFailures, env_failures: EnvFailures) -> EpisodeBatch:
         """Every process's `share`, in batch order, as `collect` returns it."""
-        samples = [s for part in parts for s in part[0]]
-        scores = [s for part in parts for s in part[1]]
+        samples = [s for part in parts for s in part.samples]
+        scores = [s for part in parts for s in part.scores]
         metrics: dict[str, float | str] = defaultdict(float)
-        images = None if self.vision is None else [fields for part in parts for fields in part[6]]
-        for _, part_scores, part_counts, part_metrics, part_failures, part_env_failures, _ in parts:
-            failures.merge(part_failures)
-            env_failures.merge(part_env_failures)
-            for k, v in part_counts.items():
+        images = None if self.vision is None else [fields for part in parts for fields in part.images]
+        for part in parts:
+            failures.merge(part.failures)
+            env_failures.merge(part.env_failures)
+            for k, v in part.counts.items():
                 metrics[k] += v
-            for k, v in part_metrics.items():  # per-episode means weighted by episodes; counts summed
-                metrics[k] += v * len(part_scores) / len(scores) if k in EPISODE_MEANS else v
+            for k, v in part.metrics.items():  # per-episode means weighted by episodes; counts summed
+                metrics[k] += v * len(part.scores) / len(scores) if k in EPISODE_MEANS else v
         mean = sum(scores) / len(scores)
         metrics["reward/mean"] = mean
         metrics["reward/std"] = math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores))
         metrics["env/error_share"] = env_failures.share
         if env_failures.failed:
             metrics["env/first_error"] = env_failures.first()  # text: metrics.jsonl keeps it, trackers skip it
-        return [p for p, _ in samples], [c for _, c in samples], scores, dict(metrics), images
+        return EpisodeBatch([p for p, _ in samples], [c for _, c in samples], scores, dict(metrics), images)
 
     def start(self, rows: list[dict]) -> list[Episode]:
         """One episode per row (the n of a row contiguous), each with its environment in a worker process of its

@@ -52,7 +52,8 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.rl.batch import check_on_policy, step_sampling, sync_weights
 from oxrl_core.rl.episodes import EnvFailures
-from oxrl_core.rl.strategies import RolloutStrategy, Scored
+from oxrl_core.rl.records import Scored
+from oxrl_core.rl.strategies import RolloutStrategy
 from oxrl_core.rollout.sync import trainer_logprobs
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 from oxrl_core.scoring.rewards import RewardFailures
