@@ -8,19 +8,16 @@ episodes), then the `Run` (which resumes a checkpoint) and the verified weight s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import env_options
 from oxrl_core.data.batching import make_plan
 from oxrl_core.data.images import is_image_row
 from oxrl_core.data.sources import eval_source, load_data
-from oxrl_core.engines.distributed import is_main, world_size
 from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.loops.run import Run
@@ -30,9 +27,9 @@ from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_t
 from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
 from oxrl_core.rl.batch import prepare_prompts, sync_weights
 from oxrl_core.rl.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
-from oxrl_core.rl.episodes import Episodes
+from oxrl_core.rl.records import RolloutInputs
 from oxrl_core.rl.sources import RolloutSource, rollout_source
-from oxrl_core.rl.strategies import Completions, EpisodeRollouts, RolloutStrategy
+from oxrl_core.rl.strategies import RolloutStrategy, build_strategy, check_media_support, probe_prompt
 from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.rollout.log import RolloutLog
 from oxrl_core.rollout.sync import SyncCheck
@@ -65,31 +62,86 @@ class RLParts:
 
 def build_rl(trainer, ckpt: Path | None) -> RLParts:
     setup = Setup(trainer, ckpt)
-    cfg, algorithm, ro = setup.cfg, setup.algorithm, setup.cfg.rollout
+    cfg, ro = setup.cfg, setup.cfg.rollout
     if ro.dynamic_sampling and ro.max_staleness and cfg.env.name:
         raise OxrlError(
             f"rollout.dynamic_sampling with rollout.max_staleness={ro.max_staleness} and env.name={cfg.env.name}: "
             "asynchronous rollouts support dynamic sampling for single-turn completions only; for multi-turn "
             "episodes set rollout.max_staleness=0 (dynamic sampling works there) or rollout.dynamic_sampling=false"
         )
+    inputs = _inputs(setup)  # data, reward, environment: before any model loads, so bad input fails fast
+    model, ref, critic, shared = _models(setup, inputs, ckpt)  # the fast path is chosen here, once
+    # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
+    # the message names the setting that is too long
+    env, ids = inputs.env, inputs.prompts.ids + (inputs.eval_prompts.ids if inputs.eval_prompts else [])
+    longest, setting = (cfg.env.max_tokens, "env.max_tokens") if env else (ro.max_new_tokens, "rollout.max_new_tokens")
+    check_generation_length(model, max(map(len, ids), default=0), longest, setting)
+    total_steps = cfg.train.max_steps * ro.passes_per_batch * ro.minibatches
+    engine = setup.build_engine(model, extra_modules=[critic] if critic else [], total_steps=total_steps)
 
-    # ---- data and reward (before any model loads, so bad input fails fast); a VLM's prompts go through its processor
+    # ---- the rollout backend and the strategy (completions or episodes)
+    backend, strategy = build_strategy(cfg, setup.registry, inputs, model, engine, setup.run_dir)
+    source: RolloutSource | None = None  # chosen last, once the run and the backend's weights are settled
+
+    def extra_files(tmp: Path) -> None:
+        if critic is not None:
+            torch.save(critic.state_dict(), tmp / "critic.pt")
+
+    def checkpoint_files(tmp: Path) -> None:  # rank 0: + what the rollout source has in flight
+        extra_files(tmp)
+        source.save(tmp, run.position)
+
+    # ---- the run (resumes a checkpoint), then the verified weight sync
+    vision, tokenizer, prompts = inputs.vision, inputs.tokenizer, inputs.prompts
+    saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
+    eval_rows = len(inputs.eval_prompts.rows) if inputs.eval_prompts is not None else 0
+    evaluate = (lambda progress: source.evaluate(progress)) if eval_rows else None
+    run = Run(
+        setup, model, saved_with, engine, evaluate, extra=checkpoint_files, every_metric=True, eval_rows=eval_rows
+    )
+    try:
+        # verified weight sync (oxrl_core.rollout.sync): the backend and the trainer score a fixed probe
+        can_score = ro.sync_check and inputs.backend_cls.can_score()
+        verify_sync = SyncCheck(backend, can_score, model, engine, tokenizer, probe_prompt(prompts), ro, run.start_step,
+                                run.run_dir, run.info)  # fmt: skip
+        if run.resumed:
+            with engine.full_weights():  # ZeRO-3: the backend may read the weights
+                sync_weights(backend, model, run.start_step)
+        verify_sync(run.start_step)  # before training: a backend that loaded the wrong weights stops here
+        plan = _plans(setup, inputs, strategy)
+        samples = f"{cfg.train.batch_size}×{ro.n} samples/step"
+        builtin = "built-in tiny Qwen2-VL (warm start)" if inputs.images else "built-in tiny llama (warm start)"
+        run.banner(builtin, f"{inputs.train_source.origin} ({len(prompts.rows)} prompts) · "
+                   f"reward {strategy.reward_name} · {samples}")  # fmt: skip
+        rollout_log = RolloutLog(run.run_dir, cfg.logging.rollout_samples_every, cfg.train.max_steps, tokenizer,
+                                 run.start_step if ckpt else None)  # fmt: skip
+        # the source, chosen once (rl.sources.rollout_source): in turn, or generated ahead by the actors
+        source = rollout_source(strategy, backend, plan, cfg, model, engine, verify_sync, run, ckpt)
+    except OxrlError:
+        if backend is not None:
+            backend.close()
+        raise
+    return RLParts(run, tokenizer, plan, model, ref, critic, shared, backend, strategy, source, rollout_log,
+                   extra_files)  # fmt: skip
+
+
+def _inputs(setup: Setup) -> RolloutInputs:
+    """The prompts (a VLM's through its processor), held-out prompts, reward and environment, checked before any
+    model loads."""
+    cfg, algorithm, ro = setup.cfg, setup.algorithm, setup.cfg.rollout
     train_source = load_data(cfg.data.train, "train", setup.registry)
     images = not cfg.model.name and any(is_image_row(r) for r in train_source.rows)  # the built-in VLM's warm start
     policy_path = initial_policy_path(cfg.model.name, tools=bool(cfg.env.name), reporter=setup.reporter, images=images)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
     vision = setup.vision(policy_path)
     prompts = prepare_prompts(train_source, tokenizer, cfg.data.max_length, vision)
-    rows, prompt_ids = prompts.rows, prompts.ids
     if prompts.dropped:
         setup.info(
             f"[yellow]note:[/yellow] {prompts.dropped} prompts dropped: longer than data.max_length={cfg.data.max_length}"
         )
-    setup.steps_from_epochs(len(rows), "prompts", accum=1)  # train.epochs: one pass = every prompt once
+    setup.steps_from_epochs(len(prompts.rows), "prompts", accum=1)  # train.epochs: one pass = every prompt once
     held_out = eval_source(cfg.data, setup.registry)
     eval_prompts = None if held_out is None else prepare_prompts(held_out, tokenizer, cfg.data.max_length, vision)
-    eval_rows, eval_ids = ([], []) if eval_prompts is None else (eval_prompts.rows, eval_prompts.ids)
-    with_images = prompts.images is not None or (eval_prompts is not None and eval_prompts.images is not None)
     reward = build_reward(cfg, setup.registry, algorithm.default_reward, train_source.dataset)
     if ro.n < algorithm.min_group_size:
         raise OxrlError(
@@ -97,28 +149,28 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
             f"{algorithm.min_group_size}, got {ro.n}"
         )
     backend_cls, _ = setup.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
-    if with_images:
-        _check_images(cfg, algorithm, backend_cls, policy_path)
-    elif cfg.env.name and vision is not None and (reason := backend_cls.image_support(policy_path)) is not None:
-        raise OxrlError(  # an environment may show a VLM images mid-episode: the backend must take them
-            f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "
-            f"may be shown images by the environment and {reason}; generate with rollout.backend=hf"
-        )
+    with_images = prompts.images is not None or (eval_prompts is not None and eval_prompts.images is not None)
+    check_media_support(cfg, algorithm, backend_cls, policy_path, with_images, vision)
     env = None
     if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here
         env = setup.registry.build("environment", cfg.env.name, env_options(cfg), field="env")
+    return RolloutInputs(train_source, images, policy_path, tokenizer, vision, prompts, held_out, eval_prompts, reward,
+                         backend_cls, env)  # fmt: skip
 
-    # ---- models; the fast path is chosen here, once. data.packing: the training forward packs a
-    # micro-batch into one row in which the samples of a prompt share one copy of it (not with a
-    # critic, whose values are read at every position)
+
+def _models(setup: Setup, inputs: RolloutInputs, ckpt: Path | None):
+    """(policy, reference, critic, shared): the models, and the fast path chosen once. data.packing: the training
+    forward packs a micro-batch into one row in which the samples of a prompt share one copy of it (not with a
+    critic, whose values are read at every position)."""
+    cfg, algorithm, policy_path = setup.cfg, setup.algorithm, inputs.policy_path
     attn = cfg.model.attn_implementation
     if cfg.data.packing and not algorithm.needs_critic:
         attn = packed_attn_implementation(attn)
     shared = attn == PACKED_SDPA
-    if shared and env is not None:  # an episode's prompt can change mid-episode (fallback): padded rows
+    if shared and inputs.env is not None:  # an episode's prompt can change mid-episode (fallback): padded rows
         shared = False
         setup.info("[yellow]note:[/yellow] data.packing: shared prompts do not apply to multi-turn episodes (env.name)")
-    if shared and vision is not None:  # a packed row would need each segment's own image positions: padded rows
+    if shared and inputs.vision is not None:  # a packed row would need each segment's own image positions
         shared = False
         setup.info("[yellow]note:[/yellow] data.packing: a vision-language model's rollout rows are padded, not packed")
     start = setup.start_from(policy_path)
@@ -140,115 +192,17 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
         )
         if ckpt is not None:
             critic.load_state_dict(load_state_file(ckpt / "critic.pt"))
-    # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
-    # the message names the setting that is too long
-    longest, setting = (cfg.env.max_tokens, "env.max_tokens") if env else (ro.max_new_tokens, "rollout.max_new_tokens")
-    check_generation_length(model, max(map(len, prompt_ids + eval_ids), default=0), longest, setting)
-    total_steps = cfg.train.max_steps * ro.passes_per_batch * ro.minibatches
-    engine = setup.build_engine(model, extra_modules=[critic] if critic else [], total_steps=total_steps)
-
-    # ---- the rollout backend and the strategy (completions or episodes)
-    if ro.actors:  # rollout.actors: the backend in Ray actors of its own; rank 0 drives them
-        from oxrl_core.rollout.actors import RolloutActors  # lazy: Ray starts only when rollout.actors is set
-
-        args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
-        backend = RolloutActors.start(*args) if is_main() else None
-        if backend is not None:  # where each actor runs (rollout.actor_placement), beside ranks.json
-            text = json.dumps(backend.where, indent=2) + "\n"
-            write_text_atomic(Path(setup.run_dir) / "rollout_actors.json", text)
-    else:
-        backend = setup.registry.build(
-            "rollout_backend", ro.backend, ro, field="rollout", args=(model, tokenizer, policy_path)
-        )
-    shards = cfg.engine.rollout_shards or world_size()
-    common = dict(
-        reward=reward, rows=rows, ro=ro, run_dir=setup.run_dir, eval_rows=eval_rows,
-        eval_dataset=held_out.dataset if held_out is not None else None, seed=cfg.train.seed,
-    )  # fmt: skip
-    if env is not None:
-        episodes = Episodes(type(env), env.config, cfg, tokenizer, backend, vision)
-        strategy = EpisodeRollouts(episodes, engine, cfg.env, shards, **common)
-    else:
-        strategy = Completions(backend, engine, tokenizer, prompts, eval_prompts, shards, **common)
-
-    source: RolloutSource | None = None  # chosen last, once the run and the backend's weights are settled
-
-    def extra_files(tmp: Path) -> None:
-        if critic is not None:
-            torch.save(critic.state_dict(), tmp / "critic.pt")
-
-    def checkpoint_files(tmp: Path) -> None:  # rank 0: + what the rollout source has in flight
-        extra_files(tmp)
-        source.save(tmp, run.position)
-
-    # ---- the run (resumes a checkpoint), then the verified weight sync
-    saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
-    run = Run(
-        setup,
-        model,
-        saved_with,
-        engine,
-        (lambda progress: source.evaluate(progress)) if eval_rows else None,
-        extra=checkpoint_files,
-        every_metric=True,
-        eval_rows=len(eval_rows),
-    )
-    # verified weight sync (oxrl_core.rollout.sync): the backend and the trainer score a fixed probe
-    can_score = ro.sync_check and backend_cls.can_score()
-    verify_sync = SyncCheck(
-        backend, can_score, model, engine, tokenizer, _probe_prompt(prompts), ro, run.start_step, run.run_dir, run.info
-    )
-    try:
-        if run.resumed:
-            with engine.full_weights():  # ZeRO-3: the backend may read the weights
-                sync_weights(backend, model, run.start_step)
-        verify_sync(run.start_step)  # before training: a backend that loaded the wrong weights stops here
-    except OxrlError:
-        if backend is not None:
-            backend.close()
-        raise
-    sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in prompt_ids]
-    plan = setup.plan(train_source, sources, lengths, group_by_length=False)  # prompts in seeded order
-    if ro.dynamic_sampling:  # refill rounds take their prompts from a second plan, a stream of its own
-        seed = cfg.train.seed
-        refill_plan = make_plan(
-            train_source, sources, lengths, cfg.train.batch_size, seed + REFILL_PLAN_SEED_OFFSET, False
-        )
-        strategy.dynamic = DynamicSampling(ro, refill_plan, seed, cfg.train.batch_size)
-    samples = f"{cfg.train.batch_size}×{ro.n} samples/step"
-    builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
-    run.banner(builtin, f"{train_source.origin} ({len(rows)} prompts) · "
-               f"reward {strategy.reward_name} · {samples}")  # fmt: skip
-    rollout_log = RolloutLog(
-        run.run_dir, cfg.logging.rollout_samples_every, cfg.train.max_steps, tokenizer, run.start_step if ckpt else None
-    )
-    try:  # the source, chosen once (rl.sources.rollout_source): in turn, or generated ahead by the actors
-        source = rollout_source(strategy, backend, plan, cfg, model, engine, verify_sync, run, ckpt)
-    except OxrlError:
-        if backend is not None:
-            backend.close()
-        raise
-    return RLParts(run, tokenizer, plan, model, ref, critic, shared, backend, strategy, source, rollout_log,
-                   extra_files)  # fmt: skip
+    return model, ref, critic, shared
 
 
-def _check_images(cfg, algorithm, backend_cls, policy_path: str) -> None:
-    """What an RL run cannot do with image prompts, refused before any model loads, with what to use instead."""
-    reason = backend_cls.image_support(policy_path)
-    if reason is not None:
-        raise OxrlError(
-            f"rollout.backend={cfg.rollout.backend}: the data has image prompts and {reason}; "
-            "generate with rollout.backend=hf (transformers' generate, which takes the model's image inputs)"
-        )
-    if getattr(algorithm.config, "critic", "shared") == "separate":
-        raise OxrlError(
-            "alg.critic=separate: the separate critic is a copy of the language model alone, which reads no "
-            "images; with image prompts use alg.critic=shared (the value head on the policy's hidden states)"
-        )
-
-
-def _probe_prompt(prompts) -> list[int]:
-    """The weight-sync probe's prompt: the first text prompt (the probe is scored without images), or none."""
-    if prompts.images is None:
-        return prompts.ids[0]
-    return next((ids for ids, fields in zip(prompts.ids, prompts.images) if not fields), [])
+def _plans(setup: Setup, inputs: RolloutInputs, strategy) -> object:
+    """The step's prompts in seeded order (`data.batching.BatchPlan`); with dynamic sampling, the refill rounds'
+    plan, a stream of its own, given to the strategy."""
+    cfg, rows = setup.cfg, inputs.prompts.rows
+    sources, lengths = [r.get("_source", 0) for r in rows], [len(p) for p in inputs.prompts.ids]
+    plan = setup.plan(inputs.train_source, sources, lengths, group_by_length=False)
+    if cfg.rollout.dynamic_sampling:
+        seed, size = cfg.train.seed, cfg.train.batch_size
+        refill_plan = make_plan(inputs.train_source, sources, lengths, size, seed + REFILL_PLAN_SEED_OFFSET, False)
+        strategy.dynamic = DynamicSampling(cfg.rollout, refill_plan, seed, size)
+    return plan

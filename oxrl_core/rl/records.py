@@ -64,3 +64,20 @@ class EpisodeBatch(NamedTuple):
     scores: list[float]  # (B,)
     metrics: dict  # reward/..., env/... (``env/first_error`` is text)
     images: list[dict] | None  # (B,) a VLM run's image inputs of each episode, else None
+
+
+@dataclass
+class RolloutInputs:
+    """What an RL run reads before any model loads (`loops.rl_setup`): the prompts, the reward, the environment."""
+
+    train_source: object  # `data.sources.Source` of the training prompts
+    images: bool  # the built-in task's image rows: the built-in VLM's warm start
+    policy_path: str  # the model the policy starts from
+    tokenizer: object
+    vision: object | None  # a VLM's `models.vision.VLMProcessing`, else None
+    prompts: object  # `rl.batch.Prompts`: (P,) ids, rows and image inputs
+    held_out: object | None  # `data.sources.Source` of the held-out prompts, or None
+    eval_prompts: object | None  # `rl.batch.Prompts` of them, or None
+    reward: object  # the reward (scores each sample)
+    backend_cls: type  # the rollout backend's class (checked, not built)
+    env: object | None  # multi-turn runs: one instance of the environment, built to check its options

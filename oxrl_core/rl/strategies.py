@@ -16,10 +16,14 @@ the rollout actors and scored, with no collective, as plain data a checkpoint ca
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
+from pathlib import Path
 
+from oxrl_core.atomic import write_text_atomic
 from oxrl_core.data.images import row_images
-from oxrl_core.engines.distributed import broadcast_object
+from oxrl_core.engines.distributed import broadcast_object, is_main, world_size
+from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.rl.batch import (
     Prompts,
@@ -31,7 +35,7 @@ from oxrl_core.rl.batch import (
 )
 from oxrl_core.rl.dynamic_sampling import DynamicSampling, Selection
 from oxrl_core.rl.episodes import EnvFailures, EnvWatch, Episodes, shard_blocks
-from oxrl_core.rl.records import EpisodeShare, Produced, Round, Scored
+from oxrl_core.rl.records import EpisodeShare, Produced, RolloutInputs, Round, Scored
 from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, score_batch
 
 
@@ -260,3 +264,62 @@ class EpisodeRollouts(RolloutStrategy):
 
     def evaluate(self, progress):
         return self.episodes.evaluate(self.eval_rows, self.reward, self.eval_dataset, self.ro, progress=progress)
+
+
+# ----------------------------------------------------------------------------- chosen once, at setup
+
+
+def check_media_support(cfg, algorithm, backend_cls, policy_path: str, with_images: bool, vision) -> None:
+    """What an RL run cannot do with images, refused before any model loads, with what to use instead."""
+    if with_images:
+        reason = backend_cls.image_support(policy_path)
+        if reason is not None:
+            raise OxrlError(
+                f"rollout.backend={cfg.rollout.backend}: the data has image prompts and {reason}; "
+                "generate with rollout.backend=hf (transformers' generate, which takes the model's image inputs)"
+            )
+        if getattr(algorithm.config, "critic", "shared") == "separate":
+            raise OxrlError(
+                "alg.critic=separate: the separate critic is a copy of the language model alone, which reads no "
+                "images; with image prompts use alg.critic=shared (the value head on the policy's hidden states)"
+            )
+    elif cfg.env.name and vision is not None and (reason := backend_cls.image_support(policy_path)) is not None:
+        raise OxrlError(  # an environment may show a VLM images mid-episode: the backend must take them
+            f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "
+            f"may be shown images by the environment and {reason}; generate with rollout.backend=hf"
+        )
+
+
+def build_strategy(cfg, registry, inputs: RolloutInputs, model, engine, run_dir) -> tuple[object, RolloutStrategy]:
+    """(the rollout backend, the strategy): the backend in-process or in Ray actors of its own (``rollout.actors``;
+    rank 0 drives them, the other ranks get None), and completions or multi-turn episodes (``env.name``)."""
+    ro, tokenizer, policy_path = cfg.rollout, inputs.tokenizer, inputs.policy_path
+    if ro.actors:
+        from oxrl_core.rollout.actors import RolloutActors  # lazy: Ray starts only when rollout.actors is set
+
+        args = (ro.actors, ro.backend, policy_path, ro, cfg.engine.timeout_s, cfg.engine.ray_address)
+        backend = RolloutActors.start(*args) if is_main() else None
+        if backend is not None:  # where each actor runs (rollout.actor_placement), beside ranks.json
+            text = json.dumps(backend.where, indent=2) + "\n"
+            write_text_atomic(Path(run_dir) / "rollout_actors.json", text)
+    else:
+        backend = registry.build(
+            "rollout_backend", ro.backend, ro, field="rollout", args=(model, tokenizer, policy_path)
+        )
+    shards, held_out, env = cfg.engine.rollout_shards or world_size(), inputs.held_out, inputs.env
+    eval_rows = inputs.eval_prompts.rows if inputs.eval_prompts is not None else []
+    common = dict(
+        reward=inputs.reward, rows=inputs.prompts.rows, ro=ro, run_dir=run_dir, eval_rows=eval_rows,
+        eval_dataset=held_out.dataset if held_out is not None else None, seed=cfg.train.seed,
+    )  # fmt: skip
+    if env is not None:
+        episodes = Episodes(type(env), env.config, cfg, tokenizer, backend, inputs.vision)
+        return backend, EpisodeRollouts(episodes, engine, cfg.env, shards, **common)
+    return backend, Completions(backend, engine, tokenizer, inputs.prompts, inputs.eval_prompts, shards, **common)
+
+
+def probe_prompt(prompts: Prompts) -> list[int]:
+    """The weight-sync probe's prompt: the first text prompt (the probe is scored without images), or none."""
+    if prompts.images is None:
+        return prompts.ids[0]
+    return next((ids for ids, fields in zip(prompts.ids, prompts.images) if not fields), [])
