@@ -56,7 +56,8 @@ def _scored(picks: list[int], scores: list[float], n: int) -> tuple[list[int], S
     """A round of len(picks) prompts: prompt i's ids are [i]; completion j's token is 100·prompt + j."""
     prompts = [[i] for i in picks for _ in range(n)]
     completions = [Completion([100 * i + j], [-1.0], "stop", 0) for i in picks for j in range(n)]
-    return picks, Scored(prompts, completions, scores, {"reward/mean": sum(scores) / len(scores)})
+    media = [{"pixel_inputs": {"p": i}} if i == 4 else {} for i in picks for _ in range(n)]  # prompt 4 has an image
+    return picks, Scored(prompts, completions, scores, {"reward/mean": sum(scores) / len(scores)}, media)
 
 
 def test_the_picked_groups_are_joined_in_order_with_their_prompts_samples_and_scores():
@@ -64,7 +65,8 @@ def test_the_picked_groups_are_joined_in_order_with_their_prompts_samples_and_sc
     joined = join_groups(rounds, Selection([(0, 0), (1, 1)], 2, False), 2, {"sampling/rounds": 1.0})
     assert joined.picks == [7, 4] and joined.prompts == [[7], [7], [4], [4]]
     assert [c.token_ids[0] for c in joined.completions] == [700, 701, 400, 401]
-    assert joined.scores == [1, 0, 1, 0] and joined.images is None and joined.metrics == {"sampling/rounds": 1.0}
+    assert joined.scores == [1, 0, 1, 0] and joined.metrics == {"sampling/rounds": 1.0}
+    assert joined.media == [{}, {}, {"pixel_inputs": {"p": 4}}, {"pixel_inputs": {"p": 4}}]  # with their samples
 
 
 # ----------------------------------------------------------------------------- the rounds

@@ -64,7 +64,7 @@ def _rollout(model_dir: Path, rows: list[dict], n: int = 2, completions=None):
     if completions is None:
         backend = HFRolloutBackend(model, tokenizer)
         sampling = SamplingParams(n=n, max_new_tokens=6, temperature=1.0, seed=3)
-        completions = [c for group in backend.generate(prompts.ids, sampling, images=prompts.images) for c in group]
+        completions = [c for group in backend.generate(prompts.ids, sampling, images=prompts.media) for c in group]
     per_sample = [i for i in range(len(rows)) for _ in range(n)]
     batch = rollout_batch(
         [prompts.ids[i] for i in per_sample],
@@ -73,7 +73,7 @@ def _rollout(model_dir: Path, rows: list[dict], n: int = 2, completions=None):
         n,
         tokenizer.pad_token_id,
         SimpleNamespace(device=torch.device("cpu")),
-        prompts.images_of(per_sample),
+        prompts.media_of(per_sample),
     )
     with torch.no_grad():
         logp = policy_forward(model, None, batch, temperature=1.0)["logp"]  # (B, L-1)
@@ -107,7 +107,7 @@ def test_trainer_logprobs_of_sampled_tokens_equal_an_independent_per_sequence_co
     (which the sampler never draws); giving the prompts each other's image changes them."""
     rows = _rows(tmp_path / "data")
     completions, batch, logp, model = _rollout(vlms[family], rows)
-    assert "images" in batch and sum(bool(f) for f in batch["images"]) == 4  # two image prompts × n=2
+    assert sum(bool(f) for f in batch["media"]) == 4  # two image prompts × n=2
     for i, c in enumerate(completions):
         expected = _independent(family, vlms[family], model, rows[i // 2], c.token_ids)
         start = int(batch["prompt_len"][i]) - 1

@@ -154,7 +154,7 @@ def evaluate_model(
     vision = load_vision(model, image_row, source.origin)
     # before the weights load; a VLM's prompts through its processor, each image row with its pixel inputs
     prompts = prepare_prompts(Source(source.rows[: len(rows)], source.origin), tokenizer, NO_LIMIT, vision)
-    rows, prompt_ids, images = prompts.rows, prompts.ids, prompts.images
+    rows, prompt_ids, images = prompts.rows, prompts.ids, prompts.media
     policy = load_causal_lm(model, field="--model", reporter=reporter)
     policy.to("cuda" if torch.cuda.is_available() else "cpu").eval()
     check_generation_length(policy, max(map(len, prompt_ids)), max_new_tokens, "--max-new-tokens")
@@ -177,7 +177,7 @@ def evaluate_model(
                     update(len(played))
             else:
                 for start in range(0, len(rows), batch_size):
-                    part = images[start : start + batch_size] if images is not None else None
+                    part = images[start : start + batch_size]
                     for group in generate_from(generator, prompt_ids[start : start + batch_size], sampling, part):
                         texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
                         lengths += [len(c.token_ids) for c in group]

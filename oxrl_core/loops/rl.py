@@ -64,9 +64,7 @@ def run_rl(trainer, ckpt: Path | None) -> RunResult:
         scored, versions = parts.source.batch(step, picks, clock)
         with clock("train"):
             # 3. the rollout batch, on the trainer's device
-            batch = rollout_batch(
-                scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine, scored.images
-            )
+            batch = rollout_batch(scored.prompts, scored.completions, scored.scores, ro.n, pad_id, engine, scored.media)
             if not all(map(math.isfinite, scored.scores)):  # the host's floats: the device is read only to report
                 check_finite("rewards", batch["rewards"], step, run.run_dir)
             lr = engine.lr  # the rate this step's (first) update uses, logged as the other loops do

@@ -149,7 +149,7 @@ def _inputs(setup: Setup) -> RolloutInputs:
             f"{algorithm.min_group_size}, got {ro.n}"
         )
     backend_cls, _ = setup.registry.check("rollout_backend", ro.backend, ro, field="rollout")  # before any model loads
-    with_images = prompts.images is not None or (eval_prompts is not None and eval_prompts.images is not None)
+    with_images = prompts.has_media or (eval_prompts is not None and eval_prompts.has_media)
     check_media_support(cfg, algorithm, backend_cls, policy_path, with_images, vision)
     env = None
     if cfg.env.name:  # multi-turn episodes: one instance built now, so a bad option or constructor stops here

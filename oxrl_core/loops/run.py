@@ -34,6 +34,7 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.loops.result import RunResult
 from oxrl_core.models.loading import count_parameters
 from oxrl_core.models.perf import MfuMeter
+from oxrl_core.models.vision import MEDIA_INPUTS
 from oxrl_core.observability.health import check_run, print_summary, summary_rows, versions
 from oxrl_core.run_io.checkpoint import latest_checkpoint, load_training_state, save_model
 from oxrl_core.run_io.lifecycle import Checkpointer
@@ -63,13 +64,7 @@ MODEL_INPUTS = (
     "max_length_q",
     "max_length_k",
     "oxrl_row_bounds",  # the same boundaries as ints, from the host (`packed_attention`)
-    # a VLM's image inputs (`data.images.collate_pixels`), as its processor names them
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_attention_mask",
-    "image_sizes",
-    "mm_token_type_ids",
-    "token_type_ids",
+    *MEDIA_INPUTS,  # a VLM's image inputs, as its family's processor names them (`models.vision.FAMILIES`)
 )
 
 #: the held-out lines of the supervised and preference loops: (metric, label), shown when present

@@ -40,7 +40,6 @@ import json
 import os
 from pathlib import Path
 
-from oxrl_core.data import shapes
 from oxrl_core.data.encode import tokenise_prompt_response
 from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models.tiny import CHARACTERS, SPECIAL_TOKENS, build_tokenizer, cache_dir, publish_dir, sft_warm_start
@@ -201,6 +200,8 @@ def vlm_warm_start_dir(steps: int = VLM_WARM_START_STEPS, seed: int = 0, log=Non
     vision = load_processing(str(base))
     tokenizer = vision.tokenizer
     model = load_vlm(str(base))
+    from oxrl_core.data import shapes  # lazy: loading a model never imports the demo task; its warm start reads it
+
     examples = tokenise_prompt_response(shapes.rows("train")[:2000], tokenizer, 64, vision=vision).examples
     sft_warm_start(model, examples, steps, seed, tokenizer.pad_token_id, reporter)
     return publish_dir(path, lambda tmp: (model.save_pretrained(tmp), vision.processor.save_pretrained(tmp)))

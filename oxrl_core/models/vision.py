@@ -83,6 +83,10 @@ FAMILIES: dict[str, VisionFamily] = {
     )
 }
 
+#: the model inputs a family's processor adds for images (`data.images.collate_pixels` joins them per micro-batch);
+#: every loop passes these to the model beside the text's, so a new family (or audio) is an entry in the table above
+MEDIA_INPUTS: tuple[str, ...] = tuple(dict.fromkeys(name for f in FAMILIES.values() for name in f.extra_inputs))
+
 
 # ----------------------------------------------------------------------------- recognising a VLM
 

@@ -42,7 +42,7 @@ def prepare_prompts(source, tokenizer, max_length: int, vision=None) -> Prompts:
     row)."""
     if not source.rows:
         raise OxrlError(f"{source.origin}: no rows")
-    rows, ids, images, dropped = [], [], [], 0
+    rows, ids, media, dropped = [], [], [], 0
     for raw in source.rows:
         n_images = check_image_row(raw, source.origin)
         row = check_row_images(normalise_row(raw, "prompt", source.origin), "prompt", source.origin, vision, n_images)
@@ -55,10 +55,10 @@ def prepare_prompts(source, tokenizer, max_length: int, vision=None) -> Prompts:
             continue
         rows.append({"_origin": source.origin, **row})  # relative image paths are read beside its file
         ids.append(prompt_ids)
-        images.append(fields)
+        media.append(fields)
     if not rows:
         raise OxrlError(f"{source.origin}: every prompt is longer than data.max_length={max_length}")
-    return Prompts(rows, ids, images if any(images) else None, dropped)
+    return Prompts(rows, ids, media, dropped)
 
 
 @dataclass
@@ -67,12 +67,17 @@ class Prompts:
 
     rows: list[dict]
     ids: list[list[int]]  # (P,) each prompt's token ids
-    images: list[dict] | None  # (P,) each prompt's image inputs ({} for a text prompt); None when no prompt has any
+    media: list[dict]  # (P,) each prompt's media record: its image inputs, {} for a text prompt
     dropped: int  # prompts longer than data.max_length, left out
 
-    def images_of(self, picks: list[int]) -> list[dict] | None:
-        """The image inputs of the prompts ``picks``, or None for text prompts."""
-        return None if self.images is None else [self.images[i] for i in picks]
+    def media_of(self, picks: list[int]) -> list[dict]:
+        """The media records of the prompts ``picks`` (references, not copies)."""
+        return [self.media[i] for i in picks]
+
+    @property
+    def has_media(self) -> bool:
+        """Whether any prompt brings media (an image run)."""
+        return any(self.media)
 
 
 def step_sampling(ro, seed: int, step: int) -> SamplingParams:
@@ -187,15 +192,16 @@ def token_logprobs(
     temperature: float,
     want_hidden: bool = False,
     where=None,
-    images=None,
+    media: list[dict] | None = None,
     scored: list[list[int]] | None = None,
 ):
     """logp (B, L-1) of each next token under logits / temperature, entropy (B, L-1), last hidden state (B, L, H).
 
     Computed where ``where`` (B, L-1) is non-zero (default: every attended next token), 0 elsewhere;
     only those positions meet the LM head, chunk by chunk (`token_head`). ``scored``: those positions of each
-    row as the host knows them (`HostRow.scored`; no device read to find them). ``images``: each row's image inputs
-    (a VLM's rows; {} for a text row), joined row by row (`images.collate_pixels`) and given to the model."""
+    row as the host knows them (`HostRow.scored`; no device read to find them). ``media``: each row's media record
+    (a VLM's image inputs; {} for a text row), joined row by row (`images.collate_pixels`: nothing for text rows)
+    and given to the model."""
     if scored is not None:
         rows = torch.tensor([i for i, at in enumerate(scored) for _ in at], dtype=torch.long)  # (M,)
         pos = torch.tensor([t for at in scored for t in at], dtype=torch.long)  # (M,)
@@ -204,9 +210,8 @@ def token_logprobs(
         where = attention_mask[:, 1:] if where is None else where
         rows, pos = (where > 0).nonzero(as_tuple=True)  # (M,), (M,)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if images is not None:
-        pixels = collate_pixels(images, input_ids.shape[1])
-        inputs.update({k: v.to(input_ids.device) for k, v in pixels.items()})
+    pixels = collate_pixels(media or [], input_ids.shape[1])
+    inputs.update({k: v.to(input_ids.device) for k, v in pixels.items()})
     stats = token_stats(
         model,
         inputs,
@@ -295,26 +300,28 @@ def sync_weights(backend, model, version: int) -> None:
 
 
 def generate_sharded(
-    backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int, images: list[dict] | None = None
+    backend, engine, prompts: list[list[int]], sampling: SamplingParams, shards: int, media: list[dict]
 ):
     """The rollout batch's groups, generated in ``shards`` seeded shards of whole prompts that are dealt
     to the ranks in contiguous blocks (each rank samples its own on whole weights) and gathered on
     every rank. The samples depend on ``shards``, not on the world size; one shard in one process is
     one ``generate`` call with ``sampling``. With rollout actors (``rollout.actors``) rank 0 has the
-    actors generate every shard and broadcasts the result. ``images``: each prompt's image inputs (None: text)."""
+    actors generate every shard and broadcasts the result. ``media``: each prompt's media record ({}: text)."""
     if backend is None or backend.remote:
-        parts = backend.generate_shards(seeded_shards(prompts, sampling, shards, images)) if is_main() else None
+        parts = backend.generate_shards(seeded_shards(prompts, sampling, shards, media)) if is_main() else None
         return [group for part in broadcast_object(parts) for group in part]
     per_rank, local = shards // world_size(), []
     with engine.full_weights():
-        for shard in seeded_shards(prompts, sampling, shards, images)[rank() * per_rank : (rank() + 1) * per_rank]:
+        for shard in seeded_shards(prompts, sampling, shards, media)[rank() * per_rank : (rank() + 1) * per_rank]:
             local += generate_from(backend, *shard)
     return [group for part in all_gather_object(local) for group in part]
 
 
-def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: int, images: list[dict] | None):
+def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: int, media: list[dict]):
     """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with seed + k ·
-    `SHARD_SEED_STRIDE`: (prompts, sampling, each prompt's image inputs or None) each."""
+    `SHARD_SEED_STRIDE`: (prompts, sampling, each prompt's image inputs) each; a text batch's shards have None for
+    image inputs, so a backend is called as for text (`interfaces.generate_from`, rollout actors alike)."""
+    images = media if any(media) else None
     size = len(prompts) // shards
     seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
     return [
@@ -357,13 +364,13 @@ def score_sharded(
 
 
 def rl_evaluate(
-    backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64, progress=None, images=None
+    backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64, progress=None, media=None
 ) -> dict:
     """The held-out prompts, answered greedily (``eval/reward``, and ``eval/accuracy`` when the data can
     check answers) and sampled as in training, ``rollout.n`` samples at ``rollout.temperature`` with a
     fixed seed (``eval/reward_sampled``: the expected reward of the policy, the quantity RL maximises).
-    ``progress(done, total)`` counts the completions (a `progress.Reporter.counter` update); ``images``: each
-    prompt's image inputs (None: text prompts)."""
+    ``progress(done, total)`` counts the completions (a `progress.Reporter.counter` update); ``media``: each
+    prompt's media record (None or {}: text prompts)."""
     if not rows:
         return {}
     metrics = {}
@@ -376,7 +383,7 @@ def rl_evaluate(
     for suffix, sampling in modes.items():
         texts: list[str] = []
         for start in range(0, len(prompt_ids), batch):
-            part = None if images is None else images[start : start + batch]
+            part = None if media is None else media[start : start + batch]
             groups = generate_from(backend, prompt_ids[start : start + batch], sampling, part)
             texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             done += len(groups) * sampling.n
@@ -402,12 +409,13 @@ def check_on_policy(completions, version: int, strict: bool, step: int) -> set[i
 
 
 def rollout_batch(
-    prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine, images=None
+    prompts: list[list[int]], completions, scores: list[float], n: int, pad_id: int, engine, media: list[dict] = ()
 ) -> dict:
     """The rollout batch the update reads, on the trainer's device: `rollout_tensors` of each sample's prompt
     (B of them) and completion, plus ``rewards`` (B,), ``group_size`` (n), ``group`` (B,) the prompt of each
-    sample, ``prompt_len`` (B,), ``host`` (B,) each row's `HostRow` (a list, selected with the rows); with ``images`` (each sample's prompt's image inputs), ``images`` (B,): a list,
-    selected with the rows (`MicroBatches.rows_of`) and joined per micro-batch by the forward (`token_logprobs`)."""
+    sample, ``prompt_len`` (B,), ``host`` (B,) each row's `HostRow` (a list, selected with the rows), and ``media`` (B,) each
+    sample's media record (its prompt's image inputs, {} for text): a list, selected with the rows
+    (`MicroBatches.rows_of`) and joined per micro-batch by the forward (`token_logprobs`)."""
     batch = rollout_tensors(prompts, completions, pad_id)
     check_no_padding_holes(batch, multi_turn=any(c.sampled is not None for c in completions))
     device = engine.device
@@ -417,8 +425,7 @@ def rollout_batch(
     batch["group"] = torch.arange(len(completions), device=device) // n  # (B,)
     batch["prompt_len"] = torch.tensor([len(p) for p in prompts], device=device)  # (B,)
     batch["host"] = host_rows(prompts, completions, n)  # (B,) what the host knows of each row (`HostRow`)
-    if images is not None:
-        batch["images"] = images  # (B,) each row's image inputs, moved to the device per micro-batch
+    batch["media"] = list(media) or [{}] * len(completions)  # (B,) each row's media record (default: text rows)
     return batch
 
 
@@ -434,7 +441,7 @@ def policy_forward(model, critic, mb: dict, temperature: float, shared: bool = F
     # logprobs at the completion tokens only (``mask``): the prompt's positions never meet the LM head
     scored = [row.scored for row in mb["host"]] if "host" in mb else None  # (B,) known on the host
     logp, entropy, hidden = token_logprobs(
-        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"], mb.get("images"), scored
+        model, mb["input_ids"], mb["attention_mask"], temperature, want_hidden, mb["mask"], mb.get("media"), scored
     )
     out = {"logp": logp, "entropy": entropy}
     if critic is not None:
@@ -465,7 +472,7 @@ class MicroBatches:
         return chunks(rows, self.micro)
 
     def rows_of(self, idx: list[int]) -> dict:
-        """The batch's per-row tensors (and per-row lists: ``images``) at rows ``idx`` (scalars as they are)."""
+        """The batch's per-row tensors (and per-row lists: ``media``, ``host``) at rows ``idx`` (scalars as they are)."""
         index = torch.tensor(idx, device=self.batch["input_ids"].device)
         B = self.B
 

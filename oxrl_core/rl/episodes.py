@@ -383,7 +383,7 @@ class Episodes:
             self.metrics(played) if played else {},
             local,
             EnvFailures(env_name).count(played),
-            [e.image_inputs() for e in played] if self.vision is not None else None,
+            [e.image_inputs() for e in played],
         )
 
     def merge(self, parts: list[EpisodeShare], failures: RewardFailures, env_failures: EnvFailures) -> EpisodeBatch:
@@ -391,7 +391,7 @@ class Episodes:
         samples = [s for part in parts for s in part.samples]
         scores = [s for part in parts for s in part.scores]
         metrics: dict[str, float | str] = defaultdict(float)
-        images = None if self.vision is None else [fields for part in parts for fields in part.images]
+        media = [fields for part in parts for fields in part.media]
         for part in parts:
             failures.merge(part.failures)
             env_failures.merge(part.env_failures)
@@ -405,7 +405,7 @@ class Episodes:
         metrics["env/error_share"] = env_failures.share
         if env_failures.failed:
             metrics["env/first_error"] = env_failures.first()  # text: metrics.jsonl keeps it, trackers skip it
-        return EpisodeBatch([p for p, _ in samples], [c for _, c in samples], scores, dict(metrics), images)
+        return EpisodeBatch([p for p, _ in samples], [c for _, c in samples], scores, dict(metrics), media)
 
     def start(self, rows: list[dict]) -> list[Episode]:
         """One episode per row (the n of a row contiguous), each with its environment in a worker process of its

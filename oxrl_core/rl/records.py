@@ -18,7 +18,7 @@ class Scored:
     completions: list[Completion]  # (B,) what the backend sampled (and an environment's tokens, mask 0)
     scores: list[float]  # (B,) the rewards
     metrics: dict[str, float]  # reward/..., env/... of the batch
-    images: list[dict] | None = None  # (B,) each sample's prompt's image inputs (a VLM's image prompts), else None
+    media: list[dict]  # (B,) each sample's media record: its image inputs (every image of an episode), {} for text
     picks: list[int] | None = None  # (P,) each group's prompt index, where known (dynamic sampling: not the step's)
 
 
@@ -53,7 +53,14 @@ class EpisodeShare(NamedTuple):
     metrics: dict[str, float]  # env/... episode metrics of these b episodes
     failures: object  # the reward's `RewardFailures`
     env_failures: object  # the environment's `EnvFailures`
-    images: list[dict] | None  # (b,) each episode's image inputs (a VLM run), else None
+    media: list[dict]  # (b,) each episode's media record (its image inputs; {} for text)
+
+    @classmethod
+    def read(cls, fields) -> EpisodeShare:
+        """A share as `rl.sources.decode` reads it back: a plain tuple from a checkpoint written before these records
+        existed, whose text runs held None for the media."""
+        share = cls(*fields)
+        return share._replace(media=[{}] * len(share.scores)) if share.media is None else share
 
 
 class EpisodeBatch(NamedTuple):
@@ -63,7 +70,7 @@ class EpisodeBatch(NamedTuple):
     completions: list[Completion]  # (B,)
     scores: list[float]  # (B,)
     metrics: dict  # reward/..., env/... (``env/first_error`` is text)
-    images: list[dict] | None  # (B,) a VLM run's image inputs of each episode, else None
+    media: list[dict]  # (B,) each episode's media record (its image inputs; {} for text)
 
 
 @dataclass

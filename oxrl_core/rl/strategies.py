@@ -42,17 +42,16 @@ from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, score_batch
 def join_groups(rounds: list[tuple[list[int], Scored]], selection: Selection, n: int, metrics: dict) -> Scored:
     """The groups ``selection`` picked from the rounds ``(picks, Scored)`` as one `Scored`, in its order, with
     ``metrics``."""
-    prompts, completions, scores, images, picks = [], [], [], [], []
+    prompts, completions, scores, media, picks = [], [], [], [], []
     for r, g in selection.picked:
         round_picks, scored = rounds[r]
         rows = slice(g * n, (g + 1) * n)  # the group's n samples
         prompts += scored.prompts[rows]
         completions += scored.completions[rows]
         scores += scored.scores[rows]
-        images += scored.images[rows] if scored.images is not None else [None] * n
+        media += scored.media[rows]
         picks.append(round_picks[g])
-    with_images = any(scored.images is not None for _, scored in rounds)
-    return Scored(prompts, completions, scores, metrics, images if with_images else None, picks)
+    return Scored(prompts, completions, scores, metrics, media, picks)
 
 
 def merge_failures(into: tuple, other: tuple) -> tuple:
@@ -146,8 +145,8 @@ class Completions(RolloutStrategy):
         self.prompt_ids = prompts.ids
 
     def play(self, picks, sampling):
-        prompt_ids, images = [self.prompt_ids[i] for i in picks], self.prompts.images_of(picks)
-        groups = generate_sharded(self.backend, self.engine, prompt_ids, sampling, self.shards, images)
+        prompt_ids, media = [self.prompt_ids[i] for i in picks], self.prompts.media_of(picks)
+        groups = generate_sharded(self.backend, self.engine, prompt_ids, sampling, self.shards, media)
         ro = self.ro
         check_completions(groups, ro.n, ro.max_new_tokens, self.tokenizer.eos_token_id, ro.backend)
         return picks, [c for g in groups for c in g]  # (B = P·n)
@@ -162,16 +161,16 @@ class Completions(RolloutStrategy):
         picks, completions = played
         n, failures = self.ro.n, RewardFailures(self.reward_name)
         scores, metrics = score_sharded(self.reward, *self.reward_inputs(picks, completions), failures)
-        images = self.prompts.images_of([i for i in picks for _ in range(n)])  # (B,) references, not copies
+        media = self.prompts.media_of([i for i in picks for _ in range(n)])  # (B,) references, not copies
         prompts = [self.prompt_ids[i] for i in picks for _ in range(n)]
-        return Scored(prompts, completions, scores, metrics, images), (failures,)
+        return Scored(prompts, completions, scores, metrics, media), (failures,)
 
     def after_scoring(self, step, failures):
         self.reward_watch.after_scoring(step, failures[0], self.run_dir)  # one line per step
 
     def produce(self, picks, sampling):
-        prompt_ids, images = [self.prompt_ids[i] for i in picks], self.prompts.images_of(picks)
-        parts = self.backend.generate_shards(seeded_shards(prompt_ids, sampling, self.shards, images))
+        prompt_ids, media = [self.prompt_ids[i] for i in picks], self.prompts.media_of(picks)
+        parts = self.backend.generate_shards(seeded_shards(prompt_ids, sampling, self.shards, media))
         groups = [group for part in parts for group in part]
         ro = self.ro
         check_completions(groups, ro.n, ro.max_new_tokens, self.tokenizer.eos_token_id, ro.backend)
@@ -205,19 +204,19 @@ class Completions(RolloutStrategy):
         picks, prompt_ids, completions, scores, metrics, failures = Produced(*broadcast_object(produced))
         self.reward_watch.after_scoring(step, failures, self.run_dir)  # one line per step
         n = self.ro.n
-        images = self.prompts.images_of([i for i in picks for _ in range(n)])  # (B,) the data's, by reference
+        media = self.prompts.media_of([i for i in picks for _ in range(n)])  # (B,) the data's, by reference
         prompts = [ids for ids in prompt_ids for _ in range(n)]
-        return Scored(prompts, completions, scores, metrics, images, picks)
+        return Scored(prompts, completions, scores, metrics, media, picks)
 
     def sample_images(self, picks):
-        if self.prompts.images is None:
+        if not self.prompts.has_media:
             return None
         return [row_images(self.rows[i], "") for i in picks for _ in range(self.ro.n)]
 
     def evaluate(self, progress):
         held_out, args = self.eval_prompts, (self.reward, self.eval_dataset, self.ro, self.seed)
         return rl_evaluate(
-            self.backend, self.tokenizer, held_out.rows, held_out.ids, *args, progress=progress, images=held_out.images
+            self.backend, self.tokenizer, held_out.rows, held_out.ids, *args, progress=progress, media=held_out.media
         )
 
 
@@ -251,7 +250,7 @@ class EpisodeRollouts(RolloutStrategy):
 
     def receive(self, produced, step):
         failures, env_failures = RewardFailures(self.reward_name), EnvFailures(self.env_name)
-        batch = self.episodes.merge([EpisodeShare(*broadcast_object(produced))], failures, env_failures)
+        batch = self.episodes.merge([EpisodeShare.read(broadcast_object(produced))], failures, env_failures)
         self.env_watch.after_scoring(step, env_failures, self.run_dir)
         self.reward_watch.after_scoring(step, failures, self.run_dir)
         return Scored(*batch)
@@ -320,6 +319,4 @@ def build_strategy(cfg, registry, inputs: RolloutInputs, model, engine, run_dir)
 
 def probe_prompt(prompts: Prompts) -> list[int]:
     """The weight-sync probe's prompt: the first text prompt (the probe is scored without images), or none."""
-    if prompts.images is None:
-        return prompts.ids[0]
-    return next((ids for ids, fields in zip(prompts.ids, prompts.images) if not fields), [])
+    return next((ids for ids, media in zip(prompts.ids, prompts.media) if not media), [])
