@@ -413,19 +413,22 @@ def test_plugins_import_only_the_public_api(dist):
 
 
 def test_the_scaffolded_plugins_import_only_the_public_api(tmp_path):
-    """What ``oxrl new-plugin`` writes, of every kind, imports only the public API."""
-    from oxrl_core.commands.scaffold import KINDS, create
+    """What ``oxrl new-plugin`` writes, of every kind and every algorithm loop, imports only the public API."""
+    from oxrl_core.commands.scaffold import KINDS, LOOPS, create
 
     names = _public_names()
     problems = []
-    for kind in KINDS:
-        root = create(f"fake_{kind}", tmp_path, kind=kind)
+    variants = [(kind, loop) for kind in KINDS for loop in (LOOPS if kind == "algorithm" else [None])]
+    assert len(variants) == len(KINDS) - 1 + len(LOOPS) >= 4
+    for kind, loop in variants:
+        label = f"{kind} --loop {loop}" if loop else kind
+        root = create(f"fake_{loop or kind}", tmp_path, kind=kind, loop=loop)
         problems += [
             problem
             for path in distribution_files(root)
-            for problem in private_imports(path, names, label=f"scaffold {kind}: {path.relative_to(root)}")
+            for problem in private_imports(path, names, label=f"scaffold {label}: {path.relative_to(root)}")
         ]
-        assert distribution_files(root), kind
+        assert len(distribution_files(root)) >= 3, label  # the hook module, the plugin's class, its test
     assert not problems, "\n".join(problems)
 
 
