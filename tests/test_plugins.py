@@ -125,7 +125,7 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
         assert (root / "tests" / f"test_{name}.py").is_file()
         assert str(root) in flat(proc.stdout)
         assert f'loop = "{loop}"' in (root / f"oxrl_{name}" / "algorithm.py").read_text()
-        assert f"for the {loop} loop" in (root / "README.md").read_text()
+        assert f"for the `{loop}` loop" in (root / "README.md").read_text()
 
     import setuptools  # noqa: F401  (the scaffold's build backend, used without build isolation; in the test extra)
 
@@ -632,7 +632,7 @@ def test_new_plugin_writes_the_algorithm_of_its_loop(tmp_path, loop):
     root = tmp_path / "oxrl-my_alg"
     algorithm = (root / "oxrl_my_alg" / "algorithm.py").read_text()
     assert "class MyAlg(" in algorithm and f'loop = "{loop}"' in algorithm
-    assert f"for the {loop} loop" in (root / "README.md").read_text()
+    assert f"for the `{loop}` loop" in (root / "README.md").read_text()
     for path in root.rglob("*.py"):
         compile(path.read_text(), str(path), "exec")
 

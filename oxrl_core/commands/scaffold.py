@@ -95,7 +95,8 @@ def test_loss_is_nll_without_smoothing():
 
 README = """# oxrl-{name}
 
-An oxRL algorithm plugin for the {loop} loop: {about}. Install it next to oxRL and run it:
+An oxRL algorithm plugin for the `{loop}` loop: {about}.
+Install it next to oxRL and run it:
 
 ```bash
 pip install -e .
@@ -191,7 +192,7 @@ RL_ALGORITHM = '''"""{cls}: a group-relative policy gradient (GRPO-style, Shao e
 
 For a prompt x the loop samples a group of n completions o_1..o_n and scores them, r_1..r_n:
 
-    A_i     = (r_i − mean(r)) / (std(r) + eps)                                  group z-score advantage
+    A_i     = (r_i − mean(r)) / (std(r) + eps)                            group z-score advantage
     ρ_{{i,t}} = π_θ(o_{{i,t}} | x, o_{{i,<t}}) / π_old(o_{{i,t}} | x, o_{{i,<t}})   importance ratio
     L       = −(1/Σ_i|o_i|) Σ_i Σ_t min(ρ_{{i,t}} A_i, clip(ρ_{{i,t}}, 1−ε, 1+ε) A_i)
 
