@@ -19,7 +19,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_preference.common import chosen_nll, pair_metrics, sigmoid_loss
-from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
+from oxrl_core import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 class DPO(Algorithm):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics
-from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
+from oxrl_core import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 class IPO(Algorithm):

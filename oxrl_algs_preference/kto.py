@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel, UnpairedPreferenceBatch
+from oxrl_core import Algorithm, StrictModel, UnpairedPreferenceBatch
 
 
 class KTO(Algorithm):

@@ -23,7 +23,7 @@ import torch
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics, sigmoid_loss
-from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
+from oxrl_core import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 
 
 class OnlineDPO(Algorithm):

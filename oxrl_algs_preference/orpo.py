@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from oxrl_algs_preference.common import chosen_nll, pair_metrics
-from oxrl_core.interfaces import Algorithm, PairedPreferenceBatch, StrictModel
+from oxrl_core import Algorithm, PairedPreferenceBatch, StrictModel
 
 
 def log_odds(avg_logp: torch.Tensor) -> torch.Tensor:

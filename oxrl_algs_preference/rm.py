@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from oxrl_algs_preference.common import pair_metrics
-from oxrl_core.interfaces import Algorithm, ScoreBatch, StrictModel
+from oxrl_core import Algorithm, ScoreBatch, StrictModel
 
 
 class RM(Algorithm):

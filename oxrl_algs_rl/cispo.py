@@ -27,8 +27,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import group_advantages, policy_metrics, policy_objective, shaped_rewards
+from oxrl_core import PolicyGradient, RLAdvantagesBatch, RLLossBatch, ops
 
 
 class CISPO(PolicyGradient):
@@ -51,8 +50,8 @@ class CISPO(PolicyGradient):
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
     def advantages(self, batch: RLAdvantagesBatch):
-        rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
-        adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        rewards, metrics = ops.shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
+        adv_seq = ops.group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
         return {"adv": adv}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
@@ -66,6 +65,6 @@ class CISPO(PolicyGradient):
         tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
         # ℓ = −w · A · log π_θ · w_tis, aggregated by loss_agg (token-mean: −(1/Σ|o_i|) Σ_i Σ_t ...)
         policy_term = -weight * adv * logp * tis_weight  # (B, T)
-        loss, metrics = policy_objective(policy_term, batch, c)
+        loss, metrics = ops.policy_objective(policy_term, batch, c)
         clipped = (ratio > 1 + c.eps_high) | (ratio < 1 - c.eps_low)  # the weight is clipped (the gradient stays)
-        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}
+        return loss, {**metrics, **ops.policy_metrics(policy_term, ratio, clipped, batch, c)}

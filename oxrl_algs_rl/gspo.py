@@ -33,8 +33,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import aggregate_loss, group_advantages, mean_metric, policy_objective, shaped_rewards
+from oxrl_core import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch, ops
 
 
 class GSPO(PolicyGradient):
@@ -57,9 +56,9 @@ class GSPO(PolicyGradient):
         )
 
     def advantages(self, batch: RLAdvantagesBatch):
-        rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
+        rewards, metrics = ops.shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
-        adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        adv_seq = ops.group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
         return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
     def loss(self, batch: RLLossBatch):
@@ -75,7 +74,7 @@ class GSPO(PolicyGradient):
         # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
         policy_term = -surrogate * batch.get("tis_weight", 1.0)  # (B, T)
         # + β·KL, − c_H·H; aggregated by loss_agg (seq-mean-token-mean: (1/n) Σ_i (1/|o_i|) Σ_t)
-        loss, metrics = policy_objective(policy_term, batch, c)
+        loss, metrics = ops.policy_objective(policy_term, batch, c)
         seq_ratio = log_s.detach().exp()  # (B,) s_i
         adv_seq = adv.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,) A_i
         clipped = ((seq_ratio < 1 - c.clip_low) & (adv_seq < 0)) | ((seq_ratio > 1 + c.clip_high) & (adv_seq > 0))
@@ -84,9 +83,9 @@ class GSPO(PolicyGradient):
         per_token = (clipped.float()[:, None] * mask, seq_ratio[:, None] * mask)  # (B, T) each
         metrics.update(
             {
-                "loss/policy": aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
-                "clip/frac": mean_metric(per_token[0], mask, c.loss_agg),
-                "ratio/mean": mean_metric(per_token[1], mask, c.loss_agg),
+                "loss/policy": ops.aggregate_loss(policy_term, mask, c.loss_agg, batch.get("max_new_tokens")).detach(),
+                "clip/frac": ops.mean_metric(per_token[0], mask, c.loss_agg),
+                "ratio/mean": ops.mean_metric(per_token[1], mask, c.loss_agg),
             }
         )
         return loss, metrics

@@ -38,8 +38,7 @@ from typing import Literal
 import torch
 from pydantic import AliasChoices, Field
 
-from oxrl_core.interfaces import Algorithm, KLEstimator, RLAdvantagesBatch, RLLossBatch, StrictModel
-from oxrl_core.ops import kl_estimate, masked_mean
+from oxrl_core import Algorithm, KLEstimator, RLAdvantagesBatch, RLLossBatch, StrictModel, ops
 
 
 def discounted_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
@@ -119,16 +118,16 @@ class PPO(Algorithm):
         metrics = {}
         if c.kl_coeff > 0 and c.kl_in_reward:
             # r_t −= β KL_t, KL_t = log π_old − log π_ref with k1
-            kl = kl_estimate(batch["logp_old"], batch["logp_ref"], c.kl_estimator) * mask  # (B, T)
+            kl = ops.kl_estimate(batch["logp_old"], batch["logp_ref"], c.kl_estimator) * mask  # (B, T)
             rewards = rewards - c.kl_coeff * kl
-            metrics["kl/penalty"] = metrics[f"kl/reward_{c.kl_estimator}"] = masked_mean(kl, mask)
+            metrics["kl/penalty"] = metrics[f"kl/reward_{c.kl_estimator}"] = ops.masked_mean(kl, mask)
         adv, returns = gae(rewards, batch["values"], mask, c.gamma, c.lam)  # (B, T), (B, T)
         if c.whiten_advantages:
-            mean = masked_mean(adv, mask)
-            std = masked_mean((adv - mean) ** 2, mask).sqrt()
+            mean = ops.masked_mean(adv, mask)
+            std = ops.masked_mean((adv - mean) ** 2, mask).sqrt()
             adv = (adv - mean) / (std + 1e-8) * mask
-        metrics["values/mean"] = masked_mean(batch["values"], mask)
-        metrics["returns/mean"] = masked_mean(returns, mask)
+        metrics["values/mean"] = ops.masked_mean(batch["values"], mask)
+        metrics["returns/mean"] = ops.masked_mean(returns, mask)
         return {"adv": adv, "returns": returns}, metrics
 
     def loss(self, batch: RLLossBatch):
@@ -139,17 +138,19 @@ class PPO(Algorithm):
         surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - c.clip_eps, 1 + c.clip_eps) * adv)  # (B, T)
         # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
         tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
-        loss_policy = masked_mean(-surrogate * tis_weight, mask)
+        loss_policy = ops.masked_mean(-surrogate * tis_weight, mask)
         # clipped value loss
         values, values_old, returns = batch["values_new"], batch["values"], batch["returns"]  # (B, T)
         values_clipped = values_old + (values - values_old).clamp(-c.value_clip, c.value_clip)
-        loss_value = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2), mask)
+        loss_value = 0.5 * ops.masked_mean(
+            torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2), mask
+        )
         # entropy bonus
-        entropy = masked_mean(batch["entropy"], mask)
+        entropy = ops.masked_mean(batch["entropy"], mask)
         loss = loss_policy + c.vf_coef * loss_value - c.entropy_coeff * entropy
         metrics = {}
         if c.kl_coeff > 0 and not c.kl_in_reward:  # + β·KL(π_θ || π_ref) in the loss
-            kl = masked_mean(kl_estimate(batch["logp"], batch["logp_ref"], c.kl_estimator), mask)
+            kl = ops.masked_mean(ops.kl_estimate(batch["logp"], batch["logp_ref"], c.kl_estimator), mask)
             loss = loss + c.kl_coeff * kl
             metrics["loss/kl"] = metrics[f"kl/loss_{c.kl_estimator}"] = kl.detach()
         # clipped share: tokens whose clipped term is the active one of the min (zero gradient through ρ)
@@ -158,6 +159,6 @@ class PPO(Algorithm):
             **metrics,
             "loss/policy": loss_policy.detach(),
             "loss/value": loss_value.detach(),
-            "clip/frac": masked_mean(clipped.float(), mask).detach(),
-            "ratio/mean": masked_mean(ratio, mask).detach(),
+            "clip/frac": ops.masked_mean(clipped.float(), mask).detach(),
+            "ratio/mean": ops.masked_mean(ratio, mask).detach(),
         }

@@ -1,6 +1,6 @@
 """One entry point per algorithm; each registers an import path, so discovery never imports torch."""
 
-from oxrl_core.hookspecs import hookimpl
+from oxrl_core import hookimpl
 
 
 @hookimpl

@@ -22,17 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import KLEstimator, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import (
-    clipped_surrogate,
-    masked_mean,
-    policy_metrics,
-    policy_objective,
-    returns_to_go,
-    shaped_rewards,
-    token_kl_rewards,
-    whiten,
-)
+from oxrl_core import KLEstimator, PolicyGradient, RLAdvantagesBatch, RLLossBatch, ops
 
 
 class REINFORCEPP(PolicyGradient):
@@ -49,26 +39,26 @@ class REINFORCEPP(PolicyGradient):
 
     def sequence_rewards(self, batch: RLAdvantagesBatch) -> tuple[torch.Tensor, dict]:
         """R_i (B,): the reward with overlong shaping (REINFORCE++-baseline subtracts its group mean here)."""
-        return shaped_rewards(batch, self.config, kl=False)
+        return ops.shaped_rewards(batch, self.config, kl=False)
 
     def advantages(self, batch: RLAdvantagesBatch):
         mask = batch["mask"]  # (B, T)
         rewards, metrics = self.sequence_rewards(batch)  # (B,)
         # r_{i,t} = −β KL_t + [t = |o_i|] R_i
-        token_rewards, kl_metrics = token_kl_rewards(rewards, batch, self.config)  # (B, T)
+        token_rewards, kl_metrics = ops.token_kl_rewards(rewards, batch, self.config)  # (B, T)
         # G_{i,t} = Σ_{k≥t} r_{i,k}
-        returns = returns_to_go(token_rewards, mask)  # (B, T)
+        returns = ops.returns_to_go(token_rewards, mask)  # (B, T)
         # A = (G − mean) / std over the batch's tokens
-        adv = whiten(returns, mask)  # (B, T)
-        return {"adv": adv}, {"returns/mean": masked_mean(returns, mask), **metrics, **kl_metrics}
+        adv = ops.whiten(returns, mask)  # (B, T)
+        return {"adv": adv}, {"returns/mean": ops.masked_mean(returns, mask), **metrics, **kl_metrics}
 
     def loss(self, batch: RLLossBatch):
         c = self.config
         adv = batch["adv"]  # (B, T)
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # ρ (B, T)
         # min(ρ A, clip(ρ, 1−ε_c, 1+ε_c) A)
-        surrogate, clipped = clipped_surrogate(ratio, adv, c.clip_eps, c.clip_eps)  # (B, T)
+        surrogate, clipped = ops.clipped_surrogate(ratio, adv, c.clip_eps, c.clip_eps)  # (B, T)
         policy_term = -surrogate * batch.get("tis_weight", 1.0)  # (B, T)
         # + β·KL (only with kl_in_reward: false), − c_H·H; aggregated by loss_agg (token-mean)
-        loss, metrics = policy_objective(policy_term, batch, c)
-        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}
+        loss, metrics = ops.policy_objective(policy_term, batch, c)
+        return loss, {**metrics, **ops.policy_metrics(policy_term, ratio, clipped, batch, c)}

@@ -19,8 +19,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from oxrl_algs_rl.reinforce_pp import REINFORCEPP
-from oxrl_core.interfaces import KLEstimator, RLAdvantagesBatch
-from oxrl_core.ops import shaped_rewards
+from oxrl_core import KLEstimator, RLAdvantagesBatch, ops
 
 
 class REINFORCEPPBaseline(REINFORCEPP):
@@ -34,7 +33,7 @@ class REINFORCEPPBaseline(REINFORCEPP):
         kl_in_reward: bool = Field(False, description="false: the KL is a loss term (true: a per-token penalty)")
 
     def sequence_rewards(self, batch: RLAdvantagesBatch):
-        rewards, metrics = shaped_rewards(batch, self.config, kl=False)  # (B,) with overlong shaping
+        rewards, metrics = ops.shaped_rewards(batch, self.config, kl=False)  # (B,) with overlong shaping
         # R̃_i = R_i − mean_g(R)
         groups = rewards.view(-1, batch["group_size"])  # (P, n)
         centred = (groups - groups.mean(dim=1, keepdim=True)).reshape(-1)  # (B,)

@@ -22,14 +22,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import (
-    clipped_surrogate,
-    leave_one_out_advantages,
-    policy_metrics,
-    policy_objective,
-    shaped_rewards,
-)
+from oxrl_core import LossAggregation, PolicyGradient, RLAdvantagesBatch, RLLossBatch, ops
 
 
 class RLOO(PolicyGradient):
@@ -47,9 +40,9 @@ class RLOO(PolicyGradient):
         )
 
     def advantages(self, batch: RLAdvantagesBatch):
-        rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
+        rewards, metrics = ops.shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         # A_i = r_i − mean of the other n − 1 rewards of the group
-        adv_seq = leave_one_out_advantages(rewards, batch["group_size"])  # (B,)
+        adv_seq = ops.leave_one_out_advantages(rewards, batch["group_size"])  # (B,)
         return {"adv": adv_seq[:, None] * batch["mask"]}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
     def loss(self, batch: RLLossBatch):
@@ -57,8 +50,8 @@ class RLOO(PolicyGradient):
         adv = batch["adv"]  # (B, T)
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # ρ (B, T)
         # min(ρ A, clip(ρ, 1−ε, 1+ε) A)
-        surrogate, clipped = clipped_surrogate(ratio, adv, c.clip_eps, c.clip_eps)  # (B, T)
+        surrogate, clipped = ops.clipped_surrogate(ratio, adv, c.clip_eps, c.clip_eps)  # (B, T)
         policy_term = -surrogate * batch.get("tis_weight", 1.0)  # (B, T)
         # + β·KL (when not in the reward), − c_H·H; aggregated by loss_agg (seq-mean-token-sum: (1/n) Σ_i Σ_t)
-        loss, metrics = policy_objective(policy_term, batch, c)
-        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}
+        loss, metrics = ops.policy_objective(policy_term, batch, c)
+        return loss, {**metrics, **ops.policy_metrics(policy_term, ratio, clipped, batch, c)}

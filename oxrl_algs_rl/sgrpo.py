@@ -34,8 +34,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import PolicyGradient, RLAdvantagesBatch, RLLossBatch
-from oxrl_core.ops import clipped_surrogate, group_advantages, policy_metrics, policy_objective, shaped_rewards
+from oxrl_core import PolicyGradient, RLAdvantagesBatch, RLLossBatch, ops
 
 
 class SGRPO(PolicyGradient):
@@ -53,9 +52,9 @@ class SGRPO(PolicyGradient):
         eps: float = Field(1e-4, gt=0, description="added to the group std")
 
     def advantages(self, batch: RLAdvantagesBatch):
-        rewards, metrics = shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
+        rewards, metrics = ops.shaped_rewards(batch, self.config)  # (B,) + overlong shaping, KL in the reward
         # A_i = (r_i − mean_g) / (std_g + eps), the same for every token of sample i
-        adv_seq = group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
+        adv_seq = ops.group_advantages(rewards, batch["group_size"], self.config.scale_rewards, self.config.eps)  # (B,)
         adv = adv_seq[:, None] * batch["mask"]  # (B, T)
         return {"adv": adv}, {"adv/abs_mean": adv_seq.abs().mean(), **metrics}
 
@@ -65,10 +64,10 @@ class SGRPO(PolicyGradient):
         # ρ = π_θ / π_old
         ratio = torch.exp(batch["logp"] - batch["logp_old"])  # (B, T)
         # min(ρ A, clip(ρ, 1−ε_low, 1+ε_high) A)
-        surrogate, clipped = clipped_surrogate(ratio, adv, c.clip_low, c.clip_high)  # (B, T)
+        surrogate, clipped = ops.clipped_surrogate(ratio, adv, c.clip_low, c.clip_high)  # (B, T)
         # TIS: w = min(π_old / π_rollout, C), detached (ones, or absent, when rollout.tis_cap = 0)
         tis_weight = batch.get("tis_weight", 1.0)  # (B, T)
         policy_term = -surrogate * tis_weight  # (B, T)
         # + β·KL (k3 by default), − c_H·H; aggregated by loss_agg (token-mean: (1/Σ|o_i|) Σ_i Σ_t)
-        loss, metrics = policy_objective(policy_term, batch, c)
-        return loss, {**metrics, **policy_metrics(policy_term, ratio, clipped, batch, c)}
+        loss, metrics = ops.policy_objective(policy_term, batch, c)
+        return loss, {**metrics, **ops.policy_metrics(policy_term, ratio, clipped, batch, c)}

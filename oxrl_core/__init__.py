@@ -7,7 +7,9 @@ The public API — what a plugin imports, and all it imports — is this package
 
 - the hook marker: `hookimpl`;
 - the interfaces a plugin implements: `Algorithm`, `Reward`, `Dataset`, `RolloutBackend`, `Environment`,
-  `ToolEnvironment`; their config base `StrictModel`; what a rollout backend takes and gives, `SamplingParams`
+  `ToolEnvironment`; their config base `StrictModel`; `PolicyGradient`, the base of a group-based RL algorithm,
+  and the types of its options (`LossAggregation`, `KLEstimator`); the values of `Algorithm.loop` and
+  ``data_format`` (`Loop`, `DataFormat`); what a rollout backend takes and gives, `SamplingParams`
   and `Completion`; the batches an algorithm's ``loss`` receives (`SupervisedBatch`, `RLAdvantagesBatch`,
   `RLLossBatch`, `PairedPreferenceBatch`, `UnpairedPreferenceBatch`, `ScoreBatch`);
 - what an environment's tools are parsed with: `ToolParser`, `ToolCall`, `HermesParser` (the loop sets an
@@ -24,9 +26,11 @@ The public API — what a plugin imports, and all it imports — is this package
   with LoRA merged, for a backend's weight sync), `path_kind`, `read_data_file` (a local data file or
   directory, as ``data.path`` reads it), `row_number` (the row a message names, as the core's messages do).
 
-Every other module of ``oxrl_core`` is private: it may change without notice, and a plugin in this
-repository never imports it (``tests/test_layers.py`` checks). ``oxrl_core.interfaces``, ``oxrl_core.ops``,
-``oxrl_core.errors`` and ``oxrl_core.hookspecs`` stay importable under those names, for existing plugins.
+A plugin in this repository imports these names and nothing else: never a module path such as
+``oxrl_core.interfaces`` (the public modules too come as names, ``from oxrl_core import ops``), so that the
+core's modules can move without a plugin noticing (``tests/test_layers.py`` checks). ``oxrl_core.interfaces``,
+``oxrl_core.ops``, ``oxrl_core.errors`` and ``oxrl_core.hookspecs`` stay importable under those names for
+plugins written against them elsewhere; every other module is private and may change without notice.
 """
 
 from oxrl_core.hookspecs import hookimpl
@@ -42,7 +46,12 @@ _LAZY = {
     "RolloutBackend": "oxrl_core.interfaces",
     "Environment": "oxrl_core.interfaces",
     "ToolEnvironment": "oxrl_core.interfaces",
+    "PolicyGradient": "oxrl_core.interfaces",
     "StrictModel": "oxrl_core.interfaces",
+    "Loop": "oxrl_core.interfaces",
+    "DataFormat": "oxrl_core.interfaces",
+    "LossAggregation": "oxrl_core.interfaces",
+    "KLEstimator": "oxrl_core.interfaces",
     "SamplingParams": "oxrl_core.interfaces",
     "Completion": "oxrl_core.interfaces",
     "SupervisedBatch": "oxrl_core.interfaces",

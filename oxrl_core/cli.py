@@ -305,14 +305,21 @@ def new_plugin(
     kind: str = typer.Option(
         "algorithm", "--kind", "-k", help="what to scaffold: algorithm, or environment (multi-turn RL with tools)"
     ),
+    loop: Optional[str] = typer.Option(
+        None,
+        "--loop",
+        "-l",
+        help="an algorithm's loop: supervised (the default), preference (a DPO-style loss) or rl (a group-relative "
+        "policy gradient)",
+    ),
     directory: Path = typer.Option(Path("."), "--dir", help="where to create oxrl-<name>/"),
 ):
-    """Scaffold a third-party plugin package that installs and runs: an algorithm, or (--kind environment) a
-    tools-style environment for multi-turn RL."""
+    """Scaffold a third-party plugin package that installs and runs: an algorithm for the supervised, preference
+    or RL loop (--loop), or (--kind environment) a tools-style environment for multi-turn RL."""
     # lazy: only `oxrl new-plugin` needs the scaffold (keeps `oxrl --help` light)
     from oxrl_core.commands.scaffold import create, name_taken, next_steps
 
-    root = create(name, directory, kind)
+    root = create(name, directory, kind, loop)
     warning = name_taken(name, kind)
     if warning:
         err.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False, soft_wrap=True)

@@ -1,6 +1,6 @@
 """The plugin system (hook specs, entry points and interfaces; ``docs/architecture.md``) through the real `oxrl` CLI.
 
-- a third-party package made by `oxrl new-plugin`, pip-installed, is listed and runs;
+- a third-party package made by `oxrl new-plugin` (an algorithm of each loop), pip-installed, is listed and runs;
 - a broken plugin is reported (name, package, version, error) and never stops the CLI;
   it is a hard, clear error only when a run names it; OXRL_STRICT_PLUGINS makes it fatal;
 - misspelled hooks (pluggy check_pending), registrations pointing nowhere or at a
@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import layered_venv, oxrl, read_metrics
+from conftest import layered_venv, oxrl, read_metrics, write_jsonl
 
 BUILTIN_ALGS = {"sft", "cpt", "kd", "rft"}
 
@@ -95,27 +95,37 @@ def broken_site(tmp_path) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
+#: the algorithm scaffold of each loop, as the e2e test makes it: plugin name -> (--loop, a metric only its loss
+#: or advantages log, the scaffold's own tests that pass)
+SCAFFOLDED = {
+    "myalg": ("supervised", "loss/nll", 1),
+    "mypref": ("preference", "rewards/margins", 2),
+    "myrl": ("rl", "adv/abs_mean", 2),
+}
+
+
 @pytest.mark.slow
 def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft_jsonl):
-    """`oxrl new-plugin myalg` gives a package that `pip install` makes a working algorithm.
+    """`oxrl new-plugin NAME --loop supervised|preference|rl` gives a package that `pip install` makes a working
+    algorithm of that loop.
 
-    It is installed with pip into a throw-away virtual environment layered on this one
-    (`conftest.layered_venv`: oxrl and its dependencies come from here, the new
-    distribution goes only into the venv), so a concurrently running test never sees it
-    and nothing needs uninstalling from the shared environment.
+    The three are installed with one pip into one throw-away virtual environment layered on this one
+    (`conftest.layered_venv`: oxrl and its dependencies come from here, the new distributions go only into the
+    venv), so a concurrently running test never sees them, nothing needs uninstalling from the shared
+    environment, and the second and third loops cost only their runs.
     """
-    proc = oxrl("new-plugin", "myalg", "--dir", str(tmp_path), env=CLEAN)
-    assert proc.returncode == 0, proc.stderr
-    root = tmp_path / "oxrl-myalg"
-    for rel in (
-        "pyproject.toml",
-        "README.md",
-        "oxrl_myalg/__init__.py",
-        "oxrl_myalg/algorithm.py",
-        "tests/test_myalg.py",
-    ):
-        assert (root / rel).is_file(), rel
-    assert str(root) in flat(proc.stdout)
+    roots = {}
+    for name, (loop, _, _) in SCAFFOLDED.items():
+        flag = () if loop == "supervised" else ("--loop", loop)  # supervised is the default
+        proc = oxrl("new-plugin", name, *flag, "--dir", str(tmp_path), env=CLEAN)
+        assert proc.returncode == 0, proc.stderr
+        roots[name] = root = tmp_path / f"oxrl-{name}"
+        for rel in ("pyproject.toml", "README.md", f"oxrl_{name}/__init__.py", f"oxrl_{name}/algorithm.py"):
+            assert (root / rel).is_file(), rel
+        assert (root / "tests" / f"test_{name}.py").is_file()
+        assert str(root) in flat(proc.stdout)
+        assert f'loop = "{loop}"' in (root / f"oxrl_{name}" / "algorithm.py").read_text()
+        assert f"for the `{loop}` loop" in (root / "README.md").read_text()
 
     import setuptools  # noqa: F401  (the scaffold's build backend, used without build isolation; in the test extra)
 
@@ -123,7 +133,7 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
     py = layered_venv(venv)
     env = {**os.environ, **CLEAN}
     pip = subprocess.run(
-        [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-input", "-q", str(root)],
+        [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-input", "-q", *roots.values()],
         capture_output=True,
         text=True,
         env=env,
@@ -137,24 +147,26 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
         )
 
     # The shared environment is untouched.
-    assert "myalg" not in names(plugins_json(CLEAN))
+    assert not set(SCAFFOLDED) & names(plugins_json(CLEAN))
 
-    # Listed, with its package and version.
+    # Listed, each with its package and version.
     proc = venv_oxrl("plugins", "--json")
     assert proc.returncode == 0, proc.stderr
     listing = json.loads(proc.stdout)
     assert listing["errors"] == []
-    (row,) = [r for r in listing["plugins"] if r["name"] == "myalg"]
-    assert (row["kind"], row["package"], row["version"]) == ("algorithm", "oxrl-myalg", "0.1.0")
+    for name in SCAFFOLDED:
+        (row,) = [r for r in listing["plugins"] if r["name"] == name]
+        assert (row["kind"], row["package"], row["version"]) == ("algorithm", f"oxrl-{name}", "0.1.0")
     assert BUILTIN_ALGS <= names(listing)
 
-    # The installed copy (not the source tree) is what is found, and finding it imports no torch.
+    # The installed copies (not the source tree) are what is found, and finding them imports no torch.
     probe = subprocess.run(
         [
             py,
             "-c",
-            "import sys, oxrl_core.plugins as p; r = p.discover(); assert 'myalg' in r.names('algorithm');"
-            "import oxrl_myalg; print(oxrl_myalg.__file__); print('torch' in sys.modules)",
+            "import sys, oxrl_core.plugins as p; r = p.discover(); assert {'myalg', 'mypref', 'myrl'} <= "
+            "set(r.names('algorithm')); import oxrl_myalg, oxrl_mypref, oxrl_myrl;"
+            "print(oxrl_myalg.__file__, oxrl_mypref.__file__, oxrl_myrl.__file__); print('torch' in sys.modules)",
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -163,36 +175,45 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
         timeout=120,
     )
     assert probe.returncode == 0, probe.stderr
-    location, torch_loaded = probe.stdout.split()
-    assert Path(location).is_relative_to(venv), location
+    *locations, torch_loaded = probe.stdout.split()
+    assert all(Path(location).is_relative_to(venv) for location in locations), locations
     assert torch_loaded == "False"
 
-    # It trains.
-    run_dir = tmp_path / "run"
-    proc = venv_oxrl(
-        "run",
-        "--alg",
-        "myalg",
-        "--set",
-        f"model.name={tiny_model_dir}",
-        "--set",
-        f"data.train={sft_jsonl}",
-        "--set",
-        "train.max_steps=3",
-        "-o",
-        str(run_dir),
+    # Each trains 3 steps on the tiny model: SFT rows, preference pairs, and RL on the built-in arith task (a
+    # one-row held-out set keeps the evaluation short).
+    pairs = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"prompt": f"What is {i}+{i % 5}?", "chosen": str(i + i % 5), "rejected": str(i + i % 5 + 1)}
+            for i in range(24)
+        ],
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    metrics = read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert all(m["loss"] == m["loss"] and m["loss"] > 0 for m in metrics)  # finite, positive NLL
-    assert "loss/nll" in metrics[0]  # the plugin's own metric reaches metrics.jsonl
-    assert (run_dir / "final" / "config.json").is_file()
-    assert any((run_dir / "final").glob("*.safetensors"))
+    held_out = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "What is 2+3?", "answer": "5"}])
+    data = {
+        "myalg": ["--set", f"data.train={sft_jsonl}"],
+        "mypref": ["--set", f"data.train={pairs}"],
+        "myrl": ["--set", "data.train=arith", "--set", f"data.eval={held_out}", "--set", "train.batch_size=4",
+                 "--set", "rollout.n=2", "--set", "rollout.max_new_tokens=16"],
+    }  # fmt: skip
+    for name, (loop, metric, _) in SCAFFOLDED.items():
+        run_dir = tmp_path / f"run-{name}"
+        proc = venv_oxrl(
+            "run", "--alg", name, "--set", f"model.name={tiny_model_dir}", *data[name],
+            "--set", "train.max_steps=3", "-o", str(run_dir),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        metrics = read_metrics(run_dir)
+        assert [m["step"] for m in metrics] == [1, 2, 3], loop
+        assert all(m["loss"] == m["loss"] for m in metrics), (loop, metrics)  # finite
+        assert metric in metrics[0], (loop, metrics[0])  # the plugin's own metric reaches metrics.jsonl
+        assert (run_dir / "final" / "config.json").is_file()
+        assert any((run_dir / "final").glob("*.safetensors"))
+    # the supervised loss is an NLL: positive
+    assert all(m["loss"] > 0 for m in read_metrics(tmp_path / "run-myalg"))
 
-    # The scaffold's own tests pass against the installed package (cwd is not the source tree).
+    # The scaffolds' own tests pass against the installed packages (cwd is not the source tree).
     proc = subprocess.run(
-        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests")],
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(root / "tests") for root in roots.values())],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -200,7 +221,7 @@ def test_scaffolded_plugin_installs_lists_and_runs(tmp_path, tiny_model_dir, sft
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "1 passed" in proc.stdout
+    assert f"{sum(n for _, _, n in SCAFFOLDED.values())} passed" in proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,6 +621,40 @@ def test_in_process_misspelled_hook_and_bad_register_call(monkeypatch):
 def test_new_plugin_rejects_bad_names(tmp_path, bad):
     proc = oxrl("new-plugin", bad, "--dir", str(tmp_path), env=CLEAN)
     assert_clean_failure(proc, repr(bad), "lower-case")
+    assert list(tmp_path.iterdir()) == []  # nothing half-created
+
+
+@pytest.mark.parametrize("loop", ["supervised", "preference", "rl"])
+def test_new_plugin_writes_the_algorithm_of_its_loop(tmp_path, loop):
+    proc = oxrl("new-plugin", "my_alg", "--loop", loop, "--dir", str(tmp_path), env=CLEAN)
+    assert proc.returncode == 0, proc.stderr
+    assert "oxrl run --alg my_alg --set train.max_steps=20" in proc.stdout
+    root = tmp_path / "oxrl-my_alg"
+    algorithm = (root / "oxrl_my_alg" / "algorithm.py").read_text()
+    assert "class MyAlg(" in algorithm and f'loop = "{loop}"' in algorithm
+    assert f"for the `{loop}` loop" in (root / "README.md").read_text()
+    for path in root.rglob("*.py"):
+        compile(path.read_text(), str(path), "exec")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--loop", "ppo"], "error: --loop 'ppo': expected one of supervised, preference, rl"),
+        (["--loop", "RL"], "error: --loop 'RL': expected one of supervised, preference, rl"),
+        (["--loop", ""], "error: --loop '': expected one of supervised, preference, rl"),
+        # an explicit loop with another kind is refused even when it is the default one
+        (
+            ["--kind", "environment", "--loop", "supervised"],
+            "error: --loop applies only to --kind algorithm, not --kind environment",
+        ),
+    ],
+)
+def test_new_plugin_rejects_a_bad_loop_in_one_line(tmp_path, args, message):
+    proc = oxrl("new-plugin", "my_alg", *args, "--dir", str(tmp_path), env=CLEAN)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert flat(proc.stderr) == message
     assert list(tmp_path.iterdir()) == []  # nothing half-created
 
 

@@ -7,7 +7,7 @@ and cuts the stream into `data.max_length` blocks (sequence packing, as in
 GPT-2/nanoGPT pre-training), so a block may span documents, separated by EOS.
 """
 
-from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
+from oxrl_core import Algorithm, StrictModel, SupervisedBatch
 
 
 class CPT(Algorithm):

@@ -14,7 +14,7 @@ chunk over the vocabulary-sized distributions (no gradient reaches the teacher).
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
+from oxrl_core import Algorithm, StrictModel, SupervisedBatch
 
 
 class KD(Algorithm):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
+from oxrl_core import Algorithm, RLAdvantagesBatch, RLLossBatch, StrictModel
 
 
 class RFT(Algorithm):

@@ -10,7 +10,7 @@ OpenRLHF.
 
 from pydantic import Field
 
-from oxrl_core.interfaces import Algorithm, StrictModel, SupervisedBatch
+from oxrl_core import Algorithm, StrictModel, SupervisedBatch
 
 
 class SFT(Algorithm):

@@ -1,4 +1,4 @@
-"""oxRL dataset plugins: well-known datasets mapped to oxRL's row formats (`oxrl_core.interfaces.DataFormat`;
+"""oxRL dataset plugins: well-known datasets mapped to oxRL's row formats (`oxrl_core.DataFormat`;
 the fields of each: ``docs/architecture.md``).
 
 One module per dataset, each with its exact mapping in its docstring:
