@@ -457,6 +457,35 @@ TINY_PREF_DEFAULTS = {
     "train": {"lr": 1e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0},
     "rollout": {"max_new_tokens": 8},
 }
+#: the built-in model's defaults by the algorithm's loop (`Algorithm.loop`); any other loop: `TINY_DEFAULTS`
+TINY_LOOP_DEFAULTS = {"rl": TINY_RL_DEFAULTS, "preference": TINY_PREF_DEFAULTS}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The defaults a run's config is validated under, one field per source in the order they apply: each
+    overrides the ones above it, and the user's config (the YAML file, then each --set) overrides them all
+    (`with_defaults`). The first four suit the built-in model and apply only with model.name empty; ``rollout``
+    applies whatever the model. `Trainer` gathers them from the algorithm's loop and the plugins the config
+    names; a source that does not apply to the run is empty."""
+
+    #: the loop's (`TINY_LOOP_DEFAULTS`): the built-in model's learning rate, steps, batch size, ...
+    loop: dict = dataclass_field(default_factory=lambda: TINY_DEFAULTS)
+    #: an RL run's environment (env.name): `Environment.tiny_defaults`
+    environment: dict = dataclass_field(default_factory=dict)
+    #: the algorithm's `Algorithm.tiny_defaults` (a smaller learning rate, ...)
+    algorithm: dict = dataclass_field(default_factory=dict)
+    #: the dataset plugin data.train names: its `Dataset.tiny_defaults` for the algorithm's loop
+    dataset: dict = dataclass_field(default_factory=dict)
+    #: an RL algorithm's `Algorithm.rollout_defaults` (rollout keys: how the method is meant to run)
+    rollout: dict = dataclass_field(default_factory=dict)
+
+    def tiny(self) -> dict:
+        """The built-in model's defaults merged: loop, environment, algorithm, dataset, each over the ones before."""
+        merged: dict = {}
+        for source in (self.loop, self.environment, self.algorithm, self.dataset):
+            merged = merge_config(merged, source)
+        return merged
 
 
 def merge_config(base: dict, over: dict) -> dict:
@@ -573,43 +602,51 @@ def load_run_config(
     overrides: list[str] | None = None,
     algorithm: str | None = None,
     base: dict | None = None,
-    tiny_defaults: dict | None = None,
+    defaults: Defaults | None = None,
 ) -> RunConfig:
-    """Read YAML (or `base`), apply overrides, fill tiny-model defaults, validate."""
-    return validate_run_config(read_run_config(config_path, overrides, algorithm, base), tiny_defaults)
+    """Read YAML (or `base`), apply overrides, fill the defaults (`Defaults`), validate."""
+    return validate_run_config(read_run_config(config_path, overrides, algorithm, base), defaults)
 
 
-def validate_run_config(
-    read: RawRunConfig, tiny_defaults: dict | None = None, rollout_defaults: dict | None = None
-) -> RunConfig:
-    """Fill tiny-model defaults (``tiny_defaults``, default `TINY_DEFAULTS`) under ``read`` and validate; the
-    deprecation notes travel in `RunConfig.notes`. ``rollout_defaults`` (the algorithm's own
-    `Algorithm.rollout_defaults`) go under the user's settings and over the tiny-model defaults, whatever the
-    model; the ones in use are kept in `RunConfig.algorithm_defaults` (the banner names them)."""
-    raw, source = read.raw, read.source
-    own_rollout = raw.get("rollout") if isinstance(raw.get("rollout"), dict) else {}
-    applied = {k: v for k, v in (rollout_defaults or {}).items() if k not in own_rollout}
-    if applied:
-        raw = _merge({"rollout": applied}, raw)
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+def _section(raw: dict, name: str) -> dict:
+    value = raw.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def with_defaults(raw: dict, defaults: Defaults) -> tuple[dict, dict, dict]:
+    """``raw`` (the user's config: the YAML file, then each --set) over ``defaults``: the one place a run's
+    defaults are merged, in `Defaults`' order, each source over the ones before it and ``raw`` over them all. With
+    train.epochs set the built-in model's train.max_steps yields (the steps follow from the data). Returns the
+    merged mapping, the built-in model's defaults in use ({} with model.name set) and the rollout defaults applied
+    (those of ``defaults.rollout`` the user left unset)."""
+    tiny: dict = {}
+    if not _section(raw, "model").get("name"):
+        tiny = defaults.tiny()
+        if _section(raw, "train").get("epochs") is not None:
+            tiny = {**tiny, "train": {k: v for k, v in tiny.get("train", {}).items() if k != "max_steps"}}
+    own_rollout = _section(raw, "rollout")
+    applied = {k: v for k, v in defaults.rollout.items() if k not in own_rollout}
+    merged = merge_config(tiny, {"rollout": applied}) if applied else tiny
+    return merge_config(merged, raw), tiny, applied
+
+
+def validate_run_config(read: RawRunConfig, defaults: Defaults | None = None) -> RunConfig:
+    """``read`` over its defaults (`with_defaults`; none given: `TINY_DEFAULTS` for the built-in model), validated
+    once; the deprecation notes travel in `RunConfig.notes`, the algorithm's rollout defaults in use in
+    `RunConfig.algorithm_defaults` (the banner names them)."""
+    source, train = read.source, _section(read.raw, "train")
     if train.get("epochs") is not None and "max_steps" in train:  # one thing said two ways (the config's own keys)
         raise OxrlError(
             f"invalid config ({source}):\n  train.epochs={train['epochs']} and train.max_steps={train['max_steps']} "
             "are both set; set one of them (with train.epochs the steps follow from the data size; "
             "--set train.epochs=null unsets it)"
         )
-    defaults: dict = {}
-    if not model.get("name"):
-        defaults = TINY_DEFAULTS if tiny_defaults is None else tiny_defaults
-        if train.get("epochs") is not None:  # the steps follow from the data: the tiny model's max_steps yields
-            defaults = {**defaults, "train": {k: v for k, v in defaults.get("train", {}).items() if k != "max_steps"}}
-        raw = _merge(defaults, raw)
+    raw, tiny, applied = with_defaults(read.raw, defaults or Defaults())
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise format_validation_error(exc, RunConfig, source) from None
-    config.train._warmup_from_defaults = "warmup_steps" in defaults.get("train", {}) and "warmup_steps" not in train
+    config.train._warmup_from_defaults = "warmup_steps" in tiny.get("train", {}) and "warmup_steps" not in train
     if config.train.epochs is None and not config.train.warmup_from_defaults:  # the run's length is known: now
         try:
             fit_warmup(config.train, f"train.max_steps={config.train.max_steps}")
