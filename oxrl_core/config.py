@@ -8,13 +8,13 @@ A plugin's own options sit flat beside the key that names it: ``reward:`` (besid
 ``{source, ratio, ...}`` data source; each is validated by that plugin's ``Config``.
 Every validation problem becomes an `OxrlError` that names the file and the
 dotted field, so the CLI can print it without a traceback. Renamed keys
-(`RENAMED_KEYS`) are still read, with a one-line note naming the new key.
+(`RENAMED_KEYS`, in `oxrl_core.config_renames`) are still read, with a one-line note naming the new key.
+The ``rollout:`` section, grouped by concern but flat in the YAML, is `oxrl_core.config_rollout`.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -32,70 +32,19 @@ from pydantic import (
 )
 
 from oxrl_core.chat_templates import check_chat_template
+from oxrl_core.config_renames import (
+    OLD_ROLLOUT_OPTIONS,
+    RENAMED_KEYS,
+    both_given,
+    core_option,
+    deprecation_note,
+    renamed_key,
+    renamed_section,
+)
+from oxrl_core.config_rollout import RolloutConfig, rollout_renamed
 from oxrl_core.errors import OxrlError
 from oxrl_core.schema import StrictModel, format_validation_error, validate_options
 from oxrl_core.tool_parsers import parser_for
-
-#: Keys renamed in the config vocabulary: old dotted name -> new. Read from a YAML file, a --set, the Python API's
-#: sections and an older run's config.yaml (--resume, oxrl report), each with a one-line note naming the new key
-#: (`rename_keys`, `apply_overrides`); both names given at once is an error naming both. config.yaml is written with
-#: the new names. ``rollout.options.<key>`` (the rollout backend's options, once nested) is read as ``rollout.<key>``.
-RENAMED_KEYS = {
-    "train.save_steps": "train.save_every",
-    "train.eval_steps": "train.eval_every",
-    "train.log_steps": "train.log_every",
-    "train.save_limit": "train.save_total_limit",
-    "rollout.epochs": "rollout.passes_per_batch",
-}
-#: the old mapping of the rollout backend's own options, now written flat beside rollout.backend
-OLD_ROLLOUT_OPTIONS = "rollout.options"
-
-
-def deprecation_note(old: str, new: str) -> str:
-    """The one-line note an old key gets (printed once per key per run, prefixed ``note:``)."""
-    if old == OLD_ROLLOUT_OPTIONS:
-        return f"{old} is deprecated; write the rollout backend's options flat under rollout: ({new})"
-    return f"{old} is deprecated; use {new}"
-
-
-def _both_given(old: str, new: str) -> str:
-    return f"{old} and {new} are both set; {old} is the old name of {new}: keep only {new}"
-
-
-def _core_option(key: str) -> str:
-    """An option under the old rollout.options whose flat name is one of oxRL's own rollout keys."""
-    return (
-        f"{OLD_ROLLOUT_OPTIONS}.{key}: the rollout backend's options now sit flat under rollout:, where {key} is "
-        f"oxRL's own rollout.{key}; a backend option cannot share its name"
-    )
-
-
-def _renamed_section(data: Any, section: str) -> Any:
-    """One section's mapping with its old key names replaced by the new ones (no note: the models' own
-    validators, for a section built in Python; a YAML file goes through `rename_keys` first)."""
-    if not isinstance(data, dict):
-        return data
-    data = dict(data)
-    for old, new in RENAMED_KEYS.items():
-        (sec, old_key), new_key = old.split("."), new.split(".")[1]
-        if sec == section and old_key in data:
-            if new_key in data:
-                raise ValueError(_both_given(old, new))
-            data[new_key] = data.pop(old_key)
-    if section == "rollout" and "options" in data:
-        options = data.pop("options")
-        if not isinstance(options, dict):
-            raise ValueError(
-                f"{OLD_ROLLOUT_OPTIONS} must be a mapping of the backend's options (or write them "
-                f"flat under rollout:), got {type(options).__name__}"
-            )
-        for key, value in options.items():
-            if key in RolloutConfig.model_fields:
-                raise ValueError(_core_option(key))
-            if key in data:
-                raise ValueError(_both_given(f"{OLD_ROLLOUT_OPTIONS}.{key}", f"rollout.{key}"))
-            data[key] = value
-    return data
 
 
 def rename_keys(raw: dict, source: str, notes: list[str] | None = None) -> dict:
@@ -108,7 +57,7 @@ def rename_keys(raw: dict, source: str, notes: list[str] | None = None) -> dict:
         if not isinstance(before, dict):
             continue
         try:
-            out[section] = _renamed_section(before, section)
+            out[section] = rollout_renamed(before) if section == "rollout" else renamed_section(before, section)
         except ValueError as exc:
             raise OxrlError(f"invalid config ({source}):\n  {exc}") from None
         for old, new in RENAMED_KEYS.items():
@@ -118,15 +67,6 @@ def rename_keys(raw: dict, source: str, notes: list[str] | None = None) -> dict:
             flat = ", ".join(f"rollout.{key}" for key in before["options"]) or "rollout.<option>"
             notes.append(deprecation_note(OLD_ROLLOUT_OPTIONS, flat))
     return out
-
-
-def _renamed_key(key: str) -> tuple[str, str | None]:
-    """A --set key in the new vocabulary, and the old name it was given by (None when it is not an old one)."""
-    if key in RENAMED_KEYS:
-        return RENAMED_KEYS[key], key
-    if key.startswith(f"{OLD_ROLLOUT_OPTIONS}."):
-        return "rollout." + key.removeprefix(f"{OLD_ROLLOUT_OPTIONS}."), OLD_ROLLOUT_OPTIONS
-    return key, None
 
 
 class ModelConfig(StrictModel):
@@ -333,7 +273,7 @@ class TrainConfig(StrictModel):
     def _old_names(cls, data: Any) -> Any:
         """Old key names given to the model directly (``TrainConfig(save_steps=1)``) read as the new ones; a YAML
         file or --set goes through `rename_keys` / `apply_overrides`, which also print the deprecation note."""
-        return _renamed_section(data, "train")
+        return renamed_section(data, "train")
 
 
 class EngineConfig(StrictModel):
@@ -402,200 +342,6 @@ class EngineConfig(StrictModel):
         if problems:
             raise ValueError("; ".join(problems))
         return self
-
-
-#: rollout.tis_cap when unset in an asynchronous run (rollout.max_staleness >= 1)
-ASYNC_TIS_CAP = 2.0
-
-
-class RolloutConfig(StrictModel):
-    """``backend`` picks the rollout backend plugin; any key beyond the ones below is that backend's own option
-    (validated by its Config: vllm's tensor_parallel_size, dtype, gpu_memory_utilization, kv_cache_gb, ...; hf
-    takes none). The old ``rollout.options: {...}`` mapping is still read (flattened, with a note)."""
-
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
-
-    backend: str = Field("hf", description="rollout backend plugin (`hf` ships in the core)")
-    n: int = Field(4, gt=0, description="samples per prompt (the group size of group-relative methods)")
-    max_new_tokens: int = Field(64, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    passes_per_batch: int = Field(
-        1, gt=0, description="passes over each rollout batch (each pass: rollout.minibatches optimiser steps)"
-    )
-    minibatches: int = Field(
-        1, gt=0, description="optimiser steps per pass (the rollout batch is split this many ways)"
-    )
-    micro_batch_size: int = Field(0, ge=0, description="sequences per forward/backward (0 = the whole minibatch)")
-    strict_on_policy: bool = Field(True, description="refuse to train on a sample generated by another policy version")
-    actors: int = Field(
-        0,
-        ge=0,
-        description="run the backend in this many Ray actors of its own, each loading the policy and synced "
-        "from the trainer (0 = inside the training process)",
-    )
-    actor_placement: str = Field(
-        "pack",
-        description="where the rollout actors run on a Ray cluster: 'pack' (as few nodes as possible, starting with "
-        "the node of the rank that drives them), 'spread' (one node after another) or a Ray node id (all on that "
-        "node; `oxrl doctor --ray-address ...` lists them)",
-    )
-    sync_check: bool = Field(
-        True,
-        description="verified weight sync: at the start and after every sync the backend scores a fixed probe "
-        "sequence; a gap to the trainer's logprobs above sync_tolerance stops the run (needs a backend with score())",
-    )
-    sync_tolerance: float = Field(
-        0.0,
-        ge=0,
-        description="largest allowed |logprob gap| on the probe, in nats; 0 = by the trainer's precision: "
-        "1e-3 in float32, 1.0 under bf16 autocast (bf16 rounding alone reaches ~0.2)",
-    )
-    max_logprob_diff: Optional[float] = Field(
-        None,
-        ge=0,
-        description="mismatch alarm: a step whose rollout/logprob_diff (mean |trainer − rollout| logprob of the "
-        "sampled tokens) exceeds this stops the run, checkpoints kept; unset = by the trainer's precision: "
-        "0.01 nats in float32, 0.25 under bf16/fp16 autocast; 0 = off",
-    )
-    tis_cap: Optional[float] = Field(
-        None,
-        ge=0,
-        description="truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is "
-        "weighted by min(π_old/π_rollout, tis_cap) against the rollout engine's numerics and, with max_staleness, "
-        "the samples' older policy; 0 = off, e.g. 2; unset = off, or 2.0 with max_staleness >= 1",
-    )
-    is_mode: Literal["truncate", "mask"] = Field(
-        "truncate",
-        description="what the importance weight does outside its range: truncate = min(w, tis_cap); mask = the "
-        "token is dropped (weight 0) when w is outside [is_low, tis_cap]",
-    )
-    is_low: float = Field(
-        0.0, ge=0, le=1, description="is_mode=mask: the lower bound of the kept importance weights (0 = none)"
-    )
-    max_staleness: int = Field(
-        0,
-        ge=0,
-        description="asynchronous rollouts: the rollout actors generate the batches of the next k steps while the "
-        "trainer trains; the batch of step s comes from policy version max(0, s-1-k), checked; 0 = one step after "
-        "the other (needs rollout.actors >= 1 when above 0)",
-    )
-    max_reward_error_share: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="a step whose share of samples the reward failed on (raised, timed out or returned a non-number: "
-        "reward/error_share) is above this counts toward stopping the run; 1 = never stop",
-    )
-    reward_error_steps: int = Field(
-        3,
-        ge=0,
-        description="stop the run (checkpoints kept) after this many steps in a row over max_reward_error_share; "
-        "0 = never stop",
-    )
-    dynamic_sampling: bool = Field(
-        False,
-        description="DAPO's dynamic sampling (Yu et al. 2025): drop prompt groups whose rewards are all equal (zero "
-        "variance, no learning signal for group-relative advantages) and generate more prompts until the batch has "
-        "train.batch_size groups (metrics sampling/*; reward/* stay the step's scheduled prompts'); only for "
-        "algorithms whose signal is relative to the group (not RFT, PPO, REINFORCE++: refused, saying why)",
-    )
-    max_sampling_rounds: int = Field(
-        4,
-        ge=1,
-        description="dynamic_sampling: refill rounds of train.batch_size more prompts a step may play after its own; "
-        "a step still short after them is filled up with equal-reward groups (advantage 0; sampling/short = 1)",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _old_names(cls, data: Any) -> Any:
-        """Old names given to the model directly (``RolloutConfig(epochs=2, options={...})``); see `rename_keys`."""
-        return _renamed_section(data, "rollout")
-
-    @field_validator("actor_placement")
-    @classmethod
-    def _placement(cls, value: str) -> str:
-        value = value.strip()
-        if value in ("pack", "spread") or (len(value) >= 6 and all(c in "0123456789abcdef" for c in value)):
-            return value
-        raise ValueError(
-            f"{value!r} is neither 'pack', 'spread' nor a Ray node id (hex; `oxrl doctor --ray-address ...` lists them)"
-        )
-
-    @model_validator(mode="after")
-    def _dynamic_sampling(self) -> "RolloutConfig":
-        if self.dynamic_sampling and self.n < 2:
-            raise ValueError(
-                f"rollout.dynamic_sampling needs rollout.n >= 2, got n={self.n}: a group of one sample always has "
-                "equal rewards (zero variance), so every group would be dropped; set rollout.n to 2 or more"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _typo_of_own_key(self) -> "RolloutConfig":
-        """A key beside the ones above is the backend's option, validated when the backend loads; one that is a
-        near miss of oxRL's own rollout keys (``temprature``) is refused here, naming the key it means."""
-        for key in self.model_extra or {}:
-            close = difflib.get_close_matches(key, [k for k in type(self).model_fields if k != key], n=1, cutoff=0.8)
-            if close:
-                raise ValueError(
-                    f"'{key}' is not a rollout key (did you mean '{close[0]}'?); keys other than oxRL's own "
-                    f"rollout keys are the rollout backend's options"
-                )
-        return self
-
-    @property
-    def options(self) -> dict[str, Any]:
-        """The backend's own options: the ``rollout:`` keys beyond the ones above (`rollout_options`)."""
-        return dict(self.model_extra or {})
-
-    @field_validator("tis_cap")
-    @classmethod
-    def _tis_cap(cls, value: float | None) -> float | None:
-        if value is not None and 0 < value < 1:
-            raise ValueError("must be 0 (off) or at least 1: a cap below 1 scales down even on-policy tokens")
-        return value
-
-    @model_validator(mode="after")
-    def _staleness(self) -> "RolloutConfig":
-        """What asynchronous rollouts (max_staleness >= 1) cannot do without, refused with the reason."""
-        if self.is_low and self.is_mode != "mask":
-            raise ValueError(
-                "rollout.is_low is the lower bound of rollout.is_mode=mask (truncation has no lower bound)"
-            )
-        if self.is_mode == "mask" and not self.importance_cap:
-            raise ValueError("rollout.is_mode=mask needs an importance weight: set rollout.tis_cap (e.g. 2)")
-        k = self.max_staleness
-        if k == 0:
-            return self
-        if self.actors == 0:
-            raise ValueError(
-                f"rollout.max_staleness={k} needs rollout.actors >= 1: without actors the rollout backend generates "
-                "with the very module being trained, so generation cannot overlap training (set rollout.actors: 1)"
-            )
-        if self.tis_cap == 0:
-            raise ValueError(
-                f"rollout.tis_cap=0 with rollout.max_staleness={k}: samples up to {k} policy versions old need the "
-                "importance weight that corrects for their older policy; leave tis_cap unset (2.0) or set it >= 1"
-            )
-        if not self.strict_on_policy:
-            raise ValueError(
-                f"rollout.strict_on_policy=false with rollout.max_staleness={k}: asynchronous runs check every "
-                "sample's policy version against the schedule max(0, step-1-k); the check cannot be turned off"
-            )
-        return self
-
-    @property
-    def importance_cap(self) -> float:
-        """The importance weight's cap in use: `tis_cap`, or when unset 2.0 with max_staleness >= 1, else 0 (off)."""
-        if self.tis_cap is not None:
-            return self.tis_cap
-        return ASYNC_TIS_CAP if self.max_staleness else 0.0
-
-    def policy_version_of(self, step: int) -> int:
-        """The policy version that generates the batch of ``step``: max(0, step − 1 − max_staleness)."""
-        return max(0, step - 1 - self.max_staleness)
 
 
 class RewardConfig(StrictModel):
@@ -711,6 +457,35 @@ TINY_PREF_DEFAULTS = {
     "train": {"lr": 1e-4, "max_steps": 100, "batch_size": 16, "warmup_steps": 0},
     "rollout": {"max_new_tokens": 8},
 }
+#: the built-in model's defaults by the algorithm's loop (`Algorithm.loop`); any other loop: `TINY_DEFAULTS`
+TINY_LOOP_DEFAULTS = {"rl": TINY_RL_DEFAULTS, "preference": TINY_PREF_DEFAULTS}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """The defaults a run's config is validated under, one field per source in the order they apply: each
+    overrides the ones above it, and the user's config (the YAML file, then each --set) overrides them all
+    (`with_defaults`). The first four suit the built-in model and apply only with model.name empty; ``rollout``
+    applies whatever the model. `Trainer` gathers them from the algorithm's loop and the plugins the config
+    names; a source that does not apply to the run is empty."""
+
+    #: the loop's (`TINY_LOOP_DEFAULTS`): the built-in model's learning rate, steps, batch size, ...
+    loop: dict = dataclass_field(default_factory=lambda: TINY_DEFAULTS)
+    #: an RL run's environment (env.name): `Environment.tiny_defaults`
+    environment: dict = dataclass_field(default_factory=dict)
+    #: the algorithm's `Algorithm.tiny_defaults` (a smaller learning rate, ...)
+    algorithm: dict = dataclass_field(default_factory=dict)
+    #: the dataset plugin data.train names: its `Dataset.tiny_defaults` for the algorithm's loop
+    dataset: dict = dataclass_field(default_factory=dict)
+    #: an RL algorithm's `Algorithm.rollout_defaults` (rollout keys: how the method is meant to run)
+    rollout: dict = dataclass_field(default_factory=dict)
+
+    def tiny(self) -> dict:
+        """The built-in model's defaults merged: loop, environment, algorithm, dataset, each over the ones before."""
+        merged: dict = {}
+        for source in (self.loop, self.environment, self.algorithm, self.dataset):
+            merged = merge_config(merged, source)
+        return merged
 
 
 def merge_config(base: dict, over: dict) -> dict:
@@ -767,11 +542,11 @@ def apply_overrides(raw: dict, overrides: list[str], notes: list[str] | None = N
         else:
             pending.append((item, key, value))
     for item, given, value in pending:
-        key, old = _renamed_key(given)
+        key, old = renamed_key(given)
         if key != given and key.removeprefix("rollout.") in RolloutConfig.model_fields and old == OLD_ROLLOUT_OPTIONS:
-            raise OxrlError(f"--set {item!r}: {_core_option(key.removeprefix('rollout.'))}")
+            raise OxrlError(f"--set {item!r}: {core_option(key.removeprefix('rollout.'))}")
         if spelled.setdefault(key, given) != given:
-            raise OxrlError(f"--set {item!r}: {_both_given(*sorted((spelled[key], given), key=lambda k: k == key))}")
+            raise OxrlError(f"--set {item!r}: {both_given(*sorted((spelled[key], given), key=lambda k: k == key))}")
         if old is not None and notes is not None:
             notes.append(deprecation_note(old, key))
         node = raw
@@ -827,43 +602,51 @@ def load_run_config(
     overrides: list[str] | None = None,
     algorithm: str | None = None,
     base: dict | None = None,
-    tiny_defaults: dict | None = None,
+    defaults: Defaults | None = None,
 ) -> RunConfig:
-    """Read YAML (or `base`), apply overrides, fill tiny-model defaults, validate."""
-    return validate_run_config(read_run_config(config_path, overrides, algorithm, base), tiny_defaults)
+    """Read YAML (or `base`), apply overrides, fill the defaults (`Defaults`), validate."""
+    return validate_run_config(read_run_config(config_path, overrides, algorithm, base), defaults)
 
 
-def validate_run_config(
-    read: RawRunConfig, tiny_defaults: dict | None = None, rollout_defaults: dict | None = None
-) -> RunConfig:
-    """Fill tiny-model defaults (``tiny_defaults``, default `TINY_DEFAULTS`) under ``read`` and validate; the
-    deprecation notes travel in `RunConfig.notes`. ``rollout_defaults`` (the algorithm's own
-    `Algorithm.rollout_defaults`) go under the user's settings and over the tiny-model defaults, whatever the
-    model; the ones in use are kept in `RunConfig.algorithm_defaults` (the banner names them)."""
-    raw, source = read.raw, read.source
-    own_rollout = raw.get("rollout") if isinstance(raw.get("rollout"), dict) else {}
-    applied = {k: v for k, v in (rollout_defaults or {}).items() if k not in own_rollout}
-    if applied:
-        raw = _merge({"rollout": applied}, raw)
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+def _section(raw: dict, name: str) -> dict:
+    value = raw.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def with_defaults(raw: dict, defaults: Defaults) -> tuple[dict, dict, dict]:
+    """``raw`` (the user's config: the YAML file, then each --set) over ``defaults``: the one place a run's
+    defaults are merged, in `Defaults`' order, each source over the ones before it and ``raw`` over them all. With
+    train.epochs set the built-in model's train.max_steps yields (the steps follow from the data). Returns the
+    merged mapping, the built-in model's defaults in use ({} with model.name set) and the rollout defaults applied
+    (those of ``defaults.rollout`` the user left unset)."""
+    tiny: dict = {}
+    if not _section(raw, "model").get("name"):
+        tiny = defaults.tiny()
+        if _section(raw, "train").get("epochs") is not None:
+            tiny = {**tiny, "train": {k: v for k, v in tiny.get("train", {}).items() if k != "max_steps"}}
+    own_rollout = _section(raw, "rollout")
+    applied = {k: v for k, v in defaults.rollout.items() if k not in own_rollout}
+    merged = merge_config(tiny, {"rollout": applied}) if applied else tiny
+    return merge_config(merged, raw), tiny, applied
+
+
+def validate_run_config(read: RawRunConfig, defaults: Defaults | None = None) -> RunConfig:
+    """``read`` over its defaults (`with_defaults`; none given: `TINY_DEFAULTS` for the built-in model), validated
+    once; the deprecation notes travel in `RunConfig.notes`, the algorithm's rollout defaults in use in
+    `RunConfig.algorithm_defaults` (the banner names them)."""
+    source, train = read.source, _section(read.raw, "train")
     if train.get("epochs") is not None and "max_steps" in train:  # one thing said two ways (the config's own keys)
         raise OxrlError(
             f"invalid config ({source}):\n  train.epochs={train['epochs']} and train.max_steps={train['max_steps']} "
             "are both set; set one of them (with train.epochs the steps follow from the data size; "
             "--set train.epochs=null unsets it)"
         )
-    defaults: dict = {}
-    if not model.get("name"):
-        defaults = TINY_DEFAULTS if tiny_defaults is None else tiny_defaults
-        if train.get("epochs") is not None:  # the steps follow from the data: the tiny model's max_steps yields
-            defaults = {**defaults, "train": {k: v for k, v in defaults.get("train", {}).items() if k != "max_steps"}}
-        raw = _merge(defaults, raw)
+    raw, tiny, applied = with_defaults(read.raw, defaults or Defaults())
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as exc:
         raise format_validation_error(exc, RunConfig, source) from None
-    config.train._warmup_from_defaults = "warmup_steps" in defaults.get("train", {}) and "warmup_steps" not in train
+    config.train._warmup_from_defaults = "warmup_steps" in tiny.get("train", {}) and "warmup_steps" not in train
     if config.train.epochs is None and not config.train.warmup_from_defaults:  # the run's length is known: now
         try:
             fit_warmup(config.train, f"train.max_steps={config.train.max_steps}")

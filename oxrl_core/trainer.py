@@ -24,13 +24,12 @@ from oxrl_core import plugins
 from oxrl_core.atomic import write_text_atomic
 from oxrl_core.config import (
     TINY_DEFAULTS,
-    TINY_PREF_DEFAULTS,
-    TINY_RL_DEFAULTS,
+    TINY_LOOP_DEFAULTS,
+    Defaults,
     RawRunConfig,
     RunConfig,
     check_env,
     dump_yaml,
-    merge_config,
     read_run_config,
     read_yaml,
     reward_options,
@@ -257,57 +256,65 @@ class Trainer:
             self.run_dir = Path("runs") / f"{_dir_name(self.config.algorithm)}-{stamp}"
 
     def _load_config(self, read: RawRunConfig, alg: str | None) -> RunConfig:
-        """The run's config, read once (`read_run_config`) and validated once, under the tiny-model defaults of
-        the algorithm's loop (and of its environment), which ``read`` names. A config
-        error is reported before an unknown algorithm or environment, as validation comes first."""
+        """The run's config, read once (`read_run_config`) and validated once under the defaults `_defaults`
+        gathers. A config error is reported first: before an unknown algorithm or environment (whose error is
+        raised once the config is known to be valid) and before an alias's note."""
+        alias = ""
         if not alg and read.algorithm:  # `algorithm: grpo` in a YAML: the algorithm the alias runs
-            alias = self._alias(read.algorithm, note=False)
-            if alias != read.algorithm:
-                validate_run_config(read)  # a config error first, then the alias's note
-                self._alias(read.algorithm)
-                read.raw["algorithm"] = alias
+            resolved = self._alias(read.algorithm, note=False)
+            if resolved != read.algorithm:
+                alias, read.raw["algorithm"] = read.algorithm, resolved
+        defaults, unavailable = self._defaults(read)
+        config = validate_run_config(read, defaults)  # names the problem: a bad config, or no algorithm given
+        if alias:
+            self._alias(alias)  # its note
+        if unavailable is not None:
+            raise unavailable
+        return config
+
+    def _defaults(self, read: RawRunConfig) -> tuple[Defaults, OxrlError | None]:
+        """The run's defaults (`Defaults` holds them in the order they apply: the loop's, the environment's, the
+        algorithm's and the dataset's for the built-in model, then the algorithm's rollout defaults; the user's
+        config over them all), from the algorithm ``read`` names and the plugins it uses. An algorithm or
+        environment that does not load comes back as the error, with the defaults known without it."""
         if not read.algorithm:
-            validate_run_config(read)  # names the problem: a bad config, or no algorithm given
+            return Defaults(), None
         try:
             algorithm_cls = load_algorithm(read.algorithm, self.registry)
-        except OxrlError:
-            validate_run_config(read)
-            raise
-        defaults = None
-        if algorithm_cls.loop == "rl":  # tiny-model defaults of the RL loop (and of its environment)
-            defaults = TINY_RL_DEFAULTS
-            env_name = read.section("env").get("name")
-            if env_name and isinstance(env_name, str):
-                try:
-                    env_cls = self.registry.load_checked("environment", env_name)
-                except OxrlError:
-                    validate_run_config(read, defaults)
-                    raise
-                defaults = merge_config(TINY_RL_DEFAULTS, env_cls.tiny_defaults)
-        elif algorithm_cls.loop == "preference":  # ... and of the preference loop
-            defaults = TINY_PREF_DEFAULTS
-        if algorithm_cls.tiny_defaults:  # ... and the algorithm's own for the built-in model (a smaller lr, ...)
-            defaults = merge_config(TINY_DEFAULTS if defaults is None else defaults, algorithm_cls.tiny_defaults)
-        rollout_defaults = algorithm_cls.rollout_defaults if algorithm_cls.loop == "rl" else None
-        return validate_run_config(read, self._dataset_defaults(read, algorithm_cls, defaults), rollout_defaults)
+        except OxrlError as exc:
+            return Defaults(), exc
+        loop = algorithm_cls.loop
+        environment: dict = {}
+        env_name = read.section("env").get("name")
+        if loop == "rl" and env_name and isinstance(env_name, str):  # an RL run's environment
+            try:
+                environment = self.registry.load_checked("environment", env_name).tiny_defaults
+            except OxrlError as exc:
+                return Defaults(loop=TINY_LOOP_DEFAULTS[loop]), exc
+        return Defaults(
+            loop=TINY_LOOP_DEFAULTS.get(loop, TINY_DEFAULTS),
+            environment=environment,
+            algorithm=algorithm_cls.tiny_defaults,
+            dataset=self._dataset_defaults(read, algorithm_cls),
+            rollout=algorithm_cls.rollout_defaults if loop == "rl" else {},
+        ), None
 
-    def _dataset_defaults(self, read, algorithm_cls, defaults):
-        """The tiny-model defaults with those of the dataset ``data.train`` names on top (`Dataset.tiny_defaults`
-        for this loop; its ``alg`` keys only where the algorithm's Config has them)."""
+    def _dataset_defaults(self, read: RawRunConfig, algorithm_cls: type[Algorithm]) -> dict:
+        """The built-in model's defaults of the dataset ``data.train`` names (`Dataset.tiny_defaults` for this
+        loop; its ``alg`` keys only where the algorithm's Config has them); {} for any other data."""
         name = read.section("data").get("train")
         if not isinstance(name, str) or name not in self.registry.names("dataset"):
-            return defaults
+            return {}
         try:
             dataset_cls = self.registry.load_checked("dataset", name)
         except OxrlError:
-            return defaults  # the data loader says what is wrong with it, where it loads
+            return {}  # the data loader says what is wrong with it, where it loads
         extra = dict(getattr(dataset_cls, "tiny_defaults", {}).get(algorithm_cls.loop, {}))
         if not extra:
-            return defaults
+            return {}
         fields = getattr(getattr(algorithm_cls, "Config", None), "model_fields", {})
         extra["alg"] = {k: v for k, v in extra.get("alg", {}).items() if k in fields}
-        base = TINY_DEFAULTS if defaults is None else defaults
-        return merge_config(base, extra)
+        return extra
 
     def _in_memory(self, model, data, tokenizer, eval_data) -> tuple[Any, Any]:
         """Rows held in memory (a list of row dicts, a `datasets.Dataset`) as data / eval_data, and a loaded model

@@ -18,7 +18,7 @@ from oxrl_algs_rl.reinforce_pp import REINFORCEPP
 from oxrl_algs_rl.reinforce_pp_baseline import REINFORCEPPBaseline
 from oxrl_algs_rl.rloo import RLOO
 from oxrl_algs_rl.sgrpo import SGRPO
-from oxrl_core.config import RawRunConfig, validate_run_config
+from oxrl_core.config import Defaults, RawRunConfig, validate_run_config
 from oxrl_core.interfaces import Completion
 from oxrl_core.ops import (
     aggregate_loss,
@@ -356,7 +356,7 @@ def test_each_new_loss_has_the_same_value_and_gradient_with_the_packed_forward(a
 
 
 def _validate(raw: dict, defaults: dict):
-    return validate_run_config(RawRunConfig(raw, "test.yaml", []), {}, defaults)
+    return validate_run_config(RawRunConfig(raw, "test.yaml", []), Defaults(loop={}, rollout=defaults))
 
 
 def test_an_algorithms_rollout_defaults_go_under_the_users_settings_and_are_named():

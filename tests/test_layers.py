@@ -42,7 +42,8 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # L1 the contracts: plugin interfaces, batch types, the engine protocol
     1: ("oxrl_core.interfaces",),
     # L2 the run configuration (YAML schema) and the plugin registry
-    2: ("oxrl_core.config", "oxrl_core.plugins", "oxrl_core.builtin_plugins"),
+    2: ("oxrl_core.config", "oxrl_core.config_renames", "oxrl_core.config_rollout", "oxrl_core.plugins",
+        "oxrl_core.builtin_plugins"),
     # L3-L9 the services, one sub-package each
     3: ("oxrl_core.engines", "oxrl_core.engines.*"),  # torch / DeepSpeed engines, the collectives between ranks
     4: ("oxrl_core.observability", "oxrl_core.observability.*"),  # console progress, health findings, the report
