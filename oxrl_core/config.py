@@ -433,6 +433,17 @@ class RunConfig(StrictModel):
     #: the algorithm's own defaults in use (``{"rollout.minibatches": 4}``): not set by the user
     _algorithm_defaults: dict[str, Any] = PrivateAttr(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _async_episodes_sample_once(self) -> "RunConfig":
+        ro = self.rollout
+        if ro.dynamic_sampling and ro.max_staleness and self.env.name:
+            raise ValueError(
+                f"rollout.dynamic_sampling with rollout.max_staleness={ro.max_staleness} and env.name={self.env.name}: "
+                "asynchronous rollouts support dynamic sampling for single-turn completions only; for multi-turn "
+                "episodes set rollout.max_staleness=0 (dynamic sampling works there) or rollout.dynamic_sampling=false"
+            )
+        return self
+
     @property
     def notes(self) -> list[str]:
         return self._notes

@@ -132,10 +132,6 @@ class RolloutAsync(StrictModel):
         "the other (needs rollout.actors >= 1 when above 0)",
     )
 
-    def policy_version_of(self, step: int) -> int:
-        """The policy version that generates the batch of ``step``: max(0, step − 1 − max_staleness)."""
-        return max(0, step - 1 - self.max_staleness)
-
 
 class RolloutRewardErrors(StrictModel):
     """When failing rewards stop the run."""

@@ -60,7 +60,8 @@ def format_validation_error(exc: ValidationError, model_cls, source: str, prefix
         else:
             got = err.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"  {dotted}: {err['msg'].removeprefix('Value error, ')}{shown}")
+            head = f"{dotted}: " if dotted else ""  # a rule across sections names its fields in its message
+            lines.append(f"  {head}{err['msg'].removeprefix('Value error, ')}{shown}")
     return OxrlError(f"invalid config ({source}):\n" + "\n".join(lines))
 
 

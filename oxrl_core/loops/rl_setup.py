@@ -63,12 +63,6 @@ class RLParts:
 def build_rl(trainer, ckpt: Path | None) -> RLParts:
     setup = Setup(trainer, ckpt)
     cfg, ro = setup.cfg, setup.cfg.rollout
-    if ro.dynamic_sampling and ro.max_staleness and cfg.env.name:
-        raise OxrlError(
-            f"rollout.dynamic_sampling with rollout.max_staleness={ro.max_staleness} and env.name={cfg.env.name}: "
-            "asynchronous rollouts support dynamic sampling for single-turn completions only; for multi-turn "
-            "episodes set rollout.max_staleness=0 (dynamic sampling works there) or rollout.dynamic_sampling=false"
-        )
     inputs = _inputs(setup)  # data, reward, environment: before any model loads, so bad input fails fast
     model, ref, critic, shared = _models(setup, inputs, ckpt)  # the fast path is chosen here, once
     # fits? a whole episode (env.max_tokens bounds it, whatever rollout.max_new_tokens is), or one completion;
