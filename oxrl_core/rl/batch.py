@@ -364,13 +364,23 @@ def score_sharded(
 
 
 def rl_evaluate(
-    backend, tokenizer, rows, prompt_ids, reward, dataset, ro, seed: int, batch: int = 64, progress=None, media=None
+    backend,
+    tokenizer,
+    rows,
+    prompt_ids,
+    reward,
+    dataset,
+    ro,
+    seed: int,
+    media: list[dict],
+    batch: int = 64,
+    progress=None,
 ) -> dict:
     """The held-out prompts, answered greedily (``eval/reward``, and ``eval/accuracy`` when the data can
     check answers) and sampled as in training, ``rollout.n`` samples at ``rollout.temperature`` with a
     fixed seed (``eval/reward_sampled``: the expected reward of the policy, the quantity RL maximises).
     ``progress(done, total)`` counts the completions (a `progress.Reporter.counter` update); ``media``: each
-    prompt's media record (None or {}: text prompts)."""
+    prompt's media record ({}: a text prompt)."""
     if not rows:
         return {}
     metrics = {}
@@ -383,7 +393,7 @@ def rl_evaluate(
     for suffix, sampling in modes.items():
         texts: list[str] = []
         for start in range(0, len(prompt_ids), batch):
-            part = None if media is None else media[start : start + batch]
+            part = media[start : start + batch]
             groups = generate_from(backend, prompt_ids[start : start + batch], sampling, part)
             texts += [tokenizer.decode(c.token_ids, skip_special_tokens=True) for g in groups for c in g]
             done += len(groups) * sampling.n

@@ -216,7 +216,7 @@ class Completions(RolloutStrategy):
     def evaluate(self, progress):
         held_out, args = self.eval_prompts, (self.reward, self.eval_dataset, self.ro, self.seed)
         return rl_evaluate(
-            self.backend, self.tokenizer, held_out.rows, held_out.ids, *args, progress=progress, media=held_out.media
+            self.backend, self.tokenizer, held_out.rows, held_out.ids, *args, media=held_out.media, progress=progress
         )
 
 
