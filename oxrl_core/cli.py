@@ -288,7 +288,7 @@ def check_model(
     Exits with status 2 when oxRL cannot train the model."""
     # lazy: `oxrl check-model` loads torch and transformers; kept out of `oxrl --help`
     from oxrl_core.commands.check_model import check_model as inspect
-    from oxrl_core.commands.check_model import render, to_json
+    from oxrl_core.commands.check_model_render import render, to_json
 
     report = inspect(model, trust_remote_code=trust_remote_code)
     if as_json:

@@ -135,7 +135,7 @@ def test_check_model_reports_a_vlm(family, vlm_dir):
     # the table shows the vision section
     from rich.console import Console
 
-    from oxrl_core.commands.check_model import render
+    from oxrl_core.commands.check_model_render import render
 
     console = Console(file=io.StringIO(), width=200)
     render(report, console)
@@ -203,7 +203,7 @@ def test_check_model_refuses_an_unverified_vlm_family(vlm_dir, tmp_path):
     # the table says so too (rendered from the report, without a second run)
     from rich.console import Console
 
-    from oxrl_core.commands.check_model import render
+    from oxrl_core.commands.check_model_render import render
 
     console = Console(file=io.StringIO(), width=200)
     render(report, console)

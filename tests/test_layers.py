@@ -40,7 +40,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "oxrl_core.hookspecs", "oxrl_core.hf_env", "oxrl_core.user_code", "oxrl_core.tool_parsers",
         "oxrl_core.chat_templates", "oxrl_core.redact", "oxrl_core.answers"),
     # L1 the contracts: plugin interfaces, batch types, the engine protocol
-    1: ("oxrl_core.interfaces",),
+    1: ("oxrl_core.algorithm", "oxrl_core.interfaces"),
     # L2 the run configuration (YAML schema) and the plugin registry
     2: ("oxrl_core.config", "oxrl_core.config_renames", "oxrl_core.config_rollout", "oxrl_core.plugins",
         "oxrl_core.builtin_plugins"),

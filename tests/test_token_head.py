@@ -153,10 +153,10 @@ def test_tiled_head_under_bf16_autocast_is_as_accurate_as_full_logits(tile, monk
     the full logits', and every gradient's error against float32 no larger than the full logits' own (they sum
     in bf16; the tiles accumulate in float32). The second case runs CUDA's route on the CPU: the tile and its
     gradient held in bf16, products rounded once per tile."""
-    from oxrl_core.models import token_head
+    from oxrl_core.models import tiled_head
 
     if tile.startswith("bf16"):
-        monkeypatch.setattr(token_head, "_tile_dtype", lambda device, dtype: dtype)
+        monkeypatch.setattr(tiled_head, "_tile_dtype", lambda device, dtype: dtype)
     head, h, targets, weights = _bf16_case()
     full = lambda x: stats_from_logits(head(x), targets, entropy=True)
     tiled = lambda x: head_stats(x, targets, head, HeadPath(128, vocab_tile=512), entropy=True)

@@ -22,7 +22,6 @@ A directory or config that cannot be read at all is an `OxrlError` (one line, no
 
 from __future__ import annotations
 
-import json
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -356,8 +355,6 @@ def _vision_parts(model, config) -> dict:
 
 def _vision_processing(report: dict, config, path: str, tokenizer, problems: list) -> None:
     """The processor, the image token, how many image tokens the sample images become, and the image paths."""
-    from PIL import Image
-
     info, paths = report["vision"], report["paths"]
     family = vision.vision_family(config, "check-model")
     info.update(
@@ -391,51 +388,65 @@ def _vision_processing(report: dict, config, path: str, tokenizer, problems: lis
             "token": tok.convert_ids_to_tokens(token_id) if tok is not None else None,
             "id": token_id,
         }
-    why = "no processor" if processing is None else None  # why rows with images cannot be encoded
-    if processing is not None:
-        processor = processing.processor
-        image_processor = getattr(processor, "image_processor", None)
-        info["processor"] = {
-            "class": type(processor).__name__,
-            "image_processor": type(image_processor).__name__ if image_processor is not None else None,
-            # `vision.images_only`'s class: the processor built from its tokenizer and image processor alone
-            "without_video": type(processor).__module__ == vision.__name__,
-            "torchvision": find_spec("torchvision") is not None,
-        }
-        if image_processor is None:  # e.g. `AutoProcessor` gave the tokenizer alone
-            why = f"{type(processor).__name__} has no image processor"
+    why = "no processor" if processing is None else _processor(info, processing, problems)
+    _image_paths(paths, family, why)
+
+
+def _processor(info: dict, processing, problems: list) -> str | None:
+    """The loaded processor in the report, and the image tokens it makes of the sample images; returns why rows
+    with images cannot be encoded, None when they can."""
+    from PIL import Image
+
+    why = None
+    processor = processing.processor
+    image_processor = getattr(processor, "image_processor", None)
+    info["processor"] = {
+        "class": type(processor).__name__,
+        "image_processor": type(image_processor).__name__ if image_processor is not None else None,
+        # `vision.images_only`'s class: the processor built from its tokenizer and image processor alone
+        "without_video": type(processor).__module__ == vision.__name__,
+        "torchvision": find_spec("torchvision") is not None,
+    }
+    if image_processor is None:  # e.g. `AutoProcessor` gave the tokenizer alone
+        why = f"{type(processor).__name__} has no image processor"
+        _problem(
+            problems,
+            "warning",
+            f"the processor ({type(processor).__name__}) has no image processor: rows with images cannot be "
+            "encoded (text rows can)",
+            "save the model's image processor beside it (preprocessor_config.json)",
+        )
+    else:
+        try:
+            counts = {
+                f"{w}x{h}": processing.tokens_per_image(Image.new("RGB", (w, h), (128, 128, 128)))
+                for w, h in SAMPLE_IMAGES
+            }
+        except Exception as exc:  # noqa: BLE001 - the processor's own failure, reported rather than raised
+            why = "the processor fails on an image"
             _problem(
                 problems,
                 "warning",
-                f"the processor ({type(processor).__name__}) has no image processor: rows with images cannot be "
-                "encoded (text rows can)",
-                "save the model's image processor beside it (preprocessor_config.json)",
+                f"the processor fails on a {SAMPLE_IMAGES[0][0]}×{SAMPLE_IMAGES[0][1]} image: {_one_line(exc)}",
+                "check the processor's files (preprocessor_config.json, processor_config.json)",
             )
         else:
-            try:
-                counts = {
-                    f"{w}x{h}": processing.tokens_per_image(Image.new("RGB", (w, h), (128, 128, 128)))
-                    for w, h in SAMPLE_IMAGES
-                }
-            except Exception as exc:  # noqa: BLE001 - the processor's own failure, reported rather than raised
-                why = "the processor fails on an image"
+            info["tokens_per_image"] = counts
+            if not all(counts.values()):
+                why = "the processor makes no image tokens"
                 _problem(
                     problems,
                     "warning",
-                    f"the processor fails on a {SAMPLE_IMAGES[0][0]}×{SAMPLE_IMAGES[0][1]} image: {_one_line(exc)}",
-                    "check the processor's files (preprocessor_config.json, processor_config.json)",
+                    f"the processor turns a sample image into no image token (id {processing.image_token_id}): "
+                    "the model would see no image",
+                    "the processor's image token must be the config's image_token_id / image_token_index",
                 )
-            else:
-                info["tokens_per_image"] = counts
-                if not all(counts.values()):
-                    why = "the processor makes no image tokens"
-                    _problem(
-                        problems,
-                        "warning",
-                        f"the processor turns a sample image into no image token (id {processing.image_token_id}): "
-                        "the model would see no image",
-                        "the processor's image token must be the config's image_token_id / image_token_index",
-                    )
+    return why
+
+
+def _image_paths(paths: dict, family, why: str | None) -> None:
+    """The image paths of the report: training on rows with images (unless ``why``), packing them, the vision
+    tower's freezing."""
     paths["images"] = {
         "applies": why is None,
         "detail": IMAGE_TRAINING if why is None else f"{why}: rows with images cannot be encoded",
@@ -490,7 +501,33 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
         "problems": problems,
     }
 
-    # ------------------------------------------------------------------ tokenizer
+    tokenizer = _tokenizer(report, path, trust_remote_code, problems)
+    vlm = vision.is_vlm_config(config)
+    if vlm:
+        report["vision"] = _vision_family(config, problems)  # an unverified family is refused: not loaded
+    model, loading = _load_model(report, path, trust_remote_code, vlm, problems)
+    if model is not None:
+        _loaded_model(report, model, loading, config, text, problems)
+        del model
+    if vlm and report["vision"]["verified"]:
+        _vision_processing(report, config, path, tokenizer, problems)
+
+    rows, tok = report["vocab"]["embedding_rows"], report["vocab"]["tokenizer"]
+    if rows is not None and tok is not None and tok > rows:
+        _problem(
+            problems,
+            "error",
+            f"the tokenizer has {tok} tokens but the embedding only {rows} rows: "
+            "token ids ≥ {rows} index out of range".replace("{rows}", str(rows)),
+            "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) and save, or use the model's own tokenizer",
+        )
+    report["ok"] = not any(p["severity"] == "error" for p in problems)
+    return report
+
+
+def _tokenizer(report: dict, path: str, trust_remote_code: bool, problems: list):
+    """The tokenizer as a run loads it, with its vocabulary, special tokens and chat template in the report; None
+    (an error reported) when it cannot be loaded."""
     from transformers import AutoTokenizer
 
     tokenizer = None
@@ -507,19 +544,20 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
         report["vocab"]["tokenizer"] = len(tokenizer)
         report["tokens"] = _tokens(tokenizer, problems)
         report["chat_template"] = _chat_template(tokenizer, path, problems)
+    return tokenizer
 
-    # ------------------------------------------------------------------ model
+
+def _load_model(report: dict, path: str, trust_remote_code: bool, vlm: bool, problems: list):
+    """The model and its loading info (missing weights), loaded as a run loads it: a VLM of a verified family with
+    its own class, a text model as a causal LM; ``(None, None)`` (an error reported, or an unverified VLM family)
+    when there is none to check."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = None
-    vlm = vision.is_vlm_config(config)
-    if vlm:
-        report["vision"] = _vision_family(config, problems)  # an unverified family is refused: not loaded
     if vlm and report["vision"]["verified"]:
         report["vision"].update(tower=None, projector=None, language_model=None)
         try:  # as `vision.load_vlm` loads it (its own class, float32), with the loading info for missing weights
-            model, loading = AutoModelForImageTextToText.from_pretrained(
+            return AutoModelForImageTextToText.from_pretrained(
                 path, dtype=torch.float32, trust_remote_code=trust_remote_code, output_loading_info=True
             )
         except Exception as exc:  # noqa: BLE001 - any load failure is one reported problem; the check goes on
@@ -532,7 +570,7 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
             )
     elif not vlm:
         try:
-            model, loading = AutoModelForCausalLM.from_pretrained(
+            return AutoModelForCausalLM.from_pretrained(
                 path,
                 dtype=torch.float32,
                 attn_implementation="sdpa",
@@ -547,50 +585,40 @@ def check_model(name: str, trust_remote_code: bool = False) -> dict:
                 "oxRL trains models AutoModelForCausalLM can load: check the weights files and "
                 "`architectures`/`model_type` in config.json (custom code needs trust_remote_code)",
             )
-    if model is not None:
-        report["architecture"] = type(model).__name__ if report["architecture"] is None else report["architecture"]
-        report["loaded_class"] = type(model).__name__
-        report["parameters"] = sum(p.numel() for p in model.parameters())
-        missing = list(loading.get("missing_keys") or [])
-        if missing:
-            _problem(
-                problems,
-                "error",
-                f"{len(missing)} weights missing from the checkpoint (e.g. {missing[0]}): "
-                "from_pretrained initialises them at random",
-                "re-save the model with all its weights (a LoRA export must be merged)",
-            )
-        head = model.get_output_embeddings()
-        embed = model.get_input_embeddings()
-        if head is None:
-            _problem(
-                problems,
-                "error",
-                f"{type(model).__name__} has no LM head (output embeddings)",
-                "use a causal-LM checkpoint (…ForCausalLM / …ForConditionalGeneration)",
-            )
-        if embed is not None:
-            report["vocab"]["embedding_rows"] = int(embed.weight.shape[0])
-        parts = ()
-        if vlm:
-            report["vision"].update(_vision_parts(model, config))
-            parts = tuple(p["module"] for p in (report["vision"]["tower"], report["vision"]["projector"]) if p)
-        _paths(report, model, config, text, problems, parts)
-        del model
-    if vlm and report["vision"]["verified"]:
-        _vision_processing(report, config, path, tokenizer, problems)
+    return None, None
 
-    rows, tok = report["vocab"]["embedding_rows"], report["vocab"]["tokenizer"]
-    if rows is not None and tok is not None and tok > rows:
+
+def _loaded_model(report: dict, model, loading: dict, config, text, problems: list) -> None:
+    """What the loaded model tells: its class and size, missing weights, its head and embedding, a VLM's parts,
+    and which oxRL paths apply to it (`_paths`)."""
+    report["architecture"] = type(model).__name__ if report["architecture"] is None else report["architecture"]
+    report["loaded_class"] = type(model).__name__
+    report["parameters"] = sum(p.numel() for p in model.parameters())
+    missing = list(loading.get("missing_keys") or [])
+    if missing:
         _problem(
             problems,
             "error",
-            f"the tokenizer has {tok} tokens but the embedding only {rows} rows: "
-            "token ids ≥ {rows} index out of range".replace("{rows}", str(rows)),
-            "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) and save, or use the model's own tokenizer",
+            f"{len(missing)} weights missing from the checkpoint (e.g. {missing[0]}): "
+            "from_pretrained initialises them at random",
+            "re-save the model with all its weights (a LoRA export must be merged)",
         )
-    report["ok"] = not any(p["severity"] == "error" for p in problems)
-    return report
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    if head is None:
+        _problem(
+            problems,
+            "error",
+            f"{type(model).__name__} has no LM head (output embeddings)",
+            "use a causal-LM checkpoint (…ForCausalLM / …ForConditionalGeneration)",
+        )
+    if embed is not None:
+        report["vocab"]["embedding_rows"] = int(embed.weight.shape[0])
+    parts = ()
+    if "vision" in report:
+        report["vision"].update(_vision_parts(model, config))
+        parts = tuple(p["module"] for p in (report["vision"]["tower"], report["vision"]["projector"]) if p)
+    _paths(report, model, config, text, problems, parts)
 
 
 def _paths(report: dict, model, config, text, problems: list, vision_parts: tuple[str, ...] = ()) -> None:
@@ -658,147 +686,3 @@ def _paths(report: dict, model, config, text, problems: list, vision_parts: tupl
             "own behaviour, padded and packed alike)",
             "set model.attn_implementation=eager to apply it (slower)",
         )
-
-
-# ---------------------------------------------------------------------- rendering
-
-
-def _yes(flag) -> str:
-    return "[green]yes[/green]" if flag else "[yellow]no[/yellow]"
-
-
-def render(report: dict, console) -> None:
-    """The report as rich tables: the model, the oxRL paths, the problems with their fixes."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title=f"oxRL check-model: {escape(report['path'])}", show_header=True)
-    table.add_column("field")
-    table.add_column("value")
-    vocab, att = report["vocab"], report["attention"]
-    arch = report["architecture"] or "?"
-    if report.get("loaded_class") and report["loaded_class"] != arch:
-        arch += f" (loads as {report['loaded_class']})"
-    table.add_row("architecture", escape(arch))
-    mt = report["model_type"] or "?"
-    if report["nested_text_config"]:
-        mt += f" (text config nested: {report['text_model_type']})"
-    table.add_row("model_type", escape(mt))
-    table.add_row(
-        "parameters", f"{report['parameters']:,}" if report["parameters"] is not None else "[red]not loaded[/red]"
-    )
-    table.add_row(
-        "vocabulary",
-        f"config {vocab['config']}, embedding rows {vocab['embedding_rows']}, tokenizer {vocab['tokenizer']}",
-    )
-    table.add_row(
-        "attention",
-        f"{att['num_layers']} layers, hidden {att['hidden_size']}, heads {att['num_heads']}, "
-        f"kv heads {att['num_kv_heads']}, head_dim {att['head_dim']}",
-    )
-    window = att["sliding_window"]
-    if window and att["sliding_layers"] is not None:
-        window = f"{window} ({att['sliding_layers']}/{att['num_layers']} layers)"
-    table.add_row("sliding window", str(window or "none"))
-    table.add_row(
-        "soft-capping",
-        f"attention {att['attn_logit_softcapping'] or 'none'}, final logits {att['final_logit_softcapping'] or 'none'}",
-    )
-    moe = report["moe"]
-    table.add_row("MoE", f"{moe['num_experts']} experts, {moe['experts_per_token']} per token" if moe else "no")
-    table.add_row("max positions", str(report["max_positions"]))
-    table.add_row("tied embeddings", _yes(report["tied_embeddings"]))
-    tokens = report["tokens"]
-    if tokens:
-
-        def show(t):
-            return "[red]none[/red]" if t["id"] is None else f"{escape(repr(t['token']))} ({t['id']})"
-
-        table.add_row(
-            "EOS / pad / BOS",
-            f"{show(tokens['eos'])} / {show(tokens['pad'])}"
-            f"{' (= EOS)' if tokens['pad_is_eos'] else ''} / {show(tokens['bos'])}",
-        )
-    chat = report["chat_template"]
-    if chat:
-        if not chat["present"]:
-            table.add_row("chat template", "[yellow]none[/yellow]")
-        else:
-            table.add_row(
-                "chat template",
-                f"renders conversation {_yes(chat['renders_conversation'])}, generation prompt "
-                f"{_yes(chat['renders_generation_prompt'])}, completion follows {_yes(chat['completion_follows'])}",
-            )
-    if report.get("vision"):
-        _vision_rows(table, report["vision"], escape)
-    console.print(table)
-
-    if report["paths"]:
-        paths = Table(title="oxRL paths", show_header=True)
-        for column in ("path", "applies", "detail"):
-            paths.add_column(column)
-        for key, value in report["paths"].items():
-            paths.add_row(key, _yes(value["applies"]), escape(value["detail"]))
-        console.print(paths)
-
-    if report["problems"]:
-        problems = Table(title="problems", show_header=True)
-        problems.add_column("severity")
-        for column in ("problem", "fix"):
-            problems.add_column(column, overflow="fold")  # a path in full on a narrow terminal, never cut with …
-        colour = {"error": "red", "warning": "yellow", "note": "cyan"}
-        for p in report["problems"]:
-            problems.add_row(f"[{colour[p['severity']]}]{p['severity']}[/]", escape(p["problem"]), escape(p["fix"]))
-        console.print(problems)
-    verdict = (
-        "[green]oxRL can train this model[/green]"
-        if report["ok"]
-        else "[bold red]oxRL cannot train this model as it is[/bold red] (see the errors above)"
-    )
-    console.print(verdict)
-
-
-def _vision_rows(table, vis: dict, escape) -> None:
-    """A VLM's rows of the model table: family, vision tower and projector, processor, image token, image tokens."""
-    if not vis["verified"]:
-        table.add_row(
-            "vision family",
-            f"[red]{escape(vis['family'])}: not verified[/red] (verified: {', '.join(vis['verified_families'])})",
-        )
-        return
-    table.add_row("vision family", f"{escape(vis['family'])} (verified)")
-    tower, projector = vis.get("tower"), vis.get("projector")
-    if tower:
-        line = f"{tower['module']} ({tower['class']}, {tower['parameters']:,} parameters)"
-        line += (
-            f"; projector {projector['module']} ({projector['class']}, {projector['parameters']:,})"
-            if projector
-            else "; no separate projector"
-        )
-        table.add_row("vision tower", escape(line))
-    if "processor" not in vis:
-        return
-    processor = vis["processor"]
-    if processor is None:
-        table.add_row("processor", "[yellow]not loaded[/yellow]")
-    else:
-        line = f"{processor['class']} (image processor {processor['image_processor']})"
-        if processor["without_video"]:
-            why = "video processor config absent" if processor["torchvision"] else "torchvision absent"
-            line += f", built without its video processor ({why})"
-        table.add_row("processor", escape(line))
-    token = vis["image_token"]
-    table.add_row(
-        "image token",
-        escape((f"{token['token']!r} ({token['id']})" if token else "none") + f", placeholder {vis['placeholder']!r}"),
-    )
-    per_image = vis["tokens_per_image"]
-    counts = ", ".join(f"{n} for {size.replace('x', '×')}" for size, n in per_image.items()) if per_image else "?"
-    table.add_row(
-        "image tokens",
-        escape(f"{vis['tokens']}: {counts}; extra inputs {', '.join(vis['extra_inputs'])}"),
-    )
-
-
-def to_json(report: dict) -> str:
-    return json.dumps(report, default=str)

@@ -100,6 +100,49 @@ def load_vision(model: str, image_row: dict | None, origin: str):
     return None
 
 
+def held_out_rows(data: Any, limit: int, registry) -> tuple[Source, list[dict]]:
+    """``--data``'s held-out rows (a YAML mapping or list given inline is read as one), as prompt rows, the first
+    ``limit`` of them when ``limit`` is set; no rows is an error."""
+    if isinstance(data, str) and data.strip().startswith(("{", "[")):  # {source: arith, task: products}
+        data = yaml.safe_load(data)
+    source = load_data(data, "eval", registry, field="--data")
+    if not source.rows:
+        raise OxrlError(
+            f"--data: {source.origin} has no held-out rows (a dataset plugin without an eval split needs a file)"
+        )
+    rows = [normalise_row(r, "prompt", source.origin) for r in source.rows]
+    if limit:
+        rows = rows[:limit]
+    return source, rows
+
+
+def pass_metrics(n: int, rows: list[dict], texts, lengths, scores, reward_metrics: dict, env_metrics: dict):
+    """The report's metrics (mean reward, pass@k for each k of `ks_for`, lengths and counts) and its samples (each
+    prompt's ``n`` completions with their scores), from the scored samples in prompt order."""
+    correct = [sum(s >= CORRECT for s in scores[i * n : (i + 1) * n]) for i in range(len(rows))]
+    metrics: dict[str, float] = {
+        "reward/mean": reward_metrics["reward/mean"],
+        "reward/std": reward_metrics["reward/std"],
+    }
+    for k in ks_for(n):
+        metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(rows)
+    metrics.update(
+        {
+            "reward/errors": reward_metrics["reward/errors"],
+            "reward/timeouts": reward_metrics["reward/timeouts"],
+            "response/length": sum(lengths) / len(lengths),
+            "prompts": len(rows),
+            "samples": len(texts),
+            **env_metrics,
+        }
+    )
+    samples = [
+        {"row": r.get("_row"), "completions": texts[i * n : (i + 1) * n], "scores": scores[i * n : (i + 1) * n]}
+        for i, r in enumerate(rows)
+    ]
+    return metrics, samples
+
+
 def evaluate_model(
     model: str,
     data: Any,
@@ -125,16 +168,7 @@ def evaluate_model(
         raise OxrlError("--n > 1 with --temperature 0 gives n identical greedy samples; set a temperature above 0")
 
     # data and reward first: bad input fails before a model loads
-    if isinstance(data, str) and data.strip().startswith(("{", "[")):  # {source: arith, task: products}
-        data = yaml.safe_load(data)
-    source = load_data(data, "eval", registry, field="--data")
-    if not source.rows:
-        raise OxrlError(
-            f"--data: {source.origin} has no held-out rows (a dataset plugin without an eval split needs a file)"
-        )
-    rows = [normalise_row(r, "prompt", source.origin) for r in source.rows]
-    if limit:
-        rows = rows[:limit]
+    source, rows = held_out_rows(data, limit, registry)
     image_row = next((r for r in rows if is_image_row(r)), None)
     sections = {"reward": {"name": reward}, "rollout": {"max_new_tokens": max_new_tokens}}
     if env:
@@ -194,27 +228,7 @@ def evaluate_model(
     if environment is None:
         scores, reward_metrics = score_batch(scorer, [r["prompt"] for r in sample_rows], texts, sample_rows)
 
-    correct = [sum(s >= CORRECT for s in scores[i * n : (i + 1) * n]) for i in range(len(rows))]
-    metrics: dict[str, float] = {
-        "reward/mean": reward_metrics["reward/mean"],
-        "reward/std": reward_metrics["reward/std"],
-    }
-    for k in ks_for(n):
-        metrics[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(rows)
-    metrics.update(
-        {
-            "reward/errors": reward_metrics["reward/errors"],
-            "reward/timeouts": reward_metrics["reward/timeouts"],
-            "response/length": sum(lengths) / len(lengths),
-            "prompts": len(rows),
-            "samples": len(texts),
-            **env_metrics,
-        }
-    )
-    samples = [
-        {"row": r.get("_row"), "completions": texts[i * n : (i + 1) * n], "scores": scores[i * n : (i + 1) * n]}
-        for i, r in enumerate(rows)
-    ]
+    metrics, samples = pass_metrics(n, rows, texts, lengths, scores, reward_metrics, env_metrics)
     return {
         "model": model,
         "data": source.origin,

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +33,7 @@ from oxrl_core.data.batching import collate
 from oxrl_core.data.encode import IGNORE, prepare_examples
 from oxrl_core.data.images import image_fields_of, is_image_row
 from oxrl_core.data.rows import row_where
-from oxrl_core.data.sources import can_verify, eval_source, load_data
+from oxrl_core.data.sources import Source, can_verify, eval_source, load_data
 from oxrl_core.engines.distributed import is_main, reduce_metrics, shard
 from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
@@ -303,20 +306,32 @@ def pair_metrics(algorithm, model, ref, examples, engine, pad_id, packing, batch
     return dict(sums)
 
 
-# ----------------------------------------------------------------------------- the loop
+@dataclass
+class PreferenceData:
+    """A run's rows, read and encoded before any model loads (`read_data`), and what reading them decided."""
+
+    source: Source  # the training rows as read
+    train: Any  # their examples (`encode.prepare_examples`)
+    policy_path: str  # the model the run starts from (the built-in VLM's warm start for image rows)
+    tokenizer: Any
+    vision: Any  # a VLM's processing (`vision.load_processing`), else None
+    images: bool  # image rows on the built-in model
+    packing: bool  # data.packing as this model takes it (a VLM's rows are padded)
+    eval_examples: list[dict]  # held-out pairs (pair accuracy); none for self-play
+    eval_rows: list[dict]  # held-out rows for greedy accuracy (a verifiable dataset, an LM head)
+    eval_dataset: Any  # the held-out rows' dataset plugin (its answer check)
 
 
-def run_preference(trainer, ckpt: Path | None) -> RunResult:
-    setup = Setup(trainer, ckpt)
+def read_data(setup: Setup) -> PreferenceData:
+    """The training and held-out rows, encoded with the tokenizer (a VLM's prompts go through its processor); what
+    this loop cannot do with them, and options the algorithm cannot honour, are refused here, before any model
+    loads; ``train.epochs`` sets the steps from the rows."""
     cfg, algorithm = setup.cfg, setup.algorithm
     fmt, self_play = algorithm.data_format, algorithm.self_play
-
-    # ---- data (before any model loads, so bad data fails fast); a VLM's prompts go through its processor
     train_source = load_data(cfg.data.train, "train", setup.registry)
     images = not cfg.model.name and any(is_image_row(r) for r in train_source.rows)  # the built-in VLM's warm start
     policy_path = initial_policy_path(cfg.model.name, reporter=setup.reporter, images=images)
     tokenizer = load_tokenizer(policy_path, trust_remote_code=cfg.model.trust_remote_code)
-    pad_id = tokenizer.pad_token_id
     vision = setup.vision(policy_path)
     _check_images(cfg, algorithm, train_source, vision)
     train = prepare_examples(train_source, fmt, tokenizer, cfg.data.max_length, self_play, vision=vision)
@@ -334,10 +349,18 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             eval_rows = [{"_origin": held_out.origin, **r} for r in held_out.rows if "prompt" in r]
     _check_options(cfg, algorithm, fmt)
     setup.steps_from_epochs(len(train.examples), "rows")  # train.epochs: the steps follow from the data
+    return PreferenceData(
+        train_source, train, policy_path, tokenizer, vision, images, packing, eval_examples, eval_rows, eval_dataset
+    )
 
-    # ---- models; the fast path (packing, shared prompts) is chosen here, once
+
+def load_policy(setup: Setup, policy_path: str, pad_id: int, packing: bool) -> tuple[Any, str, bool | str]:
+    """The policy (a causal LM, or a score model for ``head == "score"``), its attention implementation, and the
+    fast path, chosen here once: packing, and with packed sdpa on pairs, shared prompts (``"shared"``) unless the
+    model's attention cannot take them."""
+    cfg, algorithm = setup.cfg, setup.algorithm
     attn = packed_attn_implementation(cfg.model.attn_implementation) if packing else cfg.model.attn_implementation
-    if packing and attn == PACKED_SDPA and fmt != "unpaired":
+    if packing and attn == PACKED_SDPA and algorithm.data_format != "unpaired":
         packing = "shared"  # pairs share their prompt: it is computed once (see collate_shared_prompts)
     start = setup.start_from(policy_path)
     if algorithm.head == "score":
@@ -358,7 +381,48 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         setup.info(
             f"[yellow]note:[/yellow] data.packing: shared prompts do not apply ({fast['shared_prefix'][1]}); packing without them"
         )
-    ref = setup.reference(policy_path, attn) if algorithm.uses_ref() else None
+    return model, attn, packing
+
+
+def held_out_metrics(cfg, algorithm, model, ref, engine, data: PreferenceData, pad_id: int, packing, progress) -> dict:
+    """The held-out evaluation, on rank 0 (on whole parameters under ZeRO-3): pair accuracy on the held-out pairs,
+    greedy accuracy on the held-out rows."""
+    metrics = {}
+    with engine.full_weights():
+        if data.eval_examples and is_main():
+            metrics.update(
+                pair_metrics(algorithm, model, ref, data.eval_examples, engine, pad_id, packing, cfg.train.batch_size)
+            )
+        if data.eval_rows and is_main():
+            metrics.update(
+                evaluate(
+                    model,
+                    data.tokenizer,
+                    engine.device,
+                    [],
+                    data.eval_rows,
+                    data.eval_dataset,
+                    cfg.train.batch_size,
+                    cfg.rollout.max_new_tokens,
+                    progress=progress,
+                    vision=data.vision,
+                )
+            )
+    return metrics
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def run_preference(trainer, ckpt: Path | None) -> RunResult:
+    setup = Setup(trainer, ckpt)
+    cfg, algorithm, self_play = setup.cfg, setup.algorithm, setup.algorithm.self_play
+    data = read_data(setup)  # before any model loads, so bad data fails fast
+    train, tokenizer, vision, packing = data.train, data.tokenizer, data.vision, data.packing
+    pad_id = tokenizer.pad_token_id
+    model, attn, packing = load_policy(setup, data.policy_path, pad_id, packing)
+    eval_examples, eval_rows = data.eval_examples, data.eval_rows
+    ref = setup.reference(data.policy_path, attn) if algorithm.uses_ref() else None
     packing = setup.packs_exactly(packing, model, ref)  # measured: a packed row = the separate forwards
     model = setup.policy(model, algorithm.head)
     engine = setup.build_engine(model)
@@ -378,42 +442,20 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
         len(ex["prompt_ids"]) + max(len(v) for k, v in ex.items() if k.endswith("_ids") and k != "prompt_ids")
         for ex in train.examples
     ]
-    plan = setup.plan(train_source, [ex["_source"] for ex in train.examples], lengths)
+    plan = setup.plan(data.source, [ex["_source"] for ex in train.examples], lengths)
 
     def extra_files(tmp: Path) -> None:  # self-play checkpoints keep the reference of the current iteration
         if self_play:
             torch.save(ref.state_dict(), tmp / REF_FILE)
 
-    def run_eval(progress) -> dict:  # rank 0 evaluates (on whole parameters under ZeRO-3)
-        metrics = {}
-        with engine.full_weights():
-            if eval_examples and is_main():
-                metrics.update(
-                    pair_metrics(algorithm, model, ref, eval_examples, engine, pad_id, packing, cfg.train.batch_size)
-                )
-            if eval_rows and is_main():
-                metrics.update(
-                    evaluate(
-                        model,
-                        tokenizer,
-                        engine.device,
-                        [],
-                        eval_rows,
-                        eval_dataset,
-                        cfg.train.batch_size,
-                        cfg.rollout.max_new_tokens,
-                        progress=progress,
-                        vision=vision,
-                    )
-                )
-        return metrics
-
+    # rank 0 evaluates (on whole parameters under ZeRO-3)
+    run_eval = partial(held_out_metrics, cfg, algorithm, model, ref, engine, data, pad_id, packing)
     saved_with = vision if vision is not None else tokenizer  # a VLM's final/ keeps its processor
     held_out = len(eval_rows) or len(eval_examples)  # greedy accuracy's rows, else pair accuracy's pairs
     run = Run(setup, model, saved_with, engine, run_eval if eval_examples or eval_rows else None, extra=extra_files,
               eval_rows=held_out)  # fmt: skip
-    builtin = "built-in tiny Qwen2-VL (warm start)" if images else "built-in tiny llama (warm start)"
-    run.banner(builtin, f"{train_source.origin} ({len(train.examples)} rows)")
+    builtin = "built-in tiny Qwen2-VL (warm start)" if data.images else "built-in tiny llama (warm start)"
+    run.banner(builtin, f"{data.source.origin} ({len(train.examples)} rows)")
 
     def step(step: int) -> dict:
         t0 = time.perf_counter()
