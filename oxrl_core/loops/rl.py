@@ -41,7 +41,7 @@ from oxrl_core.loops.run import (
     non_finite_count,
     read_together,
 )
-from oxrl_core.ops import k3_kl, masked_mean, mean_metric
+from oxrl_core.ops import kl_estimate, masked_mean, mean_metric
 from oxrl_core.rl.batch import (
     MicroBatches,
     check_on_policy,
@@ -273,7 +273,7 @@ class Update:
         if cap > 0:  # how far the behaviour policy is from the proximal one
             sums.update(off_policy_metrics(logp_old, logp_rollout, mask))
         if self.ref is not None:  # k3 estimator of KL(π || π_ref) at the sampling policy
-            sums["kl/ref"] = masked_mean(k3_kl(batch["logp_old"], batch["logp_ref"]).detach(), mask)
+            sums["kl/ref"] = masked_mean(kl_estimate(batch["logp_old"], batch["logp_ref"], "k3").detach(), mask)
         return sums
 
     def optimise(
