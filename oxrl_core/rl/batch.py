@@ -28,7 +28,7 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.models.packed_attention import SHARED_PREFIX, shared_prefix_mask
 from oxrl_core.models.token_head import on_grid, token_stats
-from oxrl_core.scoring.rewards import RewardFailures, score_batch
+from oxrl_core.scoring.rewards import Failures, score_batch
 
 # ----------------------------------------------------------------------------- prompts and rollouts
 
@@ -328,7 +328,7 @@ def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: in
 
 
 def score_sharded(
-    reward, prompts: list, texts: list[str], rows: list[dict], failures: RewardFailures
+    reward, prompts: list, texts: list[str], rows: list[dict], failures: Failures
 ) -> tuple[list[float], dict[str, float]]:
     """`score_batch` of this rank's block of samples; the scores gathered on every rank and the metrics
     recomputed over the whole batch (mean, population std; errors and timeouts are row counts); every
@@ -337,7 +337,7 @@ def score_sharded(
         return score_batch(reward, prompts, texts, rows, failures)
     per_rank = len(texts) // world_size()
     mine = slice(rank() * per_rank, (rank() + 1) * per_rank)
-    local = RewardFailures(failures.reward)
+    local = Failures(failures.name)
     parts = all_gather_object((*score_batch(reward, prompts[mine], texts[mine], rows[mine], local), local))
     for _, _, part_failures in parts:
         failures.merge(part_failures)
