@@ -54,6 +54,7 @@ from oxrl_core.rl.sources import check_schedule
 from oxrl_core.rl.strategies import Scored
 from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
+from oxrl_core.seeds import stream_seed
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -292,7 +293,7 @@ class Update:
 
         # the entropy metric is weighted as the loss weighs micro-batches (tokens, or sequences)
         entropy_mode = "token-mean" if algorithm.loss_weighting == "tokens" else "seq-mean-token-mean"
-        gen = torch.Generator().manual_seed(self.seed * 7919 + step)
+        gen = torch.Generator().manual_seed(stream_seed(self.seed, "minibatches", step=step))
         updates, grad_norms, micro_batch_count = 0, [], 0
         once = StepSums()  # the rollout's and the advantages' metrics: read with the first optimiser step's figures
         for name, value in metrics.items():

@@ -29,7 +29,7 @@ from oxrl_core.models.critic import build_critic
 from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
 from oxrl_core.rl.batch import prepare_prompts, sync_weights
-from oxrl_core.rl.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
+from oxrl_core.rl.dynamic_sampling import DynamicSampling
 from oxrl_core.rl.episodes import Episodes
 from oxrl_core.rl.sources import AsyncRollouts, load_in_flight
 from oxrl_core.rl.strategies import Completions, EpisodeRollouts, RolloutStrategy
@@ -37,6 +37,7 @@ from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.rollout.log import RolloutLog
 from oxrl_core.rollout.sync import SyncCheck
 from oxrl_core.scoring.rewards import build_reward
+from oxrl_core.seeds import stream_seed
 
 
 @dataclass
@@ -232,7 +233,7 @@ def build_rl(trainer, ckpt: Path | None) -> RLParts:
     if ro.dynamic_sampling:  # refill rounds take their prompts from a second plan, a stream of its own
         seed = cfg.train.seed
         refill_plan = make_plan(
-            train_source, sources, lengths, cfg.train.batch_size, seed + REFILL_PLAN_SEED_OFFSET, False
+            train_source, sources, lengths, cfg.train.batch_size, stream_seed(seed, "refill_plan"), False
         )
         strategy.dynamic = DynamicSampling(ro, refill_plan, seed, cfg.train.batch_size)
     samples = f"{cfg.train.batch_size}×{ro.n} samples/step"

@@ -29,6 +29,7 @@ from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.models.packed_attention import SHARED_PREFIX, shared_prefix_mask
 from oxrl_core.models.token_head import on_grid, token_stats
 from oxrl_core.scoring.rewards import Failures, score_batch
+from oxrl_core.seeds import stream_seed
 
 # ----------------------------------------------------------------------------- prompts and rollouts
 
@@ -78,7 +79,7 @@ class Prompts:
 def step_sampling(ro, seed: int, step: int) -> SamplingParams:
     """An RL step's sampling (``rollout.n`` samples per prompt); its seed depends on the step only, so a batch
     generated ahead (asynchronous rollouts) or after a resume samples what it would have in a plain run."""
-    return SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed * 1_000_003 + step)
+    return SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, stream_seed(seed, "rollout", step=step))
 
 
 def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend: str) -> None:
@@ -284,9 +285,6 @@ def token_logprobs_shared(model, mb: dict, temperature: float):
 
 # ----------------------------------------------------------------------------- data parallelism
 
-#: shard k of a rollout batch samples with seed + k·SHARD_SEED_STRIDE (shard 0 keeps the unsharded seed)
-SHARD_SEED_STRIDE = 7_919
-
 
 def sync_weights(backend, model, version: int) -> None:
     """The weight sync; with rollout actors only rank 0 holds them (``backend`` is None elsewhere)."""
@@ -313,10 +311,11 @@ def generate_sharded(
 
 
 def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: int, images: list[dict] | None):
-    """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with seed + k ·
-    `SHARD_SEED_STRIDE`: (prompts, sampling, each prompt's image inputs or None) each."""
+    """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with the batch's
+    seed moved to shard k (`stream_seed`; shard 0 keeps the unsharded seed): (prompts, sampling, each prompt's image
+    inputs or None) each."""
     size = len(prompts) // shards
-    seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
+    seeds = [None if sampling.seed is None else stream_seed(sampling.seed, shard=k) for k in range(shards)]
     return [
         (
             prompts[k * size : (k + 1) * size],
@@ -369,7 +368,7 @@ def rl_evaluate(
     metrics = {}
     modes = {"": SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=0.0)}
     if ro.temperature > 0:
-        modes["_sampled"] = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=seed)
+        modes["_sampled"] = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, stream_seed(seed, "eval"))
     update = progress or (lambda done, total=None: None)
     done, total = 0, len(prompt_ids) * sum(sampling.n for sampling in modes.values())
     update(done, total)

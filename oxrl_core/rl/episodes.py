@@ -64,13 +64,11 @@ from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
-from oxrl_core.rl.batch import SHARD_SEED_STRIDE
 from oxrl_core.rollout.env_worker import EnvWorker, Malformed, call_all, class_tools, spawn
 from oxrl_core.scoring.rewards import Failures, RewardWatch, row_number, score_batch
+from oxrl_core.seeds import stream_seed
 from oxrl_core.tool_parsers import parser_for
 
-#: turn k of a step samples with seed + k·TURN_SEED_STRIDE
-TURN_SEED_STRIDE = 104_729
 #: metrics that are means per episode (the other episode metrics are counts)
 EPISODE_MEANS = (
     "env/turns",
@@ -414,12 +412,13 @@ class Episodes:
 
     def play_shards(self, shards: list[tuple[int, list[dict]]], sampling: SamplingParams) -> list[Episode]:
         """The episodes of several shards ``(k, rows)`` of a rollout batch, in shard order. Shard k samples
-        with seed + k·SHARD_SEED_STRIDE (as single-turn shards do), so its episodes do not depend on which
+        with the seed moved to shard k, and each turn with it moved to that turn (`stream_seed`, as single-turn
+        shards do), so its episodes do not depend on which
         process plays it or beside which other shards; each turn is one backend call per shard, or one
         call for all of them with rollout actors (``generate_shards`` deals them to the actors)."""
         played = []
         for k, rows in shards:
-            seed = None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k
+            seed = None if sampling.seed is None else stream_seed(sampling.seed, shard=k)
             played.append((rows, self.start([row for row in rows for _ in range(sampling.n)]), seed))
         for turn in range(self.max_turns):
             requests, lives = [], []
@@ -473,8 +472,8 @@ class Episodes:
 
     def share(self, played: list[Episode], reward, reward_name: str, env_name: str) -> tuple:
         """This process's episodes scored, with no collective: (each episode's (prompt ids, completion), scores,
-        reward counts, episode metrics, the reward's and the environment's `Failures`, image inputs or None) — plain data that
-        `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
+        reward counts, episode metrics, the reward's and the environment's `Failures`, image inputs or None) —
+        plain data that `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
         local = Failures(reward_name)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
         return (
@@ -558,7 +557,7 @@ class Episodes:
         budget = max(self.max_tokens - e.used for e in live)
         params = replace(sampling, max_new_tokens=min(self.max_new_tokens, budget))
         if sampling.seed is not None:
-            params = replace(params, seed=sampling.seed + TURN_SEED_STRIDE * turn)
+            params = replace(params, seed=stream_seed(sampling.seed, turn=turn))
         n = sampling.n
         first = [episodes[i * n : (i + 1) * n] for i in range(len(rows))] if turn == 0 else []
         vlm = self.vision is not None
