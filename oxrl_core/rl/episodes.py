@@ -413,9 +413,9 @@ class Episodes:
     def play_shards(self, shards: list[tuple[int, list[dict]]], sampling: SamplingParams) -> list[Episode]:
         """The episodes of several shards ``(k, rows)`` of a rollout batch, in shard order. Shard k samples
         with the seed moved to shard k, and each turn with it moved to that turn (`stream_seed`, as single-turn
-        shards do), so its episodes do not depend on which
-        process plays it or beside which other shards; each turn is one backend call per shard, or one
-        call for all of them with rollout actors (``generate_shards`` deals them to the actors)."""
+        shards do), so its episodes do not depend on which process plays it or beside which other shards; each
+        turn is one backend call per shard, or one call for all of them with rollout actors (``generate_shards``
+        deals them to the actors)."""
         played = []
         for k, rows in shards:
             seed = None if sampling.seed is None else stream_seed(sampling.seed, shard=k)
