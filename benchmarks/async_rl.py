@@ -98,11 +98,10 @@ def main() -> None:
         data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         import ray
 
-        from oxrl_core.engines.distributed import env_for_actors, resolve_ray_address
+        from oxrl_core.engines.ray_cluster import join_ray
 
         # one Ray cluster for every side (each run joins it and leaves it running): no side pays for its start
-        ray.init(address=resolve_ray_address("")[0], include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": env_for_actors()})  # fmt: skip
+        join_ray("", log_to_driver=False)
         try:
             sides = [run_side(k, model_dir, data_file, args, workdir) for k in args.ks]
         finally:

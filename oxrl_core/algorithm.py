@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from oxrl_core.batches import RLAdvantagesBatch
+from oxrl_core.batches import KLEstimator, LossAggregation, RLAdvantagesBatch
 from oxrl_core.schema import StrictModel
 
 if TYPE_CHECKING:  # torch stays out of discovery
@@ -26,10 +26,7 @@ Loop = Literal["supervised", "preference", "rl"]
 #: the old name of `Loop` (from the deprecated ``Algorithm.family``), kept for plugins that import it
 Family = Loop
 DataFormat = Literal["prompt", "prompt_response", "text", "preference", "unpaired"]
-#: `PolicyGradient.Config.loss_agg`: how per-token loss terms become one loss (`oxrl_core.ops.aggregate_loss`)
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-#: `PolicyGradient.Config.kl_estimator` (`oxrl_core.ops.kl_estimate`)
-KLEstimator = Literal["k1", "k2", "k3"]
+# `LossAggregation` and `KLEstimator` (the loss options) come from `oxrl_core.batches`, which `oxrl_core.ops` shares
 
 
 class Algorithm(ABC):

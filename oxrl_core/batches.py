@@ -8,7 +8,7 @@ positions. `oxrl_core.interfaces` (and `oxrl_core` itself) export every type her
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 if TYPE_CHECKING:  # torch stays out of discovery
     import torch
@@ -21,6 +21,15 @@ __all__ = [
     "UnpairedPreferenceBatch",
     "ScoreBatch",
 ]
+
+# The options that turn an RL batch's per-token terms into a loss. They live here, below both their users, so the
+# one list serves the config's validation (`oxrl_core.interfaces` re-exports them, torch-free) and the maths that
+# computes them (`oxrl_core.ops`, which derives its tuples of names from them).
+
+#: `PolicyGradient.Config.loss_agg`: how per-token loss terms become one loss (`oxrl_core.ops.aggregate_loss`)
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+#: `PolicyGradient.Config.kl_estimator` (`oxrl_core.ops.kl_estimate`)
+KLEstimator = Literal["k1", "k2", "k3"]
 
 
 class _SupervisedBatch(TypedDict):

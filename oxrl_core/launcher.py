@@ -28,7 +28,6 @@ the prompts); separate rollout actors belong with the vLLM backend.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import socket
@@ -38,7 +37,8 @@ import time
 from pathlib import Path
 
 from oxrl_core.engines import distributed, placement
-from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
+from oxrl_core.engines.distributed import ray_reason
+from oxrl_core.engines.ray_cluster import join_ray
 from oxrl_core.errors import OxrlError
 from oxrl_core.run_io import lifecycle
 
@@ -161,19 +161,7 @@ def launch(trainer, ckpt: Path | None):
 
     _prepare_shared(trainer)
     run_dir = Path(trainer.run_dir).resolve()
-    address, source = resolve_ray_address(engine.ray_address)
-    try:
-        with lifecycle.kept_signal_handlers():  # Ctrl-C / SIGTERM stay oxRL's (a checkpoint, then exit 130 / 143)
-            ray.init(
-                address=address,
-                include_dashboard=False,
-                log_to_driver=True,
-                logging_level=logging.ERROR,
-                runtime_env={"env_vars": env_for_actors()},
-            )
-    except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
-        where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
-        raise OxrlError(f"could not {where}: {type(exc).__name__}: {exc}") from None
+    join_ray(engine.ray_address, log_to_driver=True)  # the ranks' output is the run's output
     actors, infos, group = [], [], None
     try:
         rollout = trainer.config.rollout

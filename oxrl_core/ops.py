@@ -1,5 +1,6 @@
 """The shared maths every algorithm (and the loops) import: masked means, token NLL, group-relative
-advantages, the k3 KL estimator. A leaf module: it imports torch and nothing of oxRL.
+advantages, the KL estimators and loss aggregations. A leaf module: it imports torch and, of oxRL, only the
+torch-free `oxrl_core.batches` (where the names of the estimators and aggregations are listed).
 
 Shapes: B = sequences (RL: prompts × n samples, the n samples of one prompt contiguous),
 T = token positions.
@@ -7,7 +8,11 @@ T = token positions.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
+
+from oxrl_core.batches import KLEstimator, LossAggregation
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -41,21 +46,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     return torch.where(equal, torch.zeros_like(centred), centred).reshape(-1)  # (B,)
 
 
-def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(π_θ || π_ref) (Schulman 2020), unbiased and never negative:
-
-    KL_t ≈ exp(Δ_t) − Δ_t − 1,   Δ_t = log π_ref(o_t) − log π_θ(o_t)
-    """
-    delta = logp_ref - logp  # (B, T)
-    return delta.exp() - delta - 1  # (B, T)
-
-
 # ----------------------------------------------------------------------------- the shared policy-gradient options
 # What every group-based RL algorithm offers under ``alg.`` (`oxrl_core.interfaces.PolicyGradient`): the KL
 # estimator and where the KL goes, an entropy bonus, DAPO's overlong shaping and the loss aggregation.
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: the names the config accepts (its ``Literal``s), for the messages naming the choices
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+LOSS_AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
 
 
 def kl_estimate(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: str) -> torch.Tensor:

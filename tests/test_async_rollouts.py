@@ -26,7 +26,6 @@ from oxrl_core.config import RolloutConfig
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion
 from oxrl_core.observability.health import ASYNC_BOUND, pipeline_text
-from oxrl_core.rl.episodes import EnvFailures
 from oxrl_core.rl.sources import (
     INFLIGHT_FILE,
     AsyncRollouts,
@@ -38,7 +37,7 @@ from oxrl_core.rl.sources import (
     scheduled_version,
 )
 from oxrl_core.rollout.sync import off_policy_metrics, tis_weight
-from oxrl_core.scoring.rewards import RewardFailures
+from oxrl_core.scoring.rewards import Failures
 
 # ----------------------------------------------------------------------------- the maths, by hand
 
@@ -113,7 +112,7 @@ def test_a_sample_off_the_schedule_stops_the_run(tmp_path):
 
 
 def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
-    failures = RewardFailures("arith", rows=8, errors=1, first_error="boom", first_row=3, failed_rows=[3])
+    failures = Failures("arith", samples=8, errors=1, first_error="boom", first_row=3, failed_rows=[3])
     produced = (
         [4, 7],
         [[1, 2, 3], [1, 5]],
@@ -122,7 +121,7 @@ def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
         {"reward/mean": 0.5},
         failures,
         [{"pixel_values": torch.randn(2, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}, {}],
-        EnvFailures("calc", episodes=2, timeouts=1),
+        Failures("calc", "environment", samples=2, timeouts=1, first_timed_out=True),
     )
     torch.save({"payload": encode(produced)}, tmp_path / "f.pt")
     back = decode(torch.load(tmp_path / "f.pt", weights_only=True)["payload"])
@@ -132,9 +131,28 @@ def test_in_flight_batches_round_trip_through_a_weights_only_load(tmp_path):
         encode([object()])
 
 
+def test_in_flight_failures_of_a_checkpoint_written_with_two_failure_classes_still_load():
+    """Before a reward's and an environment's failures were one `Failures` record, a checkpoint tagged them
+    RewardFailures (``reward``, ``rows``) and EnvFailures (``env``, ``episodes``, no ``failed_rows``): exactly these
+    payloads, as that code wrote them, decode to the records a run of today would have kept."""
+    reward = {"reward": "arith", "rows": 8, "errors": 1, "timeouts": 0, "first_error": "boom", "first_row": 3,
+              "first_prompt": "'1+1'", "failed_rows": [3]}  # fmt: skip
+    env = {"env": "calc", "episodes": 2, "errors": 0, "timeouts": 1, "first_error": "timeout", "first_row": 2,
+           "first_prompt": "'2+2'", "first_timed_out": True}  # fmt: skip
+    payload = {"__tuple__": [{"__class__": "RewardFailures", "fields": reward},
+                             {"__class__": "EnvFailures", "fields": env}]}  # fmt: skip
+    back = decode(payload)
+    assert back == (
+        Failures("arith", "reward", 8, 1, 0, "boom", 3, "'1+1'", failed_rows=[3]),
+        Failures("calc", "environment", 2, 0, 1, "timeout", 2, "'2+2'", first_timed_out=True),
+    )
+    assert back[1].describe().startswith("environment 'calc' failed on row 2: timeout (prompt '2+2'); 1 of 2 episodes")
+    assert decode(encode(back)) == back  # and written again under today's tag
+
+
 def _save_in_flight(ckpt: Path, k: int, steps: list[int]) -> None:
     ckpt.mkdir(parents=True, exist_ok=True)
-    batches = [{"step": s, "version": 0, "seed": s, "payload": encode(([s], [], [], [], {}, RewardFailures("r")))}
+    batches = [{"step": s, "version": 0, "seed": s, "payload": encode(([s], [], [], [], {}, Failures("r")))}
                for s in steps]  # fmt: skip
     torch.save({"max_staleness": k, "step": steps[0] - 1, "batches": batches}, ckpt / INFLIGHT_FILE)
 

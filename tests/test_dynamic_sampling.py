@@ -18,7 +18,6 @@ from oxrl_core.data.batching import BatchPlan
 from oxrl_core.interfaces import Completion
 from oxrl_core.rl.batch import step_sampling
 from oxrl_core.rl.dynamic_sampling import (
-    REFILL_SEED_STRIDE,
     DynamicSampling,
     Selection,
     groups_of,
@@ -27,6 +26,7 @@ from oxrl_core.rl.dynamic_sampling import (
 )
 from oxrl_core.rl.sources import INFLIGHT_FILE, decode
 from oxrl_core.rl.strategies import Scored, join_groups
+from oxrl_core.seeds import MOVES
 
 # ----------------------------------------------------------------------------- the selection, by hand
 
@@ -83,7 +83,7 @@ def test_refill_rounds_stop_once_the_batch_is_full_or_at_the_limit_and_warn_once
     played: list[int] = []
 
     def play(picks, sampling):
-        r = (sampling.seed - step_sampling(dyn.ro, 5, 3).seed) // REFILL_SEED_STRIDE  # which refill round
+        r = (sampling.seed - step_sampling(dyn.ro, 5, 3).seed) // MOVES["round"]  # which refill round
         played.append(r)
         return by_round[r]
 

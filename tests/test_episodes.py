@@ -20,9 +20,9 @@ from oxrl_core.config import RunConfig
 from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams, ToolEnvironment
 from oxrl_core.models.tiny import build_model, build_tokenizer
 from oxrl_core.rl.batch import policy_forward, rollout_batch
-from oxrl_core.rl.episodes import EnvFailures, Episodes, extension_ids, render
+from oxrl_core.rl.episodes import Episodes, extension_ids, render
 from oxrl_core.rollout.hf import HFRolloutBackend
-from oxrl_core.scoring.rewards import RewardFailures
+from oxrl_core.scoring.rewards import Failures
 from oxrl_core.tool_parsers import ToolCall, parser_for
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -254,17 +254,17 @@ def test_per_turn_rewards_add_up_and_final_answers_are_scored():
     model = build_model(len(tok))
     # step style: 0.5 + 0.5 + 0.25, no final-answer scoring
     runner, _, episodes = play(tok, model, ["a", "b", "c"], max_turns=3)
-    scores, _ = runner.rewards(episodes, Right(), RewardFailures("right"))
+    scores, _ = runner.rewards(episodes, Right(), Failures("right"))
     assert scores == [1.25, 1.25]
     # tools style: one tool call, then the final answer "6", scored by the run's reward
     call = parser_for(tok).format([ToolCall("calc", {"expr": "2*3"})])
     runner, _, episodes = play(tok, model, [call, "6"], env_cls=Quiz, max_turns=3)
     assert [e.messages[2] for e in episodes] == [{"role": "tool", "name": "calc", "content": "6"}] * 2
-    scores, _ = runner.rewards(episodes, Right(), RewardFailures("right"))
+    scores, _ = runner.rewards(episodes, Right(), Failures("right"))
     assert scores == [1.0, 1.0] and runner.metrics(episodes)["env/tool_calls"] == 1.0
     # ... and an environment's own reward() replaces the final-answer score
     runner, _, episodes = play(tok, model, [call, "7"], env_cls=Graded, max_turns=3)
-    assert runner.rewards(episodes, Right(), RewardFailures("right"))[0] == [2.0, 2.0]
+    assert runner.rewards(episodes, Right(), Failures("right"))[0] == [2.0, 2.0]
 
 
 # ----------------------------------------------------------------------------- limits and faults
@@ -313,7 +313,7 @@ class Malformed(Environment):
 def test_a_failing_environment_ends_its_episode_with_reward_zero(env_cls, counter, error):
     tok = build_tokenizer()
     runner, _, episodes = play(tok, build_model(len(tok)), ["a", "b"], env_cls=env_cls, max_turns=3)
-    scores, _ = runner.rewards(episodes, Right(), RewardFailures("right"))
+    scores, _ = runner.rewards(episodes, Right(), Failures("right"))
     assert scores == [0.0, 0.0] and runner.metrics(episodes)[counter] == 2
     assert all(any(e.sampled) for e in episodes)  # each still a trainable sample
     assert all(e.error.startswith(error) for e in episodes), [e.error for e in episodes]  # what failed, where
@@ -370,13 +370,13 @@ def test_a_shard_plays_the_same_episodes_wherever_it_is_played():
     as_ids = lambda eps: [(e.prompt_ids, e.token_ids, e.sampled) for e in eps]
     assert as_ids(alone) == as_ids(together) == as_ids(remote)
     assert as_ids(alone[:4]) != as_ids(local.play_shards([(0, rows[:2])], replace(sampling, seed=12)))
-    failures = EnvFailures("tool_echo")
-    prompts, completions, scores, metrics, _ = local.collect(together, Right(), RewardFailures("right"), failures)
+    failures = Failures("tool_echo", "environment")
+    prompts, completions, scores, metrics, _ = local.collect(together, Right(), Failures("right"), failures)
     assert prompts == [e.prompt_ids for e in together] and [c.token_ids for c in completions] == [
         e.token_ids for e in together
     ]
     assert scores == [sum(e.step_rewards) for e in together]  # step style: the environment's rewards
     assert metrics["reward/mean"] == pytest.approx(sum(scores) / 8)
     assert metrics["env/turns"] == pytest.approx(sum(e.turns for e in together) / 8)
-    assert (failures.episodes, failures.failed, metrics["env/error_share"]) == (8, 0, 0.0)
+    assert (failures.samples, failures.failed, metrics["env/error_share"]) == (8, 0, 0.0)
     assert "env/first_error" not in metrics

@@ -29,7 +29,8 @@ from test_episodes import play
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Environment
 from oxrl_core.models.tiny import build_model, build_tokenizer, warm_start_dir
-from oxrl_core.rl.episodes import EnvFailures, EnvWatch, Episode
+from oxrl_core.rl.episodes import EnvWatch, Episode, episode_failures
+from oxrl_core.scoring.rewards import Failures
 
 
 def flat(text: str) -> str:
@@ -238,8 +239,8 @@ def _episode(ended: str = "", error: str = "", prompt: str = "What is 2*3?") -> 
 def test_env_failures_keep_the_first_error_and_the_watch_counts_steps_in_a_row(tmp_path):
     timeout = _episode("timeout", "step() ran past the environment's timeout_s=0.5 s")
     error = _episode("error", "step() raised KeyError: 'answr' (env.py:3)", prompt="What is 7*8? " * 20)
-    failures = EnvFailures("sim").count([_episode("done"), timeout, error, _episode("max_turns")])
-    assert (failures.episodes, failures.errors, failures.timeouts, failures.share) == (4, 1, 1, 0.5)
+    failures = episode_failures("sim", [_episode("done"), timeout, error, _episode("max_turns")])
+    assert (failures.samples, failures.errors, failures.timeouts, failures.share) == (4, 1, 1, 0.5)
     # an exception says more than a timeout: it is the first failure shown, with its row and prompt
     assert (
         failures.first().startswith("row 3 (prompt 'What is 7*8? What is") and "KeyError: 'answr'" in failures.first()
@@ -247,11 +248,11 @@ def test_env_failures_keep_the_first_error_and_the_watch_counts_steps_in_a_row(t
     line = failures.describe()
     assert line.startswith("environment 'sim' failed on row 3: step() raised KeyError: 'answr' (env.py:3)")
     assert "2 of 4 episodes failed (50%, 1 raised or returned something malformed, 1 timed out)" in line
-    other = EnvFailures("sim").count([timeout])  # another rank's share
-    assert EnvFailures("sim").merge(other).merge(failures).first() == failures.first()
+    other = episode_failures("sim", [timeout])  # another rank's share
+    assert Failures("sim", "environment").merge(other).merge(failures).first() == failures.first()
 
-    def step(failed: int, episodes: int = 10) -> EnvFailures:
-        return EnvFailures("sim").count([error] * failed + [_episode("done")] * (episodes - failed))
+    def step(failed: int, episodes: int = 10) -> Failures:
+        return episode_failures("sim", [error] * failed + [_episode("done")] * (episodes - failed))
 
     watch = EnvWatch(0.5, 3)
     for failed in (10, 6, 5, 10, 10):  # 5 of 10 is not above 0.5: the streak starts again

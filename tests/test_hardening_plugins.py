@@ -141,10 +141,10 @@ def test_reward_error_stop_can_be_switched_off_and_still_logs_one_line_per_step(
 
 def test_reward_watch_counts_consecutive_steps_and_its_off_switches(tmp_path):
     from oxrl_core.errors import OxrlError
-    from oxrl_core.scoring.rewards import RewardFailures, RewardWatch
+    from oxrl_core.scoring.rewards import Failures, RewardWatch
 
-    def step(errors: int, rows: int = 10) -> RewardFailures:
-        failures = RewardFailures("r", rows=rows, errors=errors)
+    def step(errors: int, rows: int = 10) -> Failures:
+        failures = Failures("r", samples=rows, errors=errors)
         if errors:
             failures.note(4, [{"role": "user", "content": "What is 2+2? " * 20}], "KeyError: 'answr'")
         return failures
@@ -203,7 +203,7 @@ def test_score_summarises_failures_in_one_line(tmp_path):
 
 def test_score_batch_logs_one_line_per_call(caplog):
     """Everything that scores without a step (eval, a run's held-out eval) gets one line per call too."""
-    from oxrl_core.scoring.rewards import RewardFailures, score_batch
+    from oxrl_core.scoring.rewards import Failures, score_batch
 
     class Typo:
         name, timeout_s = "typo", 5.0
@@ -219,10 +219,10 @@ def test_score_batch_logs_one_line_per_call(caplog):
         len(caplog.records) == 1 and "50 of 50 samples failed" in caplog.text and "rows 1, 2, 3, 4, 5, …" in caplog.text
     )
     caplog.clear()
-    failures = RewardFailures("typo")
+    failures = Failures("typo")
     with caplog.at_level(logging.WARNING, logger="oxrl.rewards"):
         score_batch(Typo(), ["q"] * 50, ["4"] * 50, rows, failures)
-    assert not caplog.records and (failures.rows, failures.errors, failures.first_row) == (50, 50, 1)
+    assert not caplog.records and (failures.samples, failures.errors, failures.first_row) == (50, 50, 1)
 
 
 # ---------------------------------------------------------------------------------------------

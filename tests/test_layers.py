@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     # L0 leaves: nothing of oxRL but each other (errors); no torch at import
     0: ("oxrl_core", "oxrl_core.errors", "oxrl_core.schema", "oxrl_core.ops", "oxrl_core.batches", "oxrl_core.atomic",
         "oxrl_core.hookspecs", "oxrl_core.hf_env", "oxrl_core.user_code", "oxrl_core.tool_parsers",
-        "oxrl_core.chat_templates", "oxrl_core.redact", "oxrl_core.answers"),
+        "oxrl_core.chat_templates", "oxrl_core.redact", "oxrl_core.answers", "oxrl_core.seeds"),
     # L1 the contracts: plugin interfaces, batch types, the engine protocol
     1: ("oxrl_core.algorithm", "oxrl_core.interfaces"),
     # L2 the run configuration (YAML schema) and the plugin registry

@@ -1,9 +1,10 @@
-"""Hand-derived maths for the RL algorithms: group advantages, k3 KL, SGRPO, CISPO, PPO (GAE), RFT,
+"""Hand-derived maths for the RL algorithms: group advantages, k3 KL (and the config's loss options), SGRPO, CISPO, PPO (GAE), RFT,
 and the on-policy identity (ratio 1 -> SGRPO and CISPO gradients = the plain policy gradient)."""
 
 from __future__ import annotations
 
 import math
+from typing import get_args
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from oxrl_algs_rl.rlaif import RLAIF
 from oxrl_algs_rl.rlhf import RLHF
 from oxrl_algs_rl.sgrpo import SGRPO
 from oxrl_algs_supervised.rft import RFT
-from oxrl_core.ops import group_advantages, k3_kl, masked_mean
+from oxrl_core.interfaces import PolicyGradient
+from oxrl_core.ops import aggregate_loss, group_advantages, kl_estimate, masked_mean
 
 
 def test_group_advantages_by_hand():
@@ -32,8 +34,26 @@ def test_k3_kl_by_hand():
     logp = torch.log(torch.tensor([0.5, 0.2]))
     logp_ref = torch.log(torch.tensor([0.25, 0.2]))
     # Δ = log(0.25/0.5) = −log 2: exp(Δ) − Δ − 1 = 0.5 + log 2 − 1
-    assert torch.allclose(k3_kl(logp, logp_ref), torch.tensor([0.5 + math.log(2) - 1, 0.0]), atol=1e-6)
-    assert (k3_kl(torch.randn(50), torch.randn(50)) >= 0).all()
+    k3 = kl_estimate(logp, logp_ref, "k3")
+    assert torch.allclose(k3, torch.tensor([0.5 + math.log(2) - 1, 0.0]), atol=1e-6)
+    assert (kl_estimate(torch.randn(50), torch.randn(50), "k3") >= 0).all()
+
+
+def test_loss_options_are_the_configs():
+    """The KL estimators and loss aggregations `ops` computes are the ones the config accepts (one list): each
+    name the config validates computes, and a name outside it is refused with the config's list."""
+    fields = PolicyGradient.Config.model_fields
+    estimators, aggregations = get_args(fields["kl_estimator"].annotation), get_args(fields["loss_agg"].annotation)
+    assert estimators and aggregations
+    logp, logp_ref, mask = torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3)
+    for estimator in estimators:
+        assert kl_estimate(logp, logp_ref, estimator).shape == (2, 3)
+    for mode in aggregations:
+        assert aggregate_loss(logp, mask, mode, max_len=3).dim() == 0
+    with pytest.raises(ValueError, match=", ".join(estimators)):
+        kl_estimate(logp, logp_ref, "k4")
+    with pytest.raises(ValueError, match=", ".join(aggregations)):
+        aggregate_loss(logp, mask, "sum")
 
 
 def _batch(logp, logp_old, adv, mask=None, **extra):

@@ -180,6 +180,42 @@ def test_an_unreachable_RAY_ADDRESS_is_named_in_the_error(monkeypatch):
         RolloutActors.start(1, "hf", "model", None, 10.0, "127.0.0.1:2")
 
 
+def test_join_ray_keeps_oxrls_signal_handlers_and_says_what_failed(monkeypatch):
+    """The launcher's and the rollout actors' one way into Ray: Ray replacing the SIGTERM handler (its core
+    worker aborts on SIGTERM) is undone, so a run still saves a checkpoint; a failure names the address."""
+    import signal
+
+    import ray
+
+    from oxrl_core.engines.ray_cluster import join_ray
+
+    seen = {}
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # what Ray's core worker does to the handler
+
+    def oxrls(signum, frame):
+        pass
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", init)
+    previous = signal.signal(signal.SIGTERM, oxrls)
+    try:
+        join_ray("127.0.0.1:3", log_to_driver=True)
+        assert signal.getsignal(signal.SIGTERM) is oxrls
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (seen["address"], seen["log_to_driver"], seen["include_dashboard"]) == ("127.0.0.1:3", True, False)
+
+    def refused(**kwargs):
+        raise ConnectionError("refused")
+
+    monkeypatch.setattr(ray, "init", refused)
+    with pytest.raises(OxrlError, match=r"^could not start a local Ray cluster: ConnectionError: refused$"):
+        join_ray("", log_to_driver=True)  # the launcher's message: no setting before it
+
+
 @pytest.mark.slow
 def test_a_run_joins_the_cluster_at_RAY_ADDRESS_and_leaves_it_running(tmp_path, tiny_model_dir, ray_address):
     from conftest import _RAY_HEAD

@@ -21,7 +21,7 @@ from oxrl_core.data.encode import encode_prompt
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import RolloutBackend, StrictModel
 from oxrl_core.models.loading import load_causal_lm, load_tokenizer
-from oxrl_core.ops import k3_kl, masked_mean
+from oxrl_core.ops import kl_estimate, masked_mean
 from oxrl_core.rollout.hf import HFRolloutBackend
 from oxrl_core.rollout.sync import check_weight_sync, default_tolerance, probe_sequence, tis_weight, trainer_logprobs
 
@@ -150,7 +150,7 @@ def test_tis_off_is_bit_identical(alg):
         c, mask = alg.config, batch["mask"]
         ratio = torch.exp(batch["logp"] - batch["logp_old"])
         surrogate = torch.minimum(ratio * batch["adv"], ratio.clamp(1 - c.clip_low, 1 + c.clip_high) * batch["adv"])
-        before = masked_mean(-surrogate + c.kl_coeff * k3_kl(batch["logp"], batch["logp_ref"]), mask)
+        before = masked_mean(-surrogate + c.kl_coeff * kl_estimate(batch["logp"], batch["logp_ref"], "k3"), mask)
         assert torch.equal(without, before)
     # and a real weight changes it
     weighted, _ = alg.loss({**batch, "tis_weight": torch.full_like(batch["mask"], 2.0)})

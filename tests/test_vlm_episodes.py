@@ -270,15 +270,15 @@ class _Engine:
 
 
 def _failures(name):
-    from oxrl_core.scoring.rewards import RewardFailures
+    from oxrl_core.scoring.rewards import Failures
 
-    return RewardFailures(name)
+    return Failures(name)
 
 
 def _env_failures():
-    from oxrl_core.rl.episodes import EnvFailures
+    from oxrl_core.scoring.rewards import Failures
 
-    return EnvFailures("second_look")
+    return Failures("second_look", "environment")
 
 
 # ----------------------------------------------------------------------------- through the real CLI

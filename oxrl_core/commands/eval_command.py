@@ -43,7 +43,7 @@ from oxrl_core.rl.batch import prepare_prompts
 from oxrl_core.rl.episodes import Episodes
 from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.schema import format_validation_error
-from oxrl_core.scoring.rewards import RewardFailures, build_reward, score_batch
+from oxrl_core.scoring.rewards import Failures, build_reward, score_batch
 
 CORRECT = 1.0 - 1e-9  # a reward at least this large counts as a correct sample
 NO_LIMIT = 1 << 30  # prompts are never cut here: a prompt too long for the model is `check_generation_length`'s
@@ -219,7 +219,7 @@ def evaluate_model(
         if environment is not None:
             texts = [e.final_answer() for e in played]
             lengths = [e.used for e in played]
-            scores, reward_metrics = runner.rewards(played, scorer, RewardFailures(getattr(scorer, "name", "reward")))
+            scores, reward_metrics = runner.rewards(played, scorer, Failures(getattr(scorer, "name", "reward")))
             reward_metrics.setdefault("reward/errors", 0.0)
             reward_metrics.setdefault("reward/timeouts", 0.0)
             env_metrics = runner.metrics(played)

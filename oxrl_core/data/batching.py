@@ -10,6 +10,7 @@ from oxrl_core.data.encode import IGNORE
 from oxrl_core.data.images import collate_pixels
 from oxrl_core.data.sources import Source
 from oxrl_core.errors import OxrlError
+from oxrl_core.seeds import stream_seed
 
 # ----------------------------------------------------------------------------- batching
 
@@ -34,7 +35,7 @@ class BatchPlan:
 
     def epoch(self, epoch: int) -> list[list[int]]:
         if epoch not in self._cache:
-            rng = random.Random(self.seed * 1_000_003 + epoch)
+            rng = random.Random(stream_seed(self.seed, "plan", epoch=epoch))
             order = list(range(len(self.lengths)))
             rng.shuffle(order)
             batches: list[list[int]] = []

@@ -1,4 +1,5 @@
-"""Asking a Ray cluster for its alive nodes, bounded in time, before anything else depends on it.
+"""Joining Ray (`join_ray`, the one ``ray.init`` of a run's process), and asking a Ray cluster for its alive nodes,
+bounded in time, before anything else depends on it.
 
 ``ray.init(address=...)`` at an address where no Ray cluster answers does not fail: on a closed port or a port
 where another server listens it retries, logging every 30 s, for as long as it is left. So a run that joins a
@@ -10,14 +11,17 @@ leaves (the cluster keeps running). ``local`` is never probed: it means a new cl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 
-from oxrl_core.engines.distributed import ray_reason, resolve_ray_address
+from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
 from oxrl_core.engines.placement import PLACEMENTS, Node, resolve_node
 from oxrl_core.errors import OxrlError
 
@@ -25,6 +29,45 @@ from oxrl_core.errors import OxrlError
 RUN_PROBE_LIMIT_S = 60.0
 #: the quick TCP check's own bound
 _CONNECT_S = 5.0
+
+
+def join_ray(configured: str, *, log_to_driver: bool, purpose: str = "") -> None:
+    """Connect this process to Ray: the cluster `resolve_ray_address` names for ``configured`` (the config's
+    ``engine.ray_address``, else ``$RAY_ADDRESS``), or a new local one. The training launcher and the rollout actors
+    both join this way, so they see the same cluster, give their actors the same environment (`env_for_actors`),
+    keep oxRL's Ctrl-C / SIGTERM handling (`kept_signal_handlers`) and fail with the same message: one `OxrlError`
+    naming the address and where it came from, after ``purpose`` (the setting that needed Ray) when given.
+    ``log_to_driver``: whether the actors' output is printed by this process (the ranks' is the run's output; the
+    rollout actors' engine logs stay in Ray's files)."""
+    import ray
+
+    address, source = resolve_ray_address(configured)
+    try:
+        with kept_signal_handlers():
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=log_to_driver,
+                logging_level=logging.ERROR,
+                runtime_env={"env_vars": env_for_actors()},
+            )
+    except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
+        where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
+        raise OxrlError(f"{purpose}{': ' if purpose else ''}could not {where}: {type(exc).__name__}: {exc}") from None
+
+
+@contextlib.contextmanager
+def kept_signal_handlers():
+    """Around ``ray.init``: Ray's core worker installs C-level handlers of its own (on SIGTERM it aborts the
+    process with a stack dump); oxRL's are put back afterwards, so Ctrl-C / SIGTERM still save a checkpoint."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 class Unreachable(OxrlError):

@@ -51,6 +51,7 @@ from oxrl_core.models.packed_attention import (
 )
 from oxrl_core.models.token_head import token_stats
 from oxrl_core.scoring.evaluation import evaluate
+from oxrl_core.seeds import stream_seed
 
 REF_FILE = "ref.pt"  # self-play checkpoints keep the reference of the current iteration
 
@@ -477,7 +478,7 @@ def run_preference(trainer, ckpt: Path | None) -> RunResult:
             if self_play:
                 t_gen = time.perf_counter()
                 rejected = generate_rejected(
-                    backend, examples, cfg.rollout, cfg.train.seed * 1_000_003 + step * 131 + k
+                    backend, examples, cfg.rollout, stream_seed(cfg.train.seed, "rejected", step=step, micro_batch=k)
                 )
                 gen_seconds += time.perf_counter() - t_gen
             # 3. sequence log-probabilities (policy, reference), then the loss; each micro-batch weighted by its rows

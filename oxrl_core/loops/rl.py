@@ -40,12 +40,13 @@ from oxrl_core.loops.run import (
     non_finite_count,
     read_together,
 )
-from oxrl_core.ops import k3_kl, masked_mean, mean_metric
+from oxrl_core.ops import kl_estimate, masked_mean, mean_metric
 from oxrl_core.rl.batch import MicroBatches, chunks, policy_forward, rollout_batch
 from oxrl_core.rl.records import Scored
 from oxrl_core.rl.sources import Clock, RolloutSource
 from oxrl_core.rollout.sync import check_logprob_diff, default_max_logprob_diff, off_policy_metrics, tis_weight
 from oxrl_core.run_io.checkpoint import latest_checkpoint
+from oxrl_core.seeds import stream_seed
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -221,7 +222,7 @@ class Update:
         if cap > 0:  # how far the behaviour policy is from the proximal one
             sums.update(off_policy_metrics(logp_old, logp_rollout, mask))
         if self.ref is not None:  # k3 estimator of KL(π || π_ref) at the sampling policy
-            sums["kl/ref"] = masked_mean(k3_kl(batch["logp_old"], batch["logp_ref"]).detach(), mask)
+            sums["kl/ref"] = masked_mean(kl_estimate(batch["logp_old"], batch["logp_ref"], "k3").detach(), mask)
         return sums
 
     def optimise(
@@ -240,7 +241,7 @@ class Update:
 
         # the entropy metric is weighted as the loss weighs micro-batches (tokens, or sequences)
         entropy_mode = "token-mean" if algorithm.loss_weighting == "tokens" else "seq-mean-token-mean"
-        gen = torch.Generator().manual_seed(self.seed * 7919 + step)
+        gen = torch.Generator().manual_seed(stream_seed(self.seed, "minibatches", step=step))
         updates, grad_norms, micro_batch_count = 0, [], 0
         once = StepSums()  # the rollout's and the advantages' metrics: read with the first optimiser step's figures
         for name, value in metrics.items():

@@ -26,7 +26,7 @@ from oxrl_core.models.critic import build_critic
 from oxrl_core.models.loading import initial_policy_path, load_causal_lm, load_tokenizer
 from oxrl_core.models.packed_attention import PACKED_SDPA, attention_fast_paths, packed_attn_implementation
 from oxrl_core.rl.batch import prepare_prompts, sync_weights
-from oxrl_core.rl.dynamic_sampling import REFILL_PLAN_SEED_OFFSET, DynamicSampling
+from oxrl_core.rl.dynamic_sampling import DynamicSampling
 from oxrl_core.rl.records import RolloutInputs
 from oxrl_core.rl.sources import RolloutSource, rollout_source
 from oxrl_core.rl.strategies import RolloutStrategy, build_strategy, check_media_support, probe_prompt
@@ -34,6 +34,7 @@ from oxrl_core.rollout.hf import check_generation_length
 from oxrl_core.rollout.log import RolloutLog
 from oxrl_core.rollout.sync import SyncCheck
 from oxrl_core.scoring.rewards import build_reward
+from oxrl_core.seeds import stream_seed
 
 
 @dataclass
@@ -197,6 +198,6 @@ def _plans(setup: Setup, inputs: RolloutInputs, strategy) -> object:
     plan = setup.plan(inputs.train_source, sources, lengths, group_by_length=False)
     if cfg.rollout.dynamic_sampling:
         seed, size = cfg.train.seed, cfg.train.batch_size
-        refill_plan = make_plan(inputs.train_source, sources, lengths, size, seed + REFILL_PLAN_SEED_OFFSET, False)
+        refill_plan = make_plan(inputs.train_source, sources, lengths, size, stream_seed(seed, "refill_plan"), False)
         strategy.dynamic = DynamicSampling(cfg.rollout, refill_plan, seed, size)
     return plan

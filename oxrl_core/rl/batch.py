@@ -28,7 +28,8 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import SamplingParams, generate_from
 from oxrl_core.models.packed_attention import SHARED_PREFIX, shared_prefix_mask
 from oxrl_core.models.token_head import on_grid, token_stats
-from oxrl_core.scoring.rewards import RewardFailures, score_batch
+from oxrl_core.scoring.rewards import Failures, score_batch
+from oxrl_core.seeds import stream_seed
 
 # ----------------------------------------------------------------------------- prompts and rollouts
 
@@ -83,7 +84,7 @@ class Prompts:
 def step_sampling(ro, seed: int, step: int) -> SamplingParams:
     """An RL step's sampling (``rollout.n`` samples per prompt); its seed depends on the step only, so a batch
     generated ahead (asynchronous rollouts) or after a resume samples what it would have in a plain run."""
-    return SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed * 1_000_003 + step)
+    return SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, stream_seed(seed, "rollout", step=step))
 
 
 def check_completions(groups, n: int, max_new_tokens: int, eos_id: int, backend: str) -> None:
@@ -289,9 +290,6 @@ def token_logprobs_shared(model, mb: dict, temperature: float):
 
 # ----------------------------------------------------------------------------- data parallelism
 
-#: shard k of a rollout batch samples with seed + k·SHARD_SEED_STRIDE (shard 0 keeps the unsharded seed)
-SHARD_SEED_STRIDE = 7_919
-
 
 def sync_weights(backend, model, version: int) -> None:
     """The weight sync; with rollout actors only rank 0 holds them (``backend`` is None elsewhere)."""
@@ -318,12 +316,13 @@ def generate_sharded(
 
 
 def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: int, media: list[dict]):
-    """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with seed + k ·
-    `SHARD_SEED_STRIDE`: (prompts, sampling, each prompt's image inputs) each; a text batch's shards have None for
-    image inputs, so a backend is called as for text (`interfaces.generate_from`, rollout actors alike)."""
+    """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with the batch's
+    seed moved to shard k (`stream_seed`; shard 0 keeps the unsharded seed): (prompts, sampling, each prompt's image
+    inputs) each; a text batch's shards have None for image inputs, so a backend is called as for text
+    (`interfaces.generate_from`, rollout actors alike)."""
     images = media if any(media) else None
     size = len(prompts) // shards
-    seeds = [None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k for k in range(shards)]
+    seeds = [None if sampling.seed is None else stream_seed(sampling.seed, shard=k) for k in range(shards)]
     return [
         (
             prompts[k * size : (k + 1) * size],
@@ -335,7 +334,7 @@ def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: in
 
 
 def score_sharded(
-    reward, prompts: list, texts: list[str], rows: list[dict], failures: RewardFailures
+    reward, prompts: list, texts: list[str], rows: list[dict], failures: Failures
 ) -> tuple[list[float], dict[str, float]]:
     """`score_batch` of this rank's block of samples; the scores gathered on every rank and the metrics
     recomputed over the whole batch (mean, population std; errors and timeouts are row counts); every
@@ -344,7 +343,7 @@ def score_sharded(
         return score_batch(reward, prompts, texts, rows, failures)
     per_rank = len(texts) // world_size()
     mine = slice(rank() * per_rank, (rank() + 1) * per_rank)
-    local = RewardFailures(failures.reward)
+    local = Failures(failures.name)
     parts = all_gather_object((*score_batch(reward, prompts[mine], texts[mine], rows[mine], local), local))
     for _, _, part_failures in parts:
         failures.merge(part_failures)
@@ -386,7 +385,7 @@ def rl_evaluate(
     metrics = {}
     modes = {"": SamplingParams(n=1, max_new_tokens=ro.max_new_tokens, temperature=0.0)}
     if ro.temperature > 0:
-        modes["_sampled"] = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, seed=seed)
+        modes["_sampled"] = SamplingParams(ro.n, ro.max_new_tokens, ro.temperature, ro.top_p, stream_seed(seed, "eval"))
     update = progress or (lambda done, total=None: None)
     done, total = 0, len(prompt_ids) * sum(sampling.n for sampling in modes.values())
     update(done, total)

@@ -14,8 +14,8 @@ time in a run).
 Refill prompts and seeds are a pure function of (train.seed, step, round), so a resumed run replays them exactly
 and the data position stays one integer: refill round r of step s takes micro-batch (s − 1)·R + (r − 1) of a second
 `BatchPlan` over the same prompts (R = ``rollout.max_sampling_rounds``), shuffled with its own seed, and samples with
-the step's seed + r·2³² (every step's seed is train.seed·1_000_003 + step, and shards add multiples of 7_919, so a
-refill seed is none of them).
+the step's seed moved to round r (`oxrl_core.seeds.stream_seed`, which keeps every round's seeds apart from every
+step's, shard's and turn's).
 
 The strategy does the rounds (`rl.strategies.RolloutStrategy.rollout`, and with asynchronous rollouts
 ``produce_step`` inside the pipeline's job, at the scheduled policy version); this module is the pure part.
@@ -31,13 +31,9 @@ from typing import TypeVar
 from oxrl_core.engines.distributed import is_main
 from oxrl_core.interfaces import SamplingParams
 from oxrl_core.rl.batch import step_sampling
+from oxrl_core.seeds import stream_seed
 
 log = logging.getLogger("oxrl.sampling")
-
-#: refill round r of a step samples with the step's seed + r · REFILL_SEED_STRIDE (beyond any step or shard seed)
-REFILL_SEED_STRIDE = 1 << 32
-#: the refill prompts' plan is shuffled with train.seed + REFILL_PLAN_SEED_OFFSET (a stream of its own)
-REFILL_PLAN_SEED_OFFSET = 1 << 31
 
 Round = TypeVar("Round")
 
@@ -87,7 +83,7 @@ class DynamicSampling:
         """Refill round ``round`` (1-based) of ``step``: its prompts (train.batch_size of them) and sampling."""
         picks = self.plan.micro_batch((step - 1) * self.max_rounds + (round - 1))
         sampling = step_sampling(self.ro, self.seed, step)
-        return picks, replace(sampling, seed=sampling.seed + REFILL_SEED_STRIDE * round)
+        return picks, replace(sampling, seed=stream_seed(self.seed, "rollout", step=step, round=round))
 
     def rounds(
         self, step: int, scheduled: Round, play: Callable[[list[int], SamplingParams], Round],

@@ -46,7 +46,7 @@ Faults end an episode, not the run: an environment call (``reset``, ``step``, ``
 returns something malformed ends its episode with reward 0 (``env/errors``), one that runs past the
 environment's ``timeout_s`` likewise (``env/timeouts``, its worker killed); malformed tool calls are answered
 with an error message by `ToolEnvironment` (``env/bad_tool_calls``). What failed is kept per episode
-(``Episode.error``) and summarised per step as reward failures are (`EnvFailures`: one warning line naming
+(``Episode.error``) and summarised per step as reward failures are (`episode_failures`: one warning line naming
 the first failure, ``env/error_share``, ``env/first_error``); an environment that keeps failing stops the
 run as a reward that keeps failing does (`EnvWatch`: ``env.max_error_share`` for ``env.error_steps`` steps
 in a row), since episodes that all score 0 train nothing.
@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from oxrl_core.data.images import TOKEN_INPUTS, decode_image, image_base_dir
 from oxrl_core.data.rows import row_where
@@ -64,7 +64,6 @@ from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
-from oxrl_core.rl.batch import SHARD_SEED_STRIDE
 from oxrl_core.rl.records import EpisodeBatch, EpisodeShare
 from oxrl_core.rl.turns import (  # noqa: F401 - `render`, `extension_ids`: one episode's parts, used here and by tests
     Episode,
@@ -77,11 +76,10 @@ from oxrl_core.rl.turns import (  # noqa: F401 - `render`, `extension_ids`: one 
     render,
 )
 from oxrl_core.rollout.env_worker import Malformed, call_all, class_tools, spawn
-from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, prompt_snippet, row_number, score_batch
+from oxrl_core.scoring.rewards import Failures, RewardWatch, row_number, score_batch
+from oxrl_core.seeds import stream_seed
 from oxrl_core.tool_parsers import parser_for
 
-#: turn k of a step samples with seed + k·TURN_SEED_STRIDE
-TURN_SEED_STRIDE = 104_729
 #: metrics that are means per episode (the other episode metrics are counts)
 EPISODE_MEANS = (
     "env/turns",
@@ -98,74 +96,20 @@ COUNTS = ("reward/errors", "reward/timeouts")
 # ----------------------------------------------------------------------------- failures of the environment
 
 
-@dataclass
-class EnvFailures:
-    """The environment's failures over some episodes (a step), summarised for one line, as `RewardFailures`
-    summarises a reward's: counts of episodes that raised or returned something malformed (``errors``) and that
-    timed out (``timeouts``), and the first failure whole (its row, a snippet of its prompt, what failed). The
-    first error is kept in preference to a timeout: an exception's text says more about what to fix."""
-
-    env: str
-    episodes: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    first_error: str = ""
-    first_row: int | None = None
-    first_prompt: str = ""
-
-    @property
-    def failed(self) -> int:
-        return self.errors + self.timeouts
-
-    @property
-    def share(self) -> float:
-        """The failed share of the episodes (``env/error_share``); 0 for none."""
-        return self.failed / self.episodes if self.episodes else 0.0
-
-    first_timed_out: bool = False
-
-    def count(self, episodes: list[Episode]) -> "EnvFailures":
-        """Add ``episodes`` (in batch order: the first failure is the first failed episode's)."""
-        rows = [e.row for e in episodes]
-        for i, e in enumerate(episodes):
-            self.errors += e.ended == "error"
-            self.timeouts += e.ended == "timeout"
-            if e.failed and self._replaces_first(e.ended == "timeout"):
-                self.first_row, self.first_prompt = row_number(rows, i), prompt_snippet(e.row.get("prompt", ""))
-                self.first_error, self.first_timed_out = e.error or e.ended, e.ended == "timeout"
-        self.episodes += len(episodes)
-        return self
-
-    def _replaces_first(self, timed_out: bool) -> bool:
-        return self.first_row is None or (self.first_timed_out and not timed_out)
-
-    def merge(self, other: "EnvFailures") -> "EnvFailures":
-        """Add ``other``'s episodes (another rank's share of a step)."""
-        self.episodes += other.episodes
-        self.errors += other.errors
-        self.timeouts += other.timeouts
-        if other.first_row is not None and self._replaces_first(other.first_timed_out):
-            self.first_row, self.first_prompt = other.first_row, other.first_prompt
-            self.first_error, self.first_timed_out = other.first_error, other.first_timed_out
-        return self
-
-    def first(self) -> str:
-        """The first failure: ``row 3 (prompt '...'): step() raised RuntimeError: boom (env.py:9)``."""
-        return f"row {self.first_row} (prompt {self.first_prompt}): {self.first_error}"
-
-    def describe(self) -> str:
-        """One line for all of them (empty when nothing failed)."""
-        if not self.failed:
-            return ""
-        kinds = (
-            f"{self.errors} raised or returned something malformed, {self.timeouts} timed out"
-            if self.errors and self.timeouts
-            else ("timed out" if self.timeouts else "raised or returned something malformed")
-        )
-        return (
-            f"environment '{self.env}' failed on row {self.first_row}: {self.first_error} (prompt {self.first_prompt}); "
-            f"{self.failed} of {self.episodes} episodes failed ({self.share:.0%}, {kinds}) and score 0"
-        )
+def episode_failures(env: str, episodes: list[Episode]) -> Failures:
+    """The environment's failures over ``episodes`` (a step, in batch order), as a `Failures` record like a
+    reward's: counts of episodes that raised or returned something malformed (``errors``) and that timed out
+    (``timeouts``), and the first failure whole (its row, a snippet of its prompt, what failed); a timeout is
+    noted as one, so the first error is named in preference to it."""
+    failures = Failures(env, "environment", samples=len(episodes))
+    rows = [e.row for e in episodes]
+    for i, e in enumerate(episodes):
+        failures.errors += e.ended == "error"
+        failures.timeouts += e.ended == "timeout"
+        if e.failed:
+            row, prompt = row_number(rows, i), e.row.get("prompt", "")
+            failures.note(row, prompt, e.error or e.ended, timed_out=e.ended == "timeout")
+    return failures
 
 
 class EnvWatch(RewardWatch):
@@ -174,7 +118,7 @@ class EnvWatch(RewardWatch):
     fail score 0, so a run on them learns nothing and stops before training on them, naming the environment,
     its first failure and the newest complete checkpoint. ``steps = 0`` or ``max_share = 1`` never stops."""
 
-    def stop(self, step: int, failures: EnvFailures, run_dir):
+    def stop(self, step: int, failures: Failures, run_dir):
         # lazy: checkpoint imports torch; the episode runner's module stays importable without a model
         from oxrl_core.run_io.checkpoint import latest_checkpoint
 
@@ -186,7 +130,7 @@ class EnvWatch(RewardWatch):
             else "no checkpoint was saved yet"
         )
         return OxrlError(
-            f"step {step}: environment '{failures.env}' failed in {failures.failed} of {failures.episodes} episodes "
+            f"step {step}: environment '{failures.name}' failed in {failures.failed} of {failures.samples} episodes "
             f"({failures.share:.0%}) — over env.max_error_share={self.max_share:g} in {streak}; first failure on "
             f"{failures.first()}. The run stops before training on episodes that all score 0 ({keep}). Fix the "
             "environment, or set env.max_error_share=1 to train on anyway"
@@ -311,12 +255,13 @@ class Episodes:
 
     def play_shards(self, shards: list[tuple[int, list[dict]]], sampling: SamplingParams) -> list[Episode]:
         """The episodes of several shards ``(k, rows)`` of a rollout batch, in shard order. Shard k samples
-        with seed + k·SHARD_SEED_STRIDE (as single-turn shards do), so its episodes do not depend on which
-        process plays it or beside which other shards; each turn is one backend call per shard, or one
-        call for all of them with rollout actors (``generate_shards`` deals them to the actors)."""
+        with the seed moved to shard k, and each turn with it moved to that turn (`stream_seed`, as single-turn
+        shards do), so its episodes do not depend on which process plays it or beside which other shards; each
+        turn is one backend call per shard, or one call for all of them with rollout actors (``generate_shards``
+        deals them to the actors)."""
         played = []
         for k, rows in shards:
-            seed = None if sampling.seed is None else sampling.seed + SHARD_SEED_STRIDE * k
+            seed = None if sampling.seed is None else stream_seed(sampling.seed, shard=k)
             played.append((rows, self.start([row for row in rows for _ in range(sampling.n)]), seed))
         for turn in range(self.max_turns):
             requests, lives = [], []
@@ -358,23 +303,21 @@ class Episodes:
         with engine.full_weights():  # ZeRO-3: every rank generates on whole weights
             return self.play_shards(blocks[rank() * per_rank : (rank() + 1) * per_rank], sampling)
 
-    def collect(
-        self, played: list[Episode], reward, failures: RewardFailures, env_failures: EnvFailures
-    ) -> EpisodeBatch:
+    def collect(self, played: list[Episode], reward, failures: Failures, env_failures: Failures) -> EpisodeBatch:
         """Every process's episodes of the step on every process: ``(prompt ids, completions, scores,
         metrics)`` in batch order. Each process scores its own episodes (their environments live there);
         the reward failures of all of them are added to ``failures``, the environment's to ``env_failures``
         (the metrics get ``env/error_share`` and, when any failed, the first failure's text ``env/first_error``).
         A VLM run adds each episode's image inputs (B,) as a fifth item (None for a text model)."""
-        mine = self.share(played, reward, failures.reward, env_failures.env)
+        mine = self.share(played, reward, failures.name, env_failures.name)
         parts = [broadcast_object(mine)] if self.backend is None or self.backend.remote else all_gather_object(mine)
         return self.merge(parts, failures, env_failures)
 
     def share(self, played: list[Episode], reward, reward_name: str, env_name: str) -> EpisodeShare:
         """This process's episodes scored, with no collective: (each episode's (prompt ids, completion), scores,
-        reward counts, episode metrics, `RewardFailures`, `EnvFailures`, image inputs or None) — plain data that
-        `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
-        local = RewardFailures(reward_name)
+        reward counts, episode metrics, the reward's and the environment's `Failures`, image inputs or None) —
+        plain data that `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
+        local = Failures(reward_name)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
         return EpisodeShare(
             [(e.prompt_ids, e.as_completion()) for e in played],
@@ -382,11 +325,11 @@ class Episodes:
             {k: v for k, v in counts.items() if k in COUNTS},
             self.metrics(played) if played else {},
             local,
-            EnvFailures(env_name).count(played),
+            episode_failures(env_name, played),
             [e.image_inputs() for e in played],
         )
 
-    def merge(self, parts: list[EpisodeShare], failures: RewardFailures, env_failures: EnvFailures) -> EpisodeBatch:
+    def merge(self, parts: list[EpisodeShare], failures: Failures, env_failures: Failures) -> EpisodeBatch:
         """Every process's `share`, in batch order, as `collect` returns it."""
         samples = [s for part in parts for s in part.samples]
         scores = [s for part in parts for s in part.scores]
@@ -457,7 +400,7 @@ class Episodes:
         budget = max(self.max_tokens - e.used for e in live)
         params = replace(sampling, max_new_tokens=min(self.max_new_tokens, budget))
         if sampling.seed is not None:
-            params = replace(params, seed=sampling.seed + TURN_SEED_STRIDE * turn)
+            params = replace(params, seed=stream_seed(sampling.seed, turn=turn))
         n = sampling.n
         first = [episodes[i * n : (i + 1) * n] for i in range(len(rows))] if turn == 0 else []
         vlm = self.vision is not None
@@ -555,7 +498,7 @@ class Episodes:
 
     # ---- rewards and metrics
 
-    def rewards(self, episodes: list[Episode], reward, failures: RewardFailures) -> tuple[list[float], dict]:
+    def rewards(self, episodes: list[Episode], reward, failures: Failures) -> tuple[list[float], dict]:
         """R = Σ step rewards + the environment's `reward` (or, where it gives none and scores final answers,
         ``reward`` on the final answer); 0 for an episode whose environment failed. The episodes are over
         afterwards: their workers are closed (score each episode once)."""
@@ -630,7 +573,7 @@ class Episodes:
             scores, episodes, metrics = [], [], Counter()
             for start in range(0, len(rows), batch):
                 played = self.play(rows[start : start + batch], sampling)
-                got, _ = self.rewards(played, reward, RewardFailures(getattr(reward, "name", "reward")))
+                got, _ = self.rewards(played, reward, Failures(getattr(reward, "name", "reward")))
                 m = self.metrics(played)
                 scores += got
                 episodes += played

@@ -24,7 +24,7 @@ class Scored:
 
 class Round(NamedTuple):
     """One round of a synchronous step (dynamic sampling plays refill rounds): its prompts, scored, and its
-    failures (`RewardFailures`, and an environment's `EnvFailures`)."""
+    failures (`scoring.rewards.Failures`: the reward's, and an environment's)."""
 
     picks: list[int]  # (P,) the prompts played
     scored: Scored
@@ -40,7 +40,7 @@ class Produced(NamedTuple):
     completions: list[Completion]  # (B,)
     scores: list[float]  # (B,)
     metrics: dict[str, float]  # reward/... (and sampling/... with dynamic sampling)
-    failures: object  # the reward's `RewardFailures`
+    failures: object  # the reward's `scoring.rewards.Failures`
 
 
 class EpisodeShare(NamedTuple):
@@ -51,8 +51,8 @@ class EpisodeShare(NamedTuple):
     scores: list[float]  # (b,)
     counts: dict[str, float]  # reward failure counts over the episodes scored on their final answers
     metrics: dict[str, float]  # env/... episode metrics of these b episodes
-    failures: object  # the reward's `RewardFailures`
-    env_failures: object  # the environment's `EnvFailures`
+    failures: object  # the reward's `scoring.rewards.Failures`
+    env_failures: object  # the environment's `scoring.rewards.Failures`
     media: list[dict]  # (b,) each episode's media record (its image inputs; {} for text)
 
     @classmethod

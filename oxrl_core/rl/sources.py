@@ -51,12 +51,11 @@ from oxrl_core.engines.state_files import load_state_file
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, SamplingParams
 from oxrl_core.rl.batch import check_on_policy, step_sampling, sync_weights
-from oxrl_core.rl.episodes import EnvFailures
 from oxrl_core.rl.records import Scored
 from oxrl_core.rl.strategies import RolloutStrategy
 from oxrl_core.rollout.sync import trainer_logprobs
 from oxrl_core.run_io.checkpoint import latest_checkpoint
-from oxrl_core.scoring.rewards import RewardFailures
+from oxrl_core.scoring.rewards import Failures
 
 #: a checkpoint's in-flight batches (asynchronous runs only)
 INFLIGHT_FILE = "inflight.pt"
@@ -186,12 +185,18 @@ def check_schedule(completions, expected: int, step: int, k: int, run_dir: Path)
 
 # ----------------------------------------------------------------------------- in-flight batches on disk
 
-_CLASSES = {"Completion": Completion, "RewardFailures": RewardFailures, "EnvFailures": EnvFailures}
+_CLASSES = {"Completion": Completion, "Failures": Failures}
+#: the tags of checkpoints written while a reward's and an environment's failures were two classes (their count
+#: was ``rows`` / ``episodes``, the name ``reward`` / ``env``): such a checkpoint still resumes
+_OLD_CLASSES = {
+    "RewardFailures": lambda reward, rows, **rest: Failures(reward, "reward", samples=rows, **rest),
+    "EnvFailures": lambda env, episodes, **rest: Failures(env, "environment", samples=episodes, **rest),
+}
 
 
 def encode(value):
     """A produced batch as what ``torch.load(weights_only=True)`` reads back: dicts, lists, numbers, strings,
-    tensors; tuples and the three dataclasses it holds tagged so `decode` rebuilds them."""
+    tensors; tuples and the two dataclasses it holds tagged so `decode` rebuilds them."""
     if isinstance(value, tuple):
         return {"__tuple__": [encode(v) for v in value]}
     if dataclasses.is_dataclass(value) and type(value).__name__ in _CLASSES:
@@ -212,7 +217,8 @@ def decode(value):
         if "__tuple__" in value:
             return tuple(decode(v) for v in value["__tuple__"])
         if "__class__" in value:
-            return _CLASSES[value["__class__"]](**decode(value["fields"]))
+            make = _CLASSES.get(value["__class__"]) or _OLD_CLASSES[value["__class__"]]
+            return make(**decode(value["fields"]))
         return {k: decode(v) for k, v in value.items()}
     return value
 

@@ -34,9 +34,9 @@ from oxrl_core.rl.batch import (
     seeded_shards,
 )
 from oxrl_core.rl.dynamic_sampling import DynamicSampling, Selection
-from oxrl_core.rl.episodes import EnvFailures, EnvWatch, Episodes, shard_blocks
+from oxrl_core.rl.episodes import EnvWatch, Episodes, shard_blocks
 from oxrl_core.rl.records import EpisodeShare, Produced, RolloutInputs, Round, Scored
-from oxrl_core.scoring.rewards import RewardFailures, RewardWatch, score_batch
+from oxrl_core.scoring.rewards import Failures, RewardWatch, score_batch
 
 
 def join_groups(rounds: list[tuple[list[int], Scored]], selection: Selection, n: int, metrics: dict) -> Scored:
@@ -55,7 +55,7 @@ def join_groups(rounds: list[tuple[list[int], Scored]], selection: Selection, n:
 
 
 def merge_failures(into: tuple, other: tuple) -> tuple:
-    """Two rounds' failures (`RewardFailures`, and an environment's `EnvFailures`), added up."""
+    """Two rounds' failures (the reward's `Failures`, and an environment's), added up."""
     return tuple(a.merge(b) for a, b in zip(into, other))
 
 
@@ -159,7 +159,7 @@ class Completions(RolloutStrategy):
 
     def score_round(self, played):
         picks, completions = played
-        n, failures = self.ro.n, RewardFailures(self.reward_name)
+        n, failures = self.ro.n, Failures(self.reward_name)
         scores, metrics = score_sharded(self.reward, *self.reward_inputs(picks, completions), failures)
         media = self.prompts.media_of([i for i in picks for _ in range(n)])  # (B,) references, not copies
         prompts = [self.prompt_ids[i] for i in picks for _ in range(n)]
@@ -175,7 +175,7 @@ class Completions(RolloutStrategy):
         ro = self.ro
         check_completions(groups, ro.n, ro.max_new_tokens, self.tokenizer.eos_token_id, ro.backend)
         completions = [c for g in groups for c in g]  # (B = P·n)
-        failures = RewardFailures(self.reward_name)
+        failures = Failures(self.reward_name)
         scores, metrics = score_batch(self.reward, *self.reward_inputs(picks, completions), failures)
         return Produced(picks, prompt_ids, completions, scores, metrics, failures)
 
@@ -186,7 +186,7 @@ class Completions(RolloutStrategy):
         metrics with ``sampling/*``, the failures of every round."""
         first = self.produce(picks, sampling)
         rounds, selection = self.dynamic.rounds(step, first, self.produce, lambda r: r.scores)
-        n, failures = self.ro.n, RewardFailures(self.reward_name)
+        n, failures = self.ro.n, Failures(self.reward_name)
         chosen = [(rounds[r], g) for r, g in selection.picked]
         for produced in rounds:
             failures.merge(produced.failures)
@@ -234,7 +234,7 @@ class EpisodeRollouts(RolloutStrategy):
         return self.episodes.play_sharded([self.rows[i] for i in picks], sampling, self.shards, self.engine)
 
     def score_round(self, played):
-        failures, env_failures = RewardFailures(self.reward_name), EnvFailures(self.env_name)
+        failures, env_failures = Failures(self.reward_name), Failures(self.env_name, "environment")
         # each process scores its own episodes; every process gets all of them, in batch order
         batch = self.episodes.collect(played, self.reward, failures, env_failures)  # images: every image of each
         return Scored(*batch), (failures, env_failures)
@@ -249,7 +249,7 @@ class EpisodeRollouts(RolloutStrategy):
         return self.episodes.share(played, self.reward, self.reward_name, self.env_name)
 
     def receive(self, produced, step):
-        failures, env_failures = RewardFailures(self.reward_name), EnvFailures(self.env_name)
+        failures, env_failures = Failures(self.reward_name), Failures(self.env_name, "environment")
         batch = self.episodes.merge([EpisodeShare.read(broadcast_object(produced))], failures, env_failures)
         self.env_watch.after_scoring(step, env_failures, self.run_dir)
         self.reward_watch.after_scoring(step, failures, self.run_dir)

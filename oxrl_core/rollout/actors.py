@@ -30,12 +30,12 @@ from typing import Any, ClassVar
 
 from oxrl_core.config import RolloutConfig
 from oxrl_core.engines import placement
-from oxrl_core.engines.distributed import env_for_actors, ray_reason, resolve_ray_address
+from oxrl_core.engines.distributed import ray_reason
+from oxrl_core.engines.ray_cluster import join_ray
 from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, RolloutBackend, SamplingParams, generate_from
 from oxrl_core.models.lora import policy_state_dict
 from oxrl_core.plugins import discover
-from oxrl_core.run_io.lifecycle import kept_signal_handlers
 
 #: actors whose probe logprobs differ from the first actor's by more than this hold other weights
 REPLICA_TOLERANCE = 1e-5
@@ -115,22 +115,8 @@ class RolloutActors(RolloutBackend):
         import ray
 
         owns_ray = not ray.is_initialized()  # a joined cluster is only disconnected from at close, and keeps running
-        if owns_ray:
-            import logging
-
-            address, source = resolve_ray_address(ray_address)
-            try:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
-                with kept_signal_handlers():  # Ray's own would abort on SIGTERM instead of saving a checkpoint
-                    ray.init(
-                        address=address,
-                        include_dashboard=False,
-                        log_to_driver=False,
-                        logging_level=logging.ERROR,
-                        runtime_env={"env_vars": env_for_actors()},
-                    )
-            except Exception as exc:  # noqa: BLE001 - an unreachable address, a broken install: one message
-                where = f"join the Ray cluster at {source}={address!r}" if source else "start a local Ray cluster"
-                raise OxrlError(f"rollout.actors: could not {where}: {type(exc).__name__}: {exc}") from None
+        if owns_ray:  # the actors' own output (engine logs) stays in Ray's log files; their errors come back as errors
+            join_ray(ray_address, log_to_driver=False, purpose="rollout.actors")
         proxy = cls([], backend_name, timeout_s, owns_ray)
         try:
             actor_cls = ray.remote(RolloutWorker)

@@ -257,20 +257,6 @@ def _handler(signum, frame) -> None:
     )
 
 
-@contextlib.contextmanager
-def kept_signal_handlers():
-    """Around ``ray.init``: Ray's core worker installs C-level handlers of its own (on SIGTERM it aborts the
-    process with a stack dump); oxRL's are put back afterwards."""
-    main = threading.current_thread() is threading.main_thread()
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
 def stop_at_once(signum, frame) -> None:
     """The CLI's handler outside a run's loop (`oxrl eval`, loading a run...): end now, with the right status."""
     raise StopNow(signum, f"interrupted ({signal_name(signum)})")

@@ -30,7 +30,7 @@ from oxrl_core.data.sources import load_source, path_kind
 from oxrl_core.errors import OxrlError
 from oxrl_core.plugins import registry
 from oxrl_core.schema import format_validation_error
-from oxrl_core.scoring.rewards import RewardFailures, build_reward, score_batch
+from oxrl_core.scoring.rewards import Failures, build_reward, score_batch
 
 #: rows per `score_batch` call
 CHUNK = 256
@@ -41,7 +41,7 @@ def score_file(reward: str, data: Path, output: Path | None, overrides: list[str
     rows, origin = read_rows(Path(data))
     scorer = build(reward, overrides)
 
-    failures = RewardFailures(scorer.name)  # summarised once for the file, not a line per row or chunk
+    failures = Failures(scorer.name)  # summarised once for the file, not a line per row or chunk
     totals = {"rows": 0, "score_sum": 0.0, "errors": 0, "timeouts": 0, "failures": failures}
     if output is not None:
         Path(output).parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ never stop a run:
 - a value that is not a finite number (NaN, inf, None, "x") -> that row scores 0 (reward/errors)
 
 Failures are summarised, never logged row by row (a reward with a typo'd field fails on every
-sample: a thousand lines a step would bury everything else): `RewardFailures` counts them and
+sample: a thousand lines a step would bury everything else): `Failures` counts them and
 keeps the first (its row, prompt and exception), one line per call or per step says so, and
 ``reward/error_share`` is the failed share of the rows. `RewardWatch` stops a run whose share
 stays above ``rollout.max_reward_error_share`` for ``rollout.reward_error_steps`` steps in a row:
@@ -32,7 +32,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from oxrl_core.config import reward_options
 from oxrl_core.data.sources import can_verify
@@ -92,22 +92,30 @@ def prompt_snippet(prompt: Any, width: int = 60) -> str:
 
 
 @dataclass
-class RewardFailures:
-    """The failures of one reward over some rows (a call, a step, a file), summarised for one line.
+class Failures:
+    """The failures of a reward over some samples (a call, a step, a file) or of an environment over some episodes
+    (a step), summarised for one line — one record for both, so a step's two watches, its metrics and an
+    asynchronous checkpoint's in-flight batches treat them alike.
 
-    Counts rows that raised or returned a non-number (``errors``) and rows that timed out
-    (``timeouts``), and keeps the first failure whole: its row (1-based, see `row_number`), a
-    snippet of its prompt and the exception, which is what a user needs to find a typo'd field.
+    Counts the samples that raised or returned a non-number / something malformed (``errors``) and those that
+    timed out (``timeouts``), and keeps the first failure whole: its row (1-based, see `row_number`), a snippet of
+    its prompt and the exception, which is what a user needs to find a typo'd field.
     """
 
-    reward: str
-    rows: int = 0
+    #: the reward's or the environment's name
+    name: str
+    #: what failed; the messages name it, and count a reward's "samples" and an environment's "episodes"
+    of: Literal["reward", "environment"] = "reward"
+    #: the samples scored, or the episodes played (an episode is one sample)
+    samples: int = 0
     errors: int = 0
     timeouts: int = 0
     first_error: str = ""
     first_row: int | None = None
     first_prompt: str = ""
-    #: the first few failed rows' numbers, for the summary line
+    #: whether the first failure kept is a timeout (a later error replaces it: see `note`)
+    first_timed_out: bool = False
+    #: the first few failed rows' numbers, for a reward's summary line
     failed_rows: list[int] = field(default_factory=list)
 
     SHOWN_ROWS = 5
@@ -118,23 +126,31 @@ class RewardFailures:
 
     @property
     def share(self) -> float:
-        """The failed share of the rows (``reward/error_share``); 0 for no rows."""
-        return self.failed / self.rows if self.rows else 0.0
+        """The failed share of the samples (``reward/error_share``, ``env/error_share``); 0 for none."""
+        return self.failed / self.samples if self.samples else 0.0
 
-    def note(self, row: int, prompt: Any, error: str) -> None:
-        """Remember one failed row (the counts are kept by the caller)."""
-        if self.first_row is None:
+    def note(self, row: int, prompt: Any, error: str, timed_out: bool = False) -> None:
+        """Remember one failed row (the counts are kept by the caller). The first failure is kept, except that an
+        error replaces a first failure noted as ``timed_out``: an exception's text says more about what to fix.
+        An environment marks its timeouts so; a reward notes its own as plain failures, so its message names its
+        first failure in row order."""
+        if self.first_row is None or (self.first_timed_out and not timed_out):
             self.first_row, self.first_prompt, self.first_error = row, prompt_snippet(prompt), error
+            self.first_timed_out = timed_out
         if len(self.failed_rows) < self.SHOWN_ROWS and row not in self.failed_rows:  # a prompt's n samples: one row
             self.failed_rows.append(row)
 
-    def merge(self, other: "RewardFailures") -> "RewardFailures":
-        """Add ``other``'s rows and failures (another call, or another rank's share of a step)."""
-        self.rows += other.rows
+    def merge(self, other: Failures) -> Failures:
+        """Add ``other``'s samples and failures (another call, or another rank's share of a step); its first
+        failure replaces this one's as in `note`."""
+        self.samples += other.samples
         self.errors += other.errors
         self.timeouts += other.timeouts
-        if self.first_row is None and other.first_row is not None:
+        if other.first_row is not None and (
+            self.first_row is None or (self.first_timed_out and not other.first_timed_out)
+        ):
             self.first_row, self.first_prompt, self.first_error = other.first_row, other.first_prompt, other.first_error
+            self.first_timed_out = other.first_timed_out
         for row in other.failed_rows:
             if len(self.failed_rows) < self.SHOWN_ROWS and row not in self.failed_rows:
                 self.failed_rows.append(row)
@@ -145,23 +161,28 @@ class RewardFailures:
         return f"row {self.first_row} (prompt {self.first_prompt}): {self.first_error}"
 
     def describe(self) -> str:
-        """One line for all of them (empty when nothing failed)."""
+        """One line for all of them (empty when nothing failed); a reward's names its first few failed rows."""
         if not self.failed:
             return ""
-        rows = ", ".join(map(str, self.failed_rows)) + (", …" if self.failed > len(self.failed_rows) else "")
+        reward = self.of == "reward"
+        raised = "raised or returned a non-number" if reward else "raised or returned something malformed"
         kinds = (
-            f"{self.errors} raised or returned a non-number, {self.timeouts} timed out"
+            f"{self.errors} {raised}, {self.timeouts} timed out"
             if self.errors and self.timeouts
-            else ("timed out" if self.timeouts else "raised or returned a non-number")
+            else ("timed out" if self.timeouts else raised)
         )
+        if reward:
+            more = ", …" if self.failed > len(self.failed_rows) else ""
+            kinds += "; rows " + ", ".join(map(str, self.failed_rows)) + more
         return (
-            f"reward '{self.reward}' failed on row {self.first_row}: {self.first_error} (prompt {self.first_prompt}); "
-            f"{self.failed} of {self.rows} samples failed ({self.share:.0%}, {kinds}; rows {rows}) and score 0"
+            f"{self.of} '{self.name}' failed on row {self.first_row}: {self.first_error} (prompt {self.first_prompt}); "
+            f"{self.failed} of {self.samples} {'samples' if reward else 'episodes'} failed ({self.share:.0%}, {kinds}) "
+            "and score 0"
         )
 
 
 def score_batch(
-    reward, prompts: list, completions: list[str], examples: list[dict], failures: RewardFailures | None = None
+    reward, prompts: list, completions: list[str], examples: list[dict], failures: Failures | None = None
 ) -> tuple[list[float], dict[str, float]]:
     """Score a batch with ``reward`` under its ``timeout_s``; never raises for reward failures.
 
@@ -174,7 +195,7 @@ def score_batch(
     if len(prompts) != n or len(examples) != n:  # the caller's bug, not the reward's
         raise ValueError(f"score_batch: {len(prompts)} prompts, {n} completions, {len(examples)} examples")
     name = getattr(reward, "name", type(reward).__name__)
-    seen = RewardFailures(name, rows=n)
+    seen = Failures(name, samples=n)
     scores = _score(reward, prompts, completions, examples, seen)
     if failures is not None:
         failures.merge(seen)
@@ -183,7 +204,7 @@ def score_batch(
     return _summary(scores, errors=seen.errors, timeouts=seen.timeouts)
 
 
-def _score(reward, prompts: list, completions: list[str], examples: list[dict], seen: RewardFailures) -> list[float]:
+def _score(reward, prompts: list, completions: list[str], examples: list[dict], seen: Failures) -> list[float]:
     """The scores, every failure counted and noted in ``seen``."""
     n = len(completions)
     limit_s = float(getattr(reward, "timeout_s", 30.0))
@@ -214,7 +235,7 @@ def _score(reward, prompts: list, completions: list[str], examples: list[dict], 
     return scores
 
 
-def _row_by_row(reward, prompts, completions, examples, limit_s: float, seen: RewardFailures) -> list[float]:
+def _row_by_row(reward, prompts, completions, examples, limit_s: float, seen: Failures) -> list[float]:
     """Score each row alone, all within one more ``limit_s``; failures go to ``seen``."""
     deadline = time.monotonic() + limit_s
     n = len(completions)
@@ -276,7 +297,7 @@ class RewardWatch:
     def __init__(self, max_share: float, steps: int):
         self.max_share, self.steps, self.streak = max_share, steps, 0
 
-    def after_scoring(self, step: int, failures: RewardFailures, run_dir) -> None:
+    def after_scoring(self, step: int, failures: Failures, run_dir) -> None:
         if failures.failed:
             log.warning("step %d: %s", step, failures.describe())
         if not self.steps or failures.share <= self.max_share:
@@ -286,7 +307,7 @@ class RewardWatch:
         if self.streak >= self.steps:
             raise self.stop(step, failures, run_dir)
 
-    def stop(self, step: int, failures: RewardFailures, run_dir):
+    def stop(self, step: int, failures: Failures, run_dir):
         # lazy: checkpoint imports torch; rewards stays torch-free for `oxrl score` and the reward plugins
         from oxrl_core.run_io.checkpoint import latest_checkpoint
 
@@ -298,10 +319,10 @@ class RewardWatch:
             else ("no checkpoint was saved yet")
         )
         return OxrlError(
-            f"step {step}: reward '{failures.reward}' failed on {failures.failed} of {failures.rows} samples "
+            f"step {step}: reward '{failures.name}' failed on {failures.failed} of {failures.samples} samples "
             f"({failures.share:.0%}) — over rollout.max_reward_error_share={self.max_share:g} in {streak}; "
             f"first failure on {failures.first()}. The run stops before training on zero rewards ({keep}). "
-            f"Fix the reward or the data field it reads (check with: oxrl score --reward {failures.reward} --data FILE), "
+            f"Fix the reward or the data field it reads (check with: oxrl score --reward {failures.name} --data FILE), "
             f"or set rollout.max_reward_error_share=1 to train on anyway"
         )
 
