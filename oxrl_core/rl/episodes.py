@@ -118,18 +118,8 @@ class EnvWatch(RewardWatch):
     fail score 0, so a run on them learns nothing and stops before training on them, naming the environment,
     its first failure and the newest complete checkpoint. ``steps = 0`` or ``max_share = 1`` never stops."""
 
-    def stop(self, step: int, failures: Failures, run_dir):
-        # lazy: checkpoint imports torch; the episode runner's module stays importable without a model
-        from oxrl_core.run_io.checkpoint import latest_checkpoint
-
-        last = latest_checkpoint(run_dir) if run_dir is not None else None
-        streak = "this step" if self.steps == 1 else f"each of the last {self.steps} steps"
-        keep = (
-            f"last complete checkpoint: {last}; after the fix resume with: oxrl run --resume -o {run_dir}"
-            if last
-            else "no checkpoint was saved yet"
-        )
-        return OxrlError(
+    def message(self, step: int, failures: Failures, streak: str, keep: str) -> str:
+        return (
             f"step {step}: environment '{failures.name}' failed in {failures.failed} of {failures.samples} episodes "
             f"({failures.share:.0%}) — over env.max_error_share={self.max_share:g} in {streak}; first failure on "
             f"{failures.first()}. The run stops before training on episodes that all score 0 ({keep}). Fix the "

@@ -318,7 +318,12 @@ class RewardWatch:
             if last
             else ("no checkpoint was saved yet")
         )
-        return OxrlError(
+        return OxrlError(self.message(step, failures, streak, keep))
+
+    def message(self, step: int, failures: Failures, streak: str, keep: str) -> str:
+        """What the stop says: the step, who failed how often against which option, the first failure, ``keep``
+        (what was saved) and the way on."""
+        return (
             f"step {step}: reward '{failures.name}' failed on {failures.failed} of {failures.samples} samples "
             f"({failures.share:.0%}) — over rollout.max_reward_error_share={self.max_share:g} in {streak}; "
             f"first failure on {failures.first()}. The run stops before training on zero rewards ({keep}). "
