@@ -8,37 +8,30 @@ from conftest import oxrl, read_metrics
 from oxrl_core.models.perf import mfu, peak, peak_flops, train_flops
 
 
-def _tiny():
+def _llama(vocab: int, hidden: int, mlp: int):
+    """A 2-layer Llama with one head as wide as the model and an untied head."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=mlp,
         num_hidden_layers=2,
         num_attention_heads=1,
         num_key_value_heads=1,
-        head_dim=64,
+        head_dim=hidden,
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
+
+
+def _tiny():
+    return _llama(100, 64, 128)
 
 
 def _small():
     """A Llama small enough to count by hand: vocabulary 10, hidden 4, MLP 8, 2 layers, one head of 4."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=10,
-        hidden_size=4,
-        intermediate_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        head_dim=4,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return _llama(10, 4, 8)
 
 
 def test_step_flops_of_a_packed_micro_batch_by_hand():

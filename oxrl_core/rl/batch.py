@@ -317,17 +317,16 @@ def generate_sharded(
 
 def seeded_shards(prompts: list[list[int]], sampling: SamplingParams, shards: int, media: list[dict]):
     """The rollout batch cut into ``shards`` contiguous shards of whole prompts, shard k sampling with the batch's
-    seed moved to shard k (`stream_seed`; shard 0 keeps the unsharded seed): (prompts, sampling, each prompt's image
-    inputs) each; a text batch's shards have None for image inputs, so a backend is called as for text
-    (`interfaces.generate_from`, rollout actors alike)."""
-    images = media if any(media) else None
+    seed moved to shard k (`stream_seed`; shard 0 keeps the unsharded seed): (prompts, sampling, each prompt's media
+    record) each. Whoever generates a shard calls the backend through `interfaces.generate_from` (in-process and in
+    the rollout actors), which calls it as for text when a shard's records are all empty."""
     size = len(prompts) // shards
     seeds = [None if sampling.seed is None else stream_seed(sampling.seed, shard=k) for k in range(shards)]
     return [
         (
             prompts[k * size : (k + 1) * size],
             replace(sampling, seed=seeds[k]),
-            None if images is None else images[k * size : (k + 1) * size],
+            media[k * size : (k + 1) * size],
         )
         for k in range(shards)
     ]
