@@ -43,7 +43,19 @@ from pathlib import Path
 
 from archs import _corpus
 
-FAMILIES: tuple[str, ...] = ("qwen2_vl", "gemma3", "llava", "idefics3")
+FAMILIES: tuple[str, ...] = ("qwen2_vl", "gemma3", "llava", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+
+#: the Qwen-VL layout: one processor layout (with a video part), tokenizer, template and image processor; the
+#: models differ (Qwen2.5-VL's windowed vision tower, Qwen3-VL's DeepStack, Qwen3.5's Gated DeltaNet layers)
+QWEN_VL: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+#: each Qwen-VL family's processor class (what its image processor config names)
+QWEN_PROCESSORS = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
+    "qwen3_5_moe": "Qwen3VLProcessor",
+}
 
 #: the side of the square test images every family is sized for
 IMAGE_SIZE = 32
@@ -152,11 +164,17 @@ _STYLES = {
 }
 
 
+def _style(family: str) -> str:
+    """The `_STYLES` entry of ``family`` (every Qwen-VL family has Qwen2-VL's tokens and template)."""
+    return "qwen2_vl" if family in QWEN_VL else family
+
+
 @functools.lru_cache(maxsize=None)
 def _tokenizer_json(family: str) -> str:
     """Train a byte-level BPE on the built-in corpus (deterministic; milliseconds) -> tokenizer JSON."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    family = _style(family)
     specials, bos, _eos, _pad, _template, add_bos, _extra = _STYLES[family]
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -182,7 +200,7 @@ def build_tokenizer(family: str):
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    specials, bos, eos, pad, template, _add_bos, extra = _STYLES[family]
+    specials, bos, eos, pad, template, _add_bos, extra = _STYLES[_style(family)]
     named = {bos, eos, pad, "<unk>"}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_tokenizer_json(family)),
@@ -205,7 +223,7 @@ def build_image_processor(family: str):
     """The family's PIL image processor, sized for `IMAGE_SIZE` × `IMAGE_SIZE` images (no torchvision needed)."""
     import transformers as tf
 
-    if family == "qwen2_vl":  # 8-pixel patches merged 2×2: a 32×32 image is a 4×4 grid -> 4 tokens, 64×32 -> 8
+    if family in QWEN_VL:  # 8-pixel patches merged 2×2: a 32×32 image is a 4×4 grid -> 4 tokens, 64×32 -> 8
         pixels = IMAGE_SIZE * IMAGE_SIZE  # the image's area kept between a quarter and twice a 32×32 image's
         return tf.Qwen2VLImageProcessorPil(
             patch_size=8,
@@ -250,7 +268,7 @@ def _config(family: str, tokenizer):
     import transformers as tf
 
     ids = tokenizer.convert_tokens_to_ids
-    if family == "qwen2_vl":
+    if family == "qwen2_vl":  # (the other Qwen-VL families: `_qwen_config`)
         text = tf.Qwen2VLTextConfig(
             vocab_size=len(tokenizer),
             hidden_size=64,
@@ -277,6 +295,8 @@ def _config(family: str, tokenizer):
             vision_end_token_id=ids("<|vision_end|>"),
             tie_word_embeddings=True,
         )
+    if family in QWEN_VL:
+        return _qwen_config(family, tokenizer)
     if family == "gemma3":
         text = tf.Gemma3TextConfig(
             vocab_size=len(tokenizer),
@@ -350,10 +370,133 @@ def _config(family: str, tokenizer):
     raise ValueError(f"unknown VLM family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
+def _qwen_config(family: str, tokenizer):
+    """Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE: a 1-2 layer vision tower (8-pixel patches merged 2×2, as
+    Qwen2-VL's here), a 2-layer language model with 3-D rotary positions, 0.15-0.19M parameters."""
+    import transformers as tf
+
+    ids = tokenizer.convert_tokens_to_ids
+    tokens = dict(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    images = dict(
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+    dense = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    if family == "qwen2_5_vl":  # the vision tower: window attention in block 0, full attention in block 1
+        text = tf.Qwen2_5_VLTextConfig(
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            **dense,
+            **tokens,
+        )
+        vision = tf.Qwen2_5_VLVisionConfig(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=8,
+            spatial_merge_size=2,
+            out_hidden_size=64,
+            window_size=16,
+            fullatt_block_indexes=[1],
+        )
+        return tf.Qwen2_5_VLConfig(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=True, **images
+        )
+    if family == "qwen3_vl":  # interleaved 3-D rotary frequencies; DeepStack: block 0's features join layer 0
+        text = tf.Qwen3VLTextConfig(
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+                "mrope_interleaved": True,
+            },
+            **dense,
+            **tokens,
+        )
+        vision = tf.Qwen3VLVisionConfig(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            patch_size=8,
+            spatial_merge_size=2,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        )
+        return tf.Qwen3VLConfig(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=True, **images
+        )
+    # Qwen3.5: a Gated DeltaNet layer, then gated full attention with partial 3-D rotary positions
+    linear = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        **tokens,
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=8,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+    )
+    if family == "qwen3_5":
+        text = tf.Qwen3_5TextConfig(intermediate_size=128, **linear)
+        return tf.Qwen3_5Config(
+            text_config=text.to_dict(),
+            vision_config=tf.Qwen3_5VisionConfig(**vision).to_dict(),
+            tie_word_embeddings=False,
+            **images,
+        )
+    if family == "qwen3_5_moe":  # 4 experts, top-2, and the shared expert
+        text = tf.Qwen3_5MoeTextConfig(
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **linear
+        )
+        return tf.Qwen3_5MoeConfig(
+            text_config=text.to_dict(),
+            vision_config=tf.Qwen3_5MoeVisionConfig(**vision).to_dict(),
+            tie_word_embeddings=False,
+            **images,
+        )
+    raise ValueError(f"unknown Qwen-VL family {family!r}")
+
+
 def _model_class(family: str):
     import transformers as tf
 
     return {
+        "qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
+        "qwen3_5": tf.Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration,
         "qwen2_vl": tf.Qwen2VLForConditionalGeneration,
         "gemma3": tf.Gemma3ForConditionalGeneration,
         "llava": tf.LlavaForConditionalGeneration,
@@ -382,7 +525,7 @@ def build_processor(family: str, tokenizer=None, image_processor=None):
         )
     if family == "idefics3":
         return tf.Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=template)
-    if family == "qwen2_vl":
+    if family in QWEN_VL:
         return None
     raise ValueError(f"unknown VLM family {family!r}; expected one of {', '.join(FAMILIES)}")
 
@@ -424,7 +567,7 @@ def build_vlm(family: str, out_dir: Path, seed: int = 0) -> Path:
         processor.save_pretrained(tmp)
     else:  # as a hub checkpoint without processor_config.json: the parts, the image processor naming its processor
         tokenizer.save_pretrained(tmp)
-        image_processor.processor_class = "Qwen2VLProcessor"
+        image_processor.processor_class = QWEN_PROCESSORS[family]
         image_processor.save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -441,7 +584,7 @@ def processor_of(family: str, model_dir: Path):
     own ids and pixels."""
     from transformers import AutoProcessor
 
-    if family == "qwen2_vl":
+    if family in QWEN_VL:
         from oxrl_core.models.vision import load_processor
 
         return load_processor(str(model_dir))

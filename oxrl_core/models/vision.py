@@ -64,22 +64,46 @@ class VisionFamily:
     extra_inputs: tuple[str, ...]
     #: what dimension 0 of a batch's ``pixel_values`` counts: ``patch``, ``image`` or ``row`` (module docstring)
     pixels_by: str
+    #: the texts of the tokens that open and close an image's run of image tokens (`placeholder_token_ids` adds
+    #: them to the config's ids: the family's config does not name them all)
+    delimiters: tuple[str, ...] = ()
 
 
 #: the verified families, by config ``model_type``; each has a tiny model in ``tests/vlm_archs.py``
 FAMILIES: dict[str, VisionFamily] = {
     f.model_type: f
     for f in (
-        VisionFamily(
-            "qwen2_vl",
-            "<|vision_start|><|image_pad|><|vision_end|>",
-            "grid",
-            ("pixel_values", "image_grid_thw", "mm_token_type_ids"),
-            "patch",
+        # Qwen2-VL, Qwen2.5-VL (window attention in the vision tower), Qwen3-VL (DeepStack features added to the
+        # first decoder layers), Qwen3.5 dense and MoE (Gated DeltaNet layers in the language model): the same
+        # processor layout (Qwen3-VL's and Qwen3.5's is `Qwen3VLProcessor`), image tokens and 3-D rotary positions
+        *(
+            VisionFamily(
+                qwen,
+                "<|vision_start|><|image_pad|><|vision_end|>",
+                "grid",
+                ("pixel_values", "image_grid_thw", "mm_token_type_ids"),
+                "patch",
+                ("<|vision_start|>", "<|vision_end|>"),
+            )
+            for qwen in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
         ),
-        VisionFamily("gemma3", "<start_of_image>", "fixed", ("pixel_values", "token_type_ids"), "image"),
+        VisionFamily(
+            "gemma3",
+            "<start_of_image>",
+            "fixed",
+            ("pixel_values", "token_type_ids"),
+            "image",
+            ("<start_of_image>", "<end_of_image>"),
+        ),
         VisionFamily("llava", "<image>", "fixed", ("pixel_values",), "image"),
-        VisionFamily("idefics3", "<image>", "tiles", ("pixel_values", "pixel_attention_mask"), "row"),
+        VisionFamily(
+            "idefics3",
+            "<image>",
+            "tiles",
+            ("pixel_values", "pixel_attention_mask"),
+            "row",
+            ("<fake_token_around_image>", "<global-img>"),
+        ),
     )
 }
 
@@ -139,14 +163,41 @@ def image_token_id(config) -> int:
     raise OxrlError(f"the {config.model_type} config names no image token (image_token_id / image_token_index)")
 
 
-def placeholder_token_ids(config) -> list[int]:
-    """The tokens a VLM's forward counts against its image (and video) features: a sampled one in a completion
-    would make the training forward refuse the row ("image features and image tokens do not match"), so generation
-    never samples them. [] for a text model."""
+#: the config fields naming a token that stands for, opens or closes an image (or video) in the text
+PLACEHOLDER_FIELDS = (
+    "image_token_id",
+    "image_token_index",
+    "video_token_id",
+    "video_token_index",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "boi_token_index",
+    "eoi_token_index",
+)
+
+
+def placeholder_token_ids(config, tokenizer=None) -> list[int]:
+    """The tokens a VLM never samples: the image (and video) token and the tokens that open and close an image's
+    run of them (``<|vision_start|>`` / ``<|vision_end|>``, ``<start_of_image>`` / ``<end_of_image>``,
+    ``<fake_token_around_image>`` / ``<global-img>``) -- from the config's fields (`PLACEHOLDER_FIELDS`) and, given
+    the ``tokenizer``, the family's delimiters (`VisionFamily.delimiters`). [] for a text model.
+
+    Why never: the forward counts a sampled image token against the image features and refuses the row ("image
+    features and image tokens do not match"), and a sampled delimiter opens an image no processor put there. So
+    the policy oxRL samples from and trains is the model's distribution with these tokens masked (logit -inf),
+    on every rollout of a VLM, text rows too (`rollout.hf`), and in every training forward alike
+    (`token_head.HeadPath.masked`): the sampler's log-probabilities are the trainer's."""
     if not is_vlm_config(config):
         return []
-    names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
-    return sorted({v for name in names if isinstance(v := getattr(config, name, None), int)})
+    ids = {v for name in PLACEHOLDER_FIELDS if isinstance(v := getattr(config, name, None), int)}
+    family = FAMILIES.get(config.model_type)
+    if tokenizer is not None and family is not None:
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for text in family.delimiters:
+            token = tokenizer.convert_tokens_to_ids(text)
+            if isinstance(token, int) and token != unk:
+                ids.add(token)
+    return sorted(ids)
 
 
 #: where each family's vision tower sits under the model's inner ``model`` (transformers 5 names)
@@ -177,7 +228,7 @@ def freeze_vision(model) -> int:
 # ----------------------------------------------------------------------------- packing (Qwen-VL)
 
 #: families whose packed rows are exact: the loop gives each row its own rotary positions (`packed_position_ids`)
-PACKS = ("qwen2_vl",)
+PACKS = tuple(name for name, f in FAMILIES.items() if f.tokens == "grid")
 
 
 def packed_position_ids(model, batch: dict):
@@ -365,7 +416,7 @@ class VLMProcessing:
     image_token_id: int
     #: the checkpoint it was loaded from (`save_pretrained` copies what the processor cannot write itself)
     source: str = ""
-    #: the image and video tokens the model's forward counts against its features (`placeholder_token_ids`)
+    #: the tokens never sampled: image and video tokens and their delimiters (`placeholder_token_ids`)
     placeholder_ids: tuple[int, ...] = ()
 
     @property
@@ -450,4 +501,5 @@ def load_processing(path: str, field: str = "model.name") -> VLMProcessing:
         raise OxrlError(f"{field}: {path} is not a vision-language model (model_type '{config.model_type}')")
     family = vision_family(config, field)
     processor = load_processor(path, field)
-    return VLMProcessing(processor, family, image_token_id(config), str(path), tuple(placeholder_token_ids(config)))
+    ids = tuple(placeholder_token_ids(config, processor.tokenizer))
+    return VLMProcessing(processor, family, image_token_id(config), str(path), ids)
