@@ -1,8 +1,8 @@
 """Tiny random-weight vision-language models of the VLM families oxRL is verified on (issue 28's matrix).
 
 `build_vlm(family, out_dir, seed)` saves an ordinary Hugging Face directory, as a checkpoint on the hub is laid
-out: ``config.json`` + weights (0.14-0.17M parameters: a 1-layer vision tower, a 2-layer language model, fp32,
-built from the family's own transformers config class), a byte-level BPE tokenizer trained here with `tokenizers`
+out: ``config.json`` + weights (0.14-0.22M parameters: a 1- or 2-block vision tower, a 2-layer language model,
+fp32, built from the family's own transformers config class), a byte-level BPE tokenizer trained here with `tokenizers`
 on the built-in corpus of `archs.py` with the family's special and image tokens, the family's chat template (one
 that renders ``{"type": "image"}`` content parts the way the real one does), and the image processor's config,
 sized for 32×32 images. Nothing is downloaded; a family builds in well under a second.
@@ -10,9 +10,9 @@ sized for 32×32 images. Nothing is downloaded; a family builds in well under a 
 The processor, and torchvision. Transformers 5 ships every image processor in a PIL implementation, which
 `AutoImageProcessor` picks when torchvision is missing (it is here: its PyPI wheel needs CUDA). The Gemma-3,
 LLaVA and Idefics3 processors are a tokenizer + an image processor and build as they are, so their directories
-also hold ``processor_config.json`` and load with `AutoProcessor`. Qwen2-VL's processor also takes a video
-processor, and every video processor needs torchvision: `AutoProcessor` fails on it here. Its directory is
-therefore saved as a real Qwen2-VL checkpoint's is where ``processor_config.json`` is absent -- tokenizer,
+also hold ``processor_config.json`` and load with `AutoProcessor`. A Qwen-VL processor (every family of `QWEN_VL`)
+also takes a video processor, and every video processor needs torchvision: `AutoProcessor` fails on it here. Its
+directory is therefore saved as a real Qwen-VL checkpoint's is where ``processor_config.json`` is absent -- tokenizer,
 ``preprocessor_config.json`` (the image processor, which names ``processor_class``) and the chat template --
 and `oxrl_core.models.vision.load_processor` builds the processor from the tokenizer and the PIL image processor
 with no video processor (images only; see its docstring). The same route serves SmolVLM's processor (Idefics3 +
@@ -31,7 +31,30 @@ gemma3         fixed: 4 ``<image_soft_token>``     ``pixel_values`` (1, 3, 32, 3
 llava          fixed: 16 ``<image>`` (4×4 patches)  ``pixel_values`` (1, 3, 32, 32)
 idefics3       split: 4 tiles + the global image,   ``pixel_values`` (1, 5, 3, 16, 16),
                4 ``<image>`` each (20 in all)        ``pixel_attention_mask`` (1, 5, 16, 16)
+qwen2_5_vl     as qwen2_vl                          as qwen2_vl
+qwen3_vl       as qwen2_vl                          as qwen2_vl
+qwen3_5        as qwen2_vl                          as qwen2_vl
+qwen3_5_moe    as qwen2_vl                          as qwen2_vl
 =============  ==================================  =======================================================
+
+The Qwen-VL families share Qwen2-VL's tokenizer, chat template, image processor and images (one processor
+layout: `Qwen2_5_VLProcessor`, and `Qwen3VLProcessor` for Qwen3-VL and both Qwen3.5s); their models differ:
+
+=============  ==============================================================================================
+family         what the model exercises beyond Qwen2-VL's (a 1-block tower, 3-D rotary sections 4/6/6)
+=============  ==============================================================================================
+qwen2_5_vl     the windowed vision tower: block 0 attends within windows (``window_size`` 16 pixels: one
+               merged 2×2 patch group each, the patches reordered window by window), block 1 over the whole
+               image (``fullatt_block_indexes``); RMSNorm and a gated MLP in the tower
+qwen3_vl       DeepStack: block 0's features, through their own merger, are added to the hidden states of
+               language layer 0 at the image tokens; interleaved 3-D rotary frequencies (``mrope_interleaved``);
+               learned vision position embeddings, interpolated to the patch grid
+qwen3_5        Gated DeltaNet: language layer 0 is linear attention (a causal convolution and the gated delta
+               rule, a recurrent state instead of a KV cache), layer 1 gated full attention whose 3-D rotary
+               positions cover half of head_dim 32 (``partial_rotary_factor`` 0.5, sections 2/3/3, interleaved);
+               an untied LM head
+qwen3_5_moe    qwen3_5's layers with a sparse MoE MLP: 4 experts, top-2 routing, plus a gated shared expert
+=============  ==============================================================================================
 """
 
 from __future__ import annotations
@@ -43,7 +66,16 @@ from pathlib import Path
 
 from archs import _corpus
 
-FAMILIES: tuple[str, ...] = ("qwen2_vl", "gemma3", "llava", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+FAMILIES: tuple[str, ...] = (
+    "qwen2_vl",
+    "gemma3",
+    "llava",
+    "idefics3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 
 #: the Qwen-VL layout: one processor layout (with a video part), tokenizer, template and image processor; the
 #: models differ (Qwen2.5-VL's windowed vision tower, Qwen3-VL's DeepStack, Qwen3.5's Gated DeltaNet layers)
@@ -371,8 +403,8 @@ def _config(family: str, tokenizer):
 
 
 def _qwen_config(family: str, tokenizer):
-    """Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE: a 1-2 layer vision tower (8-pixel patches merged 2×2, as
-    Qwen2-VL's here), a 2-layer language model with 3-D rotary positions, 0.15-0.19M parameters."""
+    """Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE: a 1-2 block vision tower (8-pixel patches merged 2×2, as
+    Qwen2-VL's here), a 2-layer language model with 3-D rotary positions, 0.17-0.22M parameters."""
     import transformers as tf
 
     ids = tokenizer.convert_tokens_to_ids
@@ -389,7 +421,9 @@ def _qwen_config(family: str, tokenizer):
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
-    dense = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    dense = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
     if family == "qwen2_5_vl":  # the vision tower: window attention in block 0, full attention in block 1
         text = tf.Qwen2_5_VLTextConfig(
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
@@ -505,7 +539,7 @@ def _model_class(family: str):
 
 
 def build_processor(family: str, tokenizer=None, image_processor=None):
-    """The family's processor built from its parts, or None for Qwen2-VL (its processor class needs a video
+    """The family's processor built from its parts, or None for a Qwen-VL family (its processor class needs a video
     processor, which needs torchvision; `oxrl_core.models.vision.load_processor` builds it without one)."""
     import transformers as tf
 
@@ -579,7 +613,7 @@ def build_vlm(family: str, out_dir: Path, seed: int = 0) -> Path:
 
 
 def processor_of(family: str, model_dir: Path):
-    """The model's own processor (the independent side of `test_vlm_training` and `test_vlm_rl`); Qwen2-VL's
+    """The model's own processor (the independent side of `test_vlm_training` and `test_vlm_rl`); a Qwen-VL one
     without its video part (torchvision is not installed), as `tests/test_vision.py` checks gives the processor's
     own ids and pixels."""
     from transformers import AutoProcessor
@@ -614,6 +648,25 @@ def row_messages(row: dict) -> tuple[list[dict], str | None]:
         if piece:
             parts.append({"type": "text", "text": piece})
     return [{"role": "user", "content": parts if row.get("images") else row["prompt"]}], row.get("response")
+
+
+#: per family style: the texts of the tokens a VLM never samples -- its image (and video) tokens and the
+#: delimiters around an image's run of them -- written out here, apart from oxRL's `vision.placeholder_token_ids`
+_NEVER_SAMPLED = {
+    "qwen2_vl": ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
+    "gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
+    "llava": ("<image>",),
+    "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
+}
+
+
+def never_sampled_ids(family: str, tokenizer) -> list[int]:
+    """The ids of the tokens the family's VLM never samples (`_NEVER_SAMPLED`'s texts through ``tokenizer``): the
+    independent side masks them (logit -inf) before the log-softmax, as oxRL's policy does."""
+    ids = tokenizer.convert_tokens_to_ids(list(_NEVER_SAMPLED[_style(family)]))
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
+        raise ValueError(f"{family}: a never-sampled token is not in the tokenizer ({ids})")
+    return sorted(ids)
 
 
 def with_appended(inputs: dict, appended: list[int]) -> dict:
