@@ -25,6 +25,10 @@ EXPECTED = {
     "gemma3": ("model.vision_tower", "model.multi_modal_projector", "Gemma3Processor", 4),
     "llava": ("model.vision_tower", "model.multi_modal_projector", "LlavaProcessor", 16),
     "idefics3": ("model.vision_model", "model.connector", "Idefics3Processor", 20),
+    "qwen2_5_vl": ("model.visual", None, "Qwen2_5_VLProcessor", 4),
+    "qwen3_vl": ("model.visual", None, "Qwen3VLProcessor", 4),
+    "qwen3_5": ("model.visual", None, "Qwen3VLProcessor", 4),
+    "qwen3_5_moe": ("model.visual", None, "Qwen3VLProcessor", 4),
 }
 
 
@@ -97,7 +101,9 @@ def test_check_model_reports_a_vlm(family, vlm_dir):
 
     # the processor, the image token, and the image tokens the processor makes of a 32×32 and a 64×64 image
     assert vis["processor"]["class"] == type(processor).__name__ == processor_class
-    assert vis["processor"]["without_video"] is (family == "qwen2_vl" and not hasattr(processor, "video_processor"))
+    assert vis["processor"]["without_video"] is (
+        family in vlm_archs.QWEN_VL and not hasattr(processor, "video_processor")
+    )
     image_id = config.image_token_id if hasattr(config, "image_token_id") else config.image_token_index
     assert vis["image_token"]["id"] == image_id == vision.image_token_id(config)
     assert vis["image_token"]["token"] == processor.tokenizer.convert_ids_to_tokens(image_id)
@@ -105,7 +111,9 @@ def test_check_model_reports_a_vlm(family, vlm_dir):
     assert vis["tokens_per_image"]["32x32"] == count == per_image
     assert vis["tokens_per_image"]["64x64"] == image_tokens(processor, image_id, (64, 64))[0]
     assert sorted(vis["extra_inputs"]) == extra
-    assert vis["tokens"] == ("fixed" if family in ("gemma3", "llava") else "grid" if family == "qwen2_vl" else "tiles")
+    assert vis["tokens"] == (
+        "fixed" if family in ("gemma3", "llava") else "grid" if family in vlm_archs.QWEN_VL else "tiles"
+    )
     text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
     assert vis["placeholder"] in text
 
@@ -122,11 +130,10 @@ def test_check_model_reports_a_vlm(family, vlm_dir):
     paths = report["paths"]
     assert paths["images"]["applies"] and "SFT, KD and preference" in paths["images"]["detail"]
     packing = paths["image_packing"]
-    if family in getattr(vision, "PACKS", ()):  # packed rows get their own rotary positions
+    if family in vlm_archs.QWEN_VL:  # every Qwen-VL family packs: packed rows get their own rotary positions
         assert packing["applies"] and "exactly" in packing["detail"]
     else:
-        assert not packing["applies"] and "padding" in packing["detail"]
-        assert ("Qwen-VL" in packing["detail"]) is (family == "qwen2_vl")
+        assert not packing["applies"] and "padding" in packing["detail"] and "Qwen-VL" not in packing["detail"]
     assert paths["freeze_vision"]["applies"] is getattr(ModelConfig(), "freeze_vision", False)
     assert paths["lora"]["applies"] and "the language model only" in paths["lora"]["detail"]
     assert tower.rsplit(".", 1)[-1] in paths["lora"]["detail"].split("left out: ")[1]

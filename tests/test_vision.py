@@ -26,6 +26,10 @@ EXPECTED = {
     "gemma3": ("Gemma3ForConditionalGeneration", "Gemma3Processor", 4, True),
     "llava": ("LlavaForConditionalGeneration", "LlavaProcessor", 16, True),
     "idefics3": ("Idefics3ForConditionalGeneration", "Idefics3Processor", 20, False),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessor", 4, False),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLProcessor", 4, False),
+    "qwen3_5": ("Qwen3_5ForConditionalGeneration", "Qwen3VLProcessor", 4, False),
+    "qwen3_5_moe": ("Qwen3_5MoeForConditionalGeneration", "Qwen3VLProcessor", 4, False),
 }
 FAMILIES = vlm_archs.FAMILIES
 QUESTION = "What colour is the square?"
@@ -81,29 +85,34 @@ def test_a_vlm_loads_with_its_own_class_and_processor(family, vlm_dir):
     assert processing.processor.chat_template == processing.tokenizer.chat_template
 
 
-def test_qwen2_vl_processor_is_built_without_its_video_part(vlm_dir):
-    """`AutoProcessor` needs torchvision for Qwen2-VL's video processor; `load_processor` builds the processor from
-    the tokenizer and the PIL image processor instead, an instance of the real class without the video part."""
-    from transformers import AutoProcessor, Qwen2VLProcessor
+@pytest.mark.parametrize("family", vlm_archs.QWEN_VL)
+def test_qwen_vl_processor_is_built_without_its_video_part(family, vlm_dir):
+    """`AutoProcessor` needs torchvision for a Qwen-VL processor's video processor; `load_processor` builds the
+    processor from the tokenizer and the PIL image processor instead, an instance of the real class (the one the
+    checkpoint names: Qwen3-VL and Qwen3.5 share `Qwen3VLProcessor`) without the video part."""
+    import transformers
+    from transformers import AutoProcessor
 
-    path = str(vlm_dir("qwen2_vl"))
+    path = str(vlm_dir(family))
     try:
         import torchvision  # noqa: F401
     except ImportError:
         with pytest.raises(ImportError, match="(?i)torchvision"):
             AutoProcessor.from_pretrained(path)
     processor = vision.load_processor(path)
-    assert isinstance(processor, Qwen2VLProcessor) and not hasattr(processor, "video_processor")
+    processor_class = getattr(transformers, vlm_archs.QWEN_PROCESSORS[family])
+    assert isinstance(processor, processor_class) and not hasattr(processor, "video_processor")
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
     assert processor.image_processor.patch_size == 8
 
 
-def test_qwen2_vl_without_video_encodes_as_its_parts_do(vlm_dir):
+@pytest.mark.parametrize("family", vlm_archs.QWEN_VL)
+def test_qwen_vl_without_video_encodes_as_its_parts_do(family, vlm_dir):
     """Independent of the processor class: the template's text with each ``<|image_pad|>`` repeated once per merged
     patch (grid t·h·w / 2²), tokenized by the tokenizer alone, and the pixels of the PIL image processor alone."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    path = str(vlm_dir("qwen2_vl"))
+    path = str(vlm_dir(family))
     images = [square(), square((0, 0, 255), (64, 32))]
     encoding = vision.load_processing(path).encode(conversation(2), images)
     tokenizer, image_processor = AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
