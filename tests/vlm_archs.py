@@ -650,25 +650,6 @@ def row_messages(row: dict) -> tuple[list[dict], str | None]:
     return [{"role": "user", "content": parts if row.get("images") else row["prompt"]}], row.get("response")
 
 
-#: per family style: the texts of the tokens a VLM never samples -- its image (and video) tokens and the
-#: delimiters around an image's run of them -- written out here, apart from oxRL's `vision.placeholder_token_ids`
-_NEVER_SAMPLED = {
-    "qwen2_vl": ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"),
-    "gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
-    "llava": ("<image>",),
-    "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
-}
-
-
-def never_sampled_ids(family: str, tokenizer) -> list[int]:
-    """The ids of the tokens the family's VLM never samples (`_NEVER_SAMPLED`'s texts through ``tokenizer``): the
-    independent side masks them (logit -inf) before the log-softmax, as oxRL's policy does."""
-    ids = tokenizer.convert_tokens_to_ids(list(_NEVER_SAMPLED[_style(family)]))
-    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
-        raise ValueError(f"{family}: a never-sampled token is not in the tokenizer ({ids})")
-    return sorted(ids)
-
-
 def with_appended(inputs: dict, appended: list[int]) -> dict:
     """The model's inputs for the processor's prompt ``inputs`` followed by the tokens ``appended`` (an answer or a
     sampled completion): the ids joined, full attention, per-token inputs (``*token_type_ids``) 0 on the appended
@@ -684,6 +665,21 @@ def with_appended(inputs: dict, appended: list[int]) -> dict:
             value = torch.cat([value, value.new_zeros((1, len(appended)))], dim=1)
         out[name] = value
     return out
+
+
+#: per family, the tokens a VLM never samples, spelled out here (the test side's own list, not oxRL's): the image
+#: (and video) token and the tokens that open and close an image's run of them
+NEVER_SAMPLED = {
+    **{qwen: ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>") for qwen in QWEN_VL},
+    "gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
+    "llava": ("<image>",),
+    "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
+}
+
+
+def never_sampled_ids(family: str, tokenizer) -> list[int]:
+    """The ids of `NEVER_SAMPLED` in ``tokenizer``'s vocabulary, sorted."""
+    return sorted(tokenizer.convert_tokens_to_ids(list(NEVER_SAMPLED[family])))
 
 
 #: a reward (a plugin file's source) that varies inside every group of a random model's samples (so the losses and gradients are not zero)
