@@ -31,8 +31,9 @@ Sections (`SECTIONS` below), each with `status` ok | skipped | failed and, unles
                   vision SFT on the same inputs, the step-1 losses compared), in a call of its own (the
                   dry run: one call, `--vlm-sides` giving the VLM row its TRL side)
   images          every VLM family of the test matrix (`tests/vlm_archs.py`: Qwen2-VL, Gemma-3, LLaVA,
-                  Idefics3, tiny random weights) on image rows in bf16: SFT steps, then SGRPO steps that
-                  generate from the image prompts, with finite losses and the rollout/trainer logprob gap
+                  Idefics3, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen3.5-MoE, tiny random weights) on image rows in
+                  bf16: SFT steps, then SGRPO steps that generate from the image prompts, with finite losses
+                  and the rollout/trainer logprob gap
   async_rollouts  SGRPO with one rollout actor (`hf`) at rollout.max_staleness 0 and 1 on a Llama of hidden 1024 × 8
                   layers (random weights, the built-in tokenizer), 256-token completions (`async_rl.py`): training
                   seconds, phase seconds, the overlap and the trainer's idle share; actor and trainer share the GPU

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from vlm_archs import FAMILIES as VLM_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
@@ -66,7 +67,7 @@ def test_dry_run_reports_every_section(dry_run):
 def test_dry_run_figures(dry_run):
     sections = dry_run[0]["sections"]
     vlm = sections["images"]["rows"]  # every VLM family: SFT, then SGRPO generating from its image prompts
-    assert [r["family"] for r in vlm] == ["qwen2_vl", "gemma3", "llava", "idefics3"]
+    assert [r["family"] for r in vlm] == list(VLM_FAMILIES)
     for r in vlm:
         assert r["status"] == "ok" and len(r["sft_losses"]) == len(r["sgrpo_losses"]) == 2, r
         assert 0 <= r["rollout_logprob_diff"] < 0.05 and _positive(r["sgrpo_step_s"]), r
