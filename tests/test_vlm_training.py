@@ -3,8 +3,11 @@ family (`vlm_archs.py`), cross-checked against an independent per-sequence compu
 
 The independent side never sees oxRL's batch: each row is rendered by the model's own processor and chat template
 from the raw row (the image file, the question, the answer), the answer's tokens and EOS appended, and the model
-called on that one sequence. oxRL's step-1 loss (metrics.jsonl, computed before the first update) must equal the
-token mean of those per-sequence losses; a run whose rows differ only in their images must give another loss.
+called on that one sequence; its log-probabilities are those of the policy oxRL samples from and trains, the
+model's distribution with the never-sampled tokens (image and video tokens, their delimiters: the test's own list,
+`vlm_archs.never_sampled_ids`) masked before the log-softmax. oxRL's step-1 loss (metrics.jsonl, computed before
+the first update) must equal the token mean of those per-sequence losses; a run whose rows differ only in their
+images must give another loss.
 """
 
 from __future__ import annotations
@@ -16,7 +19,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import FAMILIES, IMAGE_SIZE, build_vlm, encode_rendered, processor_of, row_messages, with_appended
+from vlm_archs import (
+    FAMILIES,
+    IMAGE_SIZE,
+    QWEN_VL,
+    build_vlm,
+    encode_rendered,
+    never_sampled_ids,
+    processor_of,
+    row_messages,
+    with_appended,
+)
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
 
@@ -78,6 +91,7 @@ def independent_sft_loss(family: str, model_dir: Path, rows: list[dict], folder:
         full = with_appended(inputs, answer)
         ids = full["input_ids"]  # (1, T)
         logits = model(**full).logits[0]  # (T, V)
+        logits[:, never_sampled_ids(family, tokenizer)] = float("-inf")  # the policy: never-sampled tokens masked
         logp = torch.log_softmax(logits.float(), dim=-1)
         for t in range(prompt_len - 1, ids.shape[1] - 1):  # position t predicts token t+1
             total -= float(logp[t, ids[0, t + 1]])
@@ -119,25 +133,25 @@ def test_sft_loss_equals_an_independent_per_sequence_computation(family, vlms, t
     # with data.packing, Qwen-VL rows pack (each with its own rotary positions: the loss above is the packed one);
     # the other families' rows step aside to padding, and the run says so
     out = proc.stdout + proc.stderr
-    assert ("image rows are padded, not packed" in out) == (family != "qwen2_vl"), out
+    assert ("image rows are padded, not packed" in out) == (family not in QWEN_VL), out
     assert "vision tower frozen" in out
     # final/ reloads with the model's own class, with its processor beside it
     config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert config["model_type"] == family
-    if family == "qwen2_vl":  # the vision tower frozen by default: its weights are the initial ones, the LM's moved
+    if family in QWEN_VL:  # the vision tower frozen by default: its weights are the initial ones, the LM's moved
         initial_vision, initial_text = _split(_tensors(vlms[family]))
         vision, text = _split(_tensors(tmp_path / "run" / "final"))
         assert set(vision) == set(initial_vision) and vision
         assert all(torch.equal(vision[k], initial_vision[k]) for k in vision)
         assert any(not torch.equal(text[k], initial_text[k]) for k in text)
-    if family == "qwen2_vl":  # packed (full logits) = padded with the chunked LM head
+    if family in QWEN_VL:  # packed (full logits) = padded with the chunked LM head
         chunked = ("--set", "train.logits_chunk_min_mb=0", "--set", "train.logits_chunk_size=8")
         out = _sft(vlms[family], data, tmp_path / "padded", "--set", "data.packing=false", *chunked)
         assert "full-vocabulary logits for" not in out.stdout + out.stderr  # the chunked head's probe passed
         padded = read_metrics(tmp_path / "padded")[0]
         assert math.isclose(padded["loss"], loss, rel_tol=1e-5), (padded["loss"], loss)
         assert math.isclose(padded["grad_norm"], read_metrics(tmp_path / "run")[0]["grad_norm"], rel_tol=1e-4)
-    if family in ("qwen2_vl", "gemma3"):  # the same rows with two images swapped: another loss
+    if family not in ("llava", "idefics3"):  # the same rows with two images swapped: another loss
         swapped_folder = tmp_path / "swapped"
         swapped = _rows(swapped_folder, swap=True)
         _sft(vlms[family], write_jsonl(swapped_folder / "train.jsonl", swapped), tmp_path / "run2")
@@ -188,7 +202,9 @@ def independent_logps(family: str, model_dir: Path, rows: list[dict], folder: Pa
             prompt_len = inputs["input_ids"].shape[1]
             full = with_appended(inputs, answer)
             ids = full["input_ids"]  # (1, T)
-            logp = torch.log_softmax(model(**full).logits[0], -1)
+            logits = model(**full).logits[0]  # (T, V)
+            logits[:, never_sampled_ids(family, tokenizer)] = float("-inf")  # never-sampled tokens masked
+            logp = torch.log_softmax(logits, -1)
             pair.append(sum(float(logp[t, ids[0, t + 1]]) for t in range(prompt_len - 1, ids.shape[1] - 1)))
         out.append(tuple(pair))
     return out
@@ -385,46 +401,56 @@ def _split(state: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exactly(vlms, tmp_path):
-    """Qwen2-VL, 3 steps at a high learning rate: with ``model.freeze_vision: false`` the vision tower's weights
-    in final/ moved as the language model's did (frozen, the default: the SFT test above checks they stay). Under LoRA
-    (language model only), final/ (merged) loads with the model's own class and gives the logits of the base model
-    with final/adapter/ on an image prompt."""
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exactly(family, vlms, tmp_path):
+    """3 steps at a high learning rate. Qwen2-VL with ``model.freeze_vision: false``: the vision tower's weights in
+    final/ moved as the language model's did (frozen, the default: the SFT test above checks they stay). Under LoRA
+    (language model only) on Qwen2-VL and on Qwen3.5, whose language model starts with a Gated DeltaNet layer (its
+    projections adapted and merged too): the vision tower in final/ is the initial one, and final/ (merged) loads
+    with the model's own class and gives the logits of the base model with final/adapter/ on an image prompt."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
     folder = tmp_path / "data"
     data = write_jsonl(folder / "train.jsonl", _rows(folder))
-    initial_vision, initial_text = _split(_tensors(vlms["qwen2_vl"]))
+    initial_vision, initial_text = _split(_tensors(vlms[family]))
     common = ("--set", "train.max_steps=3", "--set", "train.lr=0.01", "--set", "train.warmup_steps=0")
-    runs = {
-        "trained": ("--set", "model.freeze_vision=false"),
-        "lora": ("--set", "lora.enabled=true", "--set", "lora.r=4"),
-    }
+    runs = {"lora": ("--set", "lora.enabled=true", "--set", "lora.r=4")}
+    if family == "qwen2_vl":
+        runs["trained"] = ("--set", "model.freeze_vision=false")
     for name, extra in runs.items():
-        _sft(vlms["qwen2_vl"], data, tmp_path / name, *common, *extra)
-    # frozen by default: test_sft_loss_equals_an_independent_per_sequence_computation[qwen2_vl] checks its final/
-    vision, text = _split(_tensors(tmp_path / "trained" / "final"))
-    assert set(vision) == set(initial_vision) and vision
-    assert any(not torch.equal(vision[k], initial_vision[k]) for k in vision)
-    assert any(not torch.equal(text[k], initial_text[k]) for k in text)
-    lora_vision, _ = _split(_tensors(tmp_path / "lora" / "final"))
+        _sft(vlms[family], data, tmp_path / name, *common, *extra)
+    # frozen by default: test_sft_loss_equals_an_independent_per_sequence_computation checks its final/
+    if family == "qwen2_vl":
+        vision, text = _split(_tensors(tmp_path / "trained" / "final"))
+        assert set(vision) == set(initial_vision) and vision
+        assert any(not torch.equal(vision[k], initial_vision[k]) for k in vision)
+        assert any(not torch.equal(text[k], initial_text[k]) for k in text)
+    lora_vision, lora_text = _split(_tensors(tmp_path / "lora" / "final"))
+    assert set(lora_vision) == set(initial_vision) and lora_vision
     assert all(torch.equal(lora_vision[k], initial_vision[k]) for k in lora_vision)  # LoRA adapts the LM only
+    if family == "qwen3_5":  # the Gated DeltaNet layer's projections were adapted, and merged into final/
+        assert any(".linear_attn." in k for k in _tensors(tmp_path / "lora" / "final" / "adapter"))
+        deltanet = [k for k in lora_text if ".linear_attn." in k and k.endswith("proj.weight")]
+        assert deltanet and any(not torch.equal(lora_text[k], initial_text[k]) for k in deltanet)
 
     from peft import PeftModel
 
     merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "lora" / "final")).eval()
-    assert type(merged).__name__ == "Qwen2VLForConditionalGeneration"
-    base = AutoModelForImageTextToText.from_pretrained(str(vlms["qwen2_vl"]))
+    assert (
+        type(merged).__name__
+        == {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}[family]
+    )
+    base = AutoModelForImageTextToText.from_pretrained(str(vlms[family]))
     adapted = PeftModel.from_pretrained(base, str(tmp_path / "lora" / "final" / "adapter")).eval()
-    processor = processor_of("qwen2_vl", tmp_path / "lora" / "final")  # final/ keeps the processor
+    processor = processor_of(family, tmp_path / "lora" / "final")  # final/ keeps the processor
     image = Image.open(folder / "red.png").convert("RGB")
     messages, _ = row_messages(_rows(folder)[0])
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[text], images=[[image]], return_tensors="pt")
     with torch.no_grad():
         want, got = adapted(**inputs).logits, merged(**inputs).logits
-        plain = AutoModelForImageTextToText.from_pretrained(str(vlms["qwen2_vl"])).eval()(**inputs).logits
+        plain = AutoModelForImageTextToText.from_pretrained(str(vlms[family])).eval()(**inputs).logits
     assert not torch.allclose(want, plain, atol=1e-4)  # the adapter did something
     assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
 
@@ -471,14 +497,15 @@ def test_the_vlm_example_yaml_runs(vlms, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_on_two_ranks_trains_image_rows_as_one_process_does(vlms, tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_zero3_on_two_ranks_trains_image_rows_as_one_process_does(family, vlms, tmp_path):
     """DeepSpeed ZeRO-3, 2 ranks (gloo, CPU): each rank's rows bring their own pixels; the losses and gradient norms
     of two steps equal the one-process run's."""
     folder = tmp_path / "data"
     data = write_jsonl(folder / "train.jsonl", _rows(folder))
-    _sft(vlms["qwen2_vl"], data, tmp_path / "one", "--set", "train.max_steps=2")
+    _sft(vlms[family], data, tmp_path / "one", "--set", "train.max_steps=2")
     zero3 = ("--set", "engine.name=deepspeed", "--set", "engine.zero_stage=3", "--set", "engine.world_size=2")
-    _sft(vlms["qwen2_vl"], data, tmp_path / "z3", "--set", "train.max_steps=2", *zero3)
+    _sft(vlms[family], data, tmp_path / "z3", "--set", "train.max_steps=2", *zero3)
     one, z3 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "z3")
     assert [m["step"] for m in z3] == [1, 2]
     for a, b in zip(one, z3):
