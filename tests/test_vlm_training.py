@@ -401,13 +401,14 @@ def _split(state: dict) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5", "qwen3_5_moe"])
 def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exactly(family, vlms, tmp_path):
     """3 steps at a high learning rate. Qwen2-VL with ``model.freeze_vision: false``: the vision tower's weights in
     final/ moved as the language model's did (frozen, the default: the SFT test above checks they stay). Under LoRA
-    (language model only) on Qwen2-VL and on Qwen3.5, whose language model starts with a Gated DeltaNet layer (its
-    projections adapted and merged too): the vision tower in final/ is the initial one, and final/ (merged) loads
-    with the model's own class and gives the logits of the base model with final/adapter/ on an image prompt."""
+    (language model only) on Qwen2-VL, on Qwen3.5, whose language model starts with a Gated DeltaNet layer (its
+    projections adapted and merged too), and on Qwen3.5-MoE (fused experts and router frozen, the shared expert
+    adapted): the vision tower in final/ is the initial one, and final/ (merged) loads with the model's own class
+    and gives the logits of the base model with final/adapter/ on an image prompt."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
@@ -429,18 +430,21 @@ def test_vision_tower_frozen_by_default_trained_when_asked_and_lora_merges_exact
     lora_vision, lora_text = _split(_tensors(tmp_path / "lora" / "final"))
     assert set(lora_vision) == set(initial_vision) and lora_vision
     assert all(torch.equal(lora_vision[k], initial_vision[k]) for k in lora_vision)  # LoRA adapts the LM only
-    if family == "qwen3_5":  # the Gated DeltaNet layer's projections were adapted, and merged into final/
-        assert any(".linear_attn." in k for k in _tensors(tmp_path / "lora" / "final" / "adapter"))
+    adapter = _tensors(tmp_path / "lora" / "final" / "adapter")
+    if family != "qwen2_vl":  # the Gated DeltaNet layer's projections were adapted, and merged into final/
+        assert any(".linear_attn." in k for k in adapter)
         deltanet = [k for k in lora_text if ".linear_attn." in k and k.endswith("proj.weight")]
         assert deltanet and any(not torch.equal(lora_text[k], initial_text[k]) for k in deltanet)
+    if family == "qwen3_5_moe":  # the shared expert adapted; the fused experts and the router as they were
+        assert any(".shared_expert." in k for k in adapter)
+        assert not any(".experts." in k or ".mlp.gate." in k for k in adapter)
+        frozen = [k for k in lora_text if ".mlp.experts." in k or k.endswith(".mlp.gate.weight")]
+        assert frozen and all(torch.equal(lora_text[k], initial_text[k]) for k in frozen)
 
     from peft import PeftModel
 
     merged = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "lora" / "final")).eval()
-    assert (
-        type(merged).__name__
-        == {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}[family]
-    )
+    assert type(merged).__name__ == json.loads((vlms[family] / "config.json").read_text())["architectures"][0]
     base = AutoModelForImageTextToText.from_pretrained(str(vlms[family]))
     adapted = PeftModel.from_pretrained(base, str(tmp_path / "lora" / "final" / "adapter")).eval()
     processor = processor_of(family, tmp_path / "lora" / "final")  # final/ keeps the processor
