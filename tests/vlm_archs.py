@@ -633,6 +633,21 @@ def with_appended(inputs: dict, appended: list[int]) -> dict:
     return out
 
 
+#: per family, the tokens a VLM never samples, spelled out here (the test side's own list, not oxRL's): the image
+#: (and video) token and the tokens that open and close an image's run of them
+NEVER_SAMPLED = {
+    **{qwen: ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>") for qwen in QWEN_VL},
+    "gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
+    "llava": ("<image>",),
+    "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
+}
+
+
+def never_sampled_ids(family: str, tokenizer) -> list[int]:
+    """The ids of `NEVER_SAMPLED` in ``tokenizer``'s vocabulary, sorted."""
+    return sorted(tokenizer.convert_tokens_to_ids(list(NEVER_SAMPLED[family])))
+
+
 #: a reward (a plugin file's source) that varies inside every group of a random model's samples (so the losses and gradients are not zero)
 VOWELS = """
 from oxrl_core import Reward
