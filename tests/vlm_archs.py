@@ -43,7 +43,16 @@ from pathlib import Path
 
 from archs import _corpus
 
-FAMILIES: tuple[str, ...] = ("qwen2_vl", "gemma3", "llava", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
+FAMILIES: tuple[str, ...] = (
+    "qwen2_vl",
+    "gemma3",
+    "llava",
+    "idefics3",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 
 #: the Qwen-VL layout: one processor layout (with a video part), tokenizer, template and image processor; the
 #: models differ (Qwen2.5-VL's windowed vision tower, Qwen3-VL's DeepStack, Qwen3.5's Gated DeltaNet layers)
@@ -389,7 +398,9 @@ def _qwen_config(family: str, tokenizer):
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
     )
-    dense = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    dense = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
     if family == "qwen2_5_vl":  # the vision tower: window attention in block 0, full attention in block 1
         text = tf.Qwen2_5_VLTextConfig(
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
