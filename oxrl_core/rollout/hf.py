@@ -74,7 +74,7 @@ class HFRolloutBackend(RolloutBackend):
     processed scores, so the logprobs are of the distribution sampled from): the trainer's forward
     would count such a token against the image features and refuse the row. The trainer scores the
     same masked distribution (`token_head.HeadPath.masked`), so `rollout/logprob_diff` is the
-    numerical gap alone; `score` masks them too.
+    numerical gap alone.
     """
 
     name: ClassVar[str] = "hf"
@@ -264,8 +264,8 @@ class HFRolloutBackend(RolloutBackend):
         self.policy_version = policy_version
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """``log p(token_ids[i] | token_ids[:i])``, i = 1..len-1: one teacher-forced forward, raw logits, float32,
-        the never-sampled tokens masked (the distribution `generate` samples from at temperature 1)."""
+        """``log p(token_ids[i] | token_ids[:i])``, i = 1..len-1: one teacher-forced forward, raw logits, float32
+        (the weight-sync probe compares raw distributions: `rollout.sync.trainer_logprobs`)."""
         if self.model is None:
             raise OxrlError("the hf rollout backend is closed")
         device = next(self.model.parameters()).device
@@ -277,8 +277,6 @@ class HFRolloutBackend(RolloutBackend):
                 logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # (L-1, V)
         finally:
             self.model.train(was_training)
-        if self.suppressed:
-            logits[:, self.suppressed] = float("-inf")
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
     @classmethod

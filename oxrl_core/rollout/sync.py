@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from oxrl_core.errors import OxrlError
-from oxrl_core.models.token_head import path_of, stats_from_logits
 from oxrl_core.run_io.checkpoint import latest_checkpoint
 
 #: appended to the first training prompt to make the probe (any fixed text would do)
@@ -92,8 +91,10 @@ def check_logprob_diff(
 
 @torch.no_grad()
 def trainer_logprobs(model, token_ids: list[int], autocast) -> torch.Tensor:
-    """log p(x_i | x_<i), i = 1..L-1 (L-1,) of the trainer's model: eval mode, raw logits, float32 softmax over
-    the tokens it samples (a VLM's never-sampled ones masked, as in every training forward: `token_head.path_of`)."""
+    """log p(x_i | x_<i), i = 1..L-1 (L-1,) of the trainer's model: eval mode, raw logits, float32 softmax.
+
+    Raw on both sides, as a backend's `score` is (vLLM's prompt logprobs are of the raw logits): the probe checks
+    the weights, so a VLM's never-sampled tokens are not masked here as they are in training forwards."""
     device = next(model.parameters()).device
     ids = torch.tensor([token_ids], device=device)  # (1, L)
     was_training = model.training
@@ -103,8 +104,8 @@ def trainer_logprobs(model, token_ids: list[int], autocast) -> torch.Tensor:
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
     finally:
         model.train(was_training)
-    logp = stats_from_logits(logits[0, :-1], ids[0, 1:], masked=path_of(model).masked)["logp"]  # (L-1,)
-    return logp.cpu()
+    logp_all = torch.log_softmax(logits[0, :-1].float(), dim=-1)  # (L-1, V)
+    return logp_all.gather(-1, ids[0, 1:, None]).squeeze(-1).cpu()  # (L-1,)
 
 
 def check_weight_sync(
