@@ -75,9 +75,10 @@ def _config(**env) -> RunConfig:
     )
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def vlm(tmp_path_factory, request):
-    """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template), its
+    """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template; Qwen2.5-VL,
+    Qwen3-VL and Qwen3.5 -- its Gated DeltaNet layers carry state across the turns -- as Qwen2-VL), its
     processing, tokenizer and fp32 model, and one episode batch played on it: the row's image prompt, a first
     answer, the environment's second look (an image), the final answer."""
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
