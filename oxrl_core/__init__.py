@@ -23,7 +23,8 @@ The public API — what a plugin imports, and all it imports — is this package
   `load_causal_lm` (a model name, path or hub id -> what a run would load), `encode_prompt`,
   `encode_completion` (token ids through the chat template, as the loops tokenise), `HFRolloutBackend`
   (generation with transformers, e.g. for a judge), `is_peft`, `policy_state_dict` (a policy's weights
-  with LoRA merged, for a backend's weight sync), `path_kind`, `read_data_file` (a local data file or
+  with LoRA merged, for a backend's weight sync), `placeholder_token_ids` (the tokens a vision-language model
+  never samples, which a backend masks), `path_kind`, `read_data_file` (a local data file or
   directory, as ``data.path`` reads it), `row_number` (the row a message names, as the core's messages do).
 
 A plugin in this repository imports these names and nothing else: never a module path such as
@@ -84,6 +85,7 @@ _LAZY = {
     "HFRolloutBackend": "oxrl_core.rollout.hf",
     "is_peft": "oxrl_core.models.lora",
     "policy_state_dict": "oxrl_core.models.lora",
+    "placeholder_token_ids": "oxrl_core.models.vision",
     "path_kind": "oxrl_core.data.sources",
     "read_data_file": "oxrl_core.data.sources",
     "row_number": "oxrl_core.scoring.rewards",

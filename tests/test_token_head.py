@@ -127,6 +127,86 @@ def test_chunks_equal_full_logits_values_and_gradients(softcap, scale, temperatu
     assert teacher_head.weight.grad is None  # the teacher is a fixed target
 
 
+def test_a_masked_token_gets_probability_zero_by_hand():
+    """logits [0, ln 3, 5] with token 2 never sampled (``masked``) -> π = [1/4, 3/4, 0], on every path: logp of
+    token 1 = ln(3/4), of token 2 exp(logp) = 0; H = 0.562335 (the two-token distribution's); logp_mean over the two
+    kept tokens = (ln ¼ + ln ¾)/2; no gradient reaches the masked logit."""
+    logits = torch.tensor([[0.0, LN3, 5.0], [0.0, LN3, 5.0]], requires_grad=True)
+    targets = torch.tensor([1, 2])
+    for head_kind in ("plain", "tiled", "module"):
+        x = logits.detach().clone().requires_grad_(True)
+        if head_kind == "plain":
+            out = stats_from_logits(x, targets, entropy=True, logp_mean=True, masked=(2,))
+        else:
+            head = torch.nn.Linear(3, 3, bias=False)
+            with torch.no_grad():
+                head.weight.copy_(torch.eye(3))
+            if head_kind == "module":
+                head.register_forward_hook(lambda m, i, o: None)
+            out = head_stats(x, targets, head, HeadPath(1, vocab_tile=2, masked=(2,)), entropy=True, logp_mean=True)
+        assert float(out["logp"][0]) == pytest.approx(math.log(3 / 4), abs=1e-6), head_kind
+        assert float(out["logp"][1].exp()) == 0.0, head_kind
+        assert float(out["entropy"][0]) == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+        assert float(out["logp_mean"][0]) == pytest.approx((math.log(0.25) + math.log(0.75)) / 2, abs=1e-6)
+        (out["logp"][0] + out["entropy"][0] + out["logp_mean"][0]).backward()
+        assert float(x.grad[0, 2]) == 0.0, head_kind
+        assert torch.isfinite(x.grad).all(), head_kind
+
+
+@pytest.mark.parametrize("head_kind", ["plain", "tiled", "module"])
+@pytest.mark.parametrize("teacher", [False, True])
+def test_masked_tokens_equal_the_distribution_over_the_other_tokens(head_kind, teacher):
+    """Never-sampled tokens (`HeadPath.masked`, ids in several vocabulary tiles) on every path equal an independent
+    computation: log_softmax over the vocabulary with those columns removed (targets re-indexed), values and
+    gradients of h and of the head's weight and bias (0 on the masked rows), at temperature 0.7, with a teacher."""
+    torch.manual_seed(1)
+    M, H, V = 11, 8, 40
+    masked = (3, 17, 18, 39)
+    kept = torch.tensor([v for v in range(V) if v not in masked])
+    head, teacher_head = torch.nn.Linear(H, V), torch.nn.Linear(H, V)
+    if head_kind == "module":
+        head.register_forward_hook(lambda m, i, o: None)
+    h, h_teacher = torch.randn(M, H, requires_grad=True), torch.randn(M, H)
+    targets = kept[torch.randint(0, len(kept), (M,))]
+    weights = {k: torch.randn(M) for k in ("logp", "entropy", "logp_mean", "kl_teacher")}
+
+    def run(stats: dict):
+        head.zero_grad()
+        h.grad = None
+        sum((stats[k] * weights[k]).sum() for k in stats).backward()
+        grads = [g if g is not None else torch.zeros_like(p) for g, p in ((h.grad, h), (head.weight.grad, head.weight))]
+        return {k: v.detach() for k, v in stats.items()}, grads + [head.bias.grad]
+
+    # independent: the distribution over the kept tokens only
+    index = {int(v): i for i, v in enumerate(kept)}
+    sub_targets = torch.tensor([index[int(t)] for t in targets])
+    z = head(h)[:, kept] / 0.7  # (M, V')
+    logp_all = torch.log_softmax(z, -1)
+    expected = {
+        "logp": logp_all.gather(-1, sub_targets[:, None]).squeeze(-1),
+        "entropy": -(logp_all.exp() * logp_all).sum(-1),
+        "logp_mean": logp_all.mean(-1),
+    }
+    if teacher:
+        q = torch.log_softmax(teacher_head(h_teacher)[:, kept].detach() / 2.0, -1)
+        expected["kl_teacher"] = (q.exp() * (q - torch.log_softmax(head(h)[:, kept] / 2.0, -1))).sum(-1)
+    want = run(expected)
+    assert float(want[1][1][list(masked)].abs().sum()) == 0.0  # the independent side never touches masked rows
+    if head_kind == "plain":
+        got = stats_from_logits(
+            head(h), targets, 0.7, True, True, teacher_head(h_teacher) if teacher else None, 2.0, masked=masked
+        )
+    else:
+        path = HeadPath(4, vocab_tile=7, masked=masked)
+        got = head_stats(h, targets, head, path, 0.7, True, True, h_teacher if teacher else None, teacher_head, 2.0)
+    got = run(got)
+    assert got[0].keys() == want[0].keys()
+    for k in want[0]:
+        assert torch.allclose(got[0][k], want[0][k], atol=1e-5), (k, got[0][k], want[0][k])
+    for a, b in zip(got[1], want[1]):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
 def _bf16_case(seed: int = 0):
     torch.manual_seed(seed)
     M, H, V = 300, 64, 3000

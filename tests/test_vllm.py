@@ -397,3 +397,40 @@ def test_multi_turn_episodes_with_the_vllm_backend_are_token_exact(tmp_path):
     for m in read_metrics(run_dir):
         assert m["env/tool_calls"] > 0.5 and m["env/errors"] == 0
         assert m["rollout/logprob_diff"] < 1e-4 and m["sync/probe_logprob_diff"] < 1e-4
+
+
+def test_a_vlm_served_by_vllm_never_samples_its_placeholders_and_scores_as_the_trainer(tmp_path):
+    """A tiny Idefics3 (the SmolVLM layout, whose vLLM module imports without torchvision) on text prompts: vLLM
+    samples from the distribution without the model's never-sampled tokens (image token and delimiters, biased out
+    by `never_sampled_bias`) and its processed logprobs equal the trainer's masked ones (token_stats, the model as
+    a run loads it) to 1e-4 at temperature 1; without the bias they differ by the placeholders' mass."""
+    from vlm_archs import build_vlm, never_sampled_ids
+
+    from oxrl_core.models.token_head import token_stats
+    from oxrl_vllm.backend import never_sampled_bias
+
+    model_dir = build_vlm("idefics3", tmp_path / "idefics3")
+    tokenizer, model = load_tokenizer(str(model_dir)), load_causal_lm(str(model_dir)).eval()
+    never = never_sampled_ids("idefics3", tokenizer)
+    assert never_sampled_bias(model, tokenizer) == {i: -100.0 for i in never}
+    assert never_sampled_bias(None, tokenizer, str(model_dir)) == {i: -100.0 for i in never}  # `oxrl eval`'s way
+    backend = VLLMRolloutBackend.build(model, tokenizer, str(model_dir), RolloutConfig(backend="vllm"))
+    try:
+        prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+        result = backend.generate(prompts, SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=5))
+        gaps, unmasked_gaps = [], []
+        for prompt, group in zip(prompts, result):
+            for c in group:
+                assert not set(c.token_ids) & set(never)
+                ids = torch.tensor([prompt + c.token_ids])  # (1, T)
+                pos = torch.arange(len(prompt) - 1, ids.shape[1] - 1)
+                inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+                with torch.no_grad():
+                    logp = token_stats(model, inputs, torch.zeros_like(pos), pos, ids[0, pos + 1])["logp"]
+                    raw = torch.log_softmax(model(**inputs).logits[0, pos].float(), -1).gather(-1, ids[0, pos + 1, None])
+                gaps.append((logp - torch.tensor(c.logprobs)).abs())
+                unmasked_gaps.append((raw[:, 0] - torch.tensor(c.logprobs)).abs())
+        assert float(torch.cat(gaps).max()) < 1e-4
+        assert float(torch.cat(unmasked_gaps).mean()) > 1e-3  # the mass the bias takes out is not negligible here
+    finally:
+        backend.close()

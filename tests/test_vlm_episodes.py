@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import oxrl, read_metrics, write_jsonl
-from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, processor_of
+from vlm_archs import IMAGE_SIZE, build_vlm, encode_rendered, never_sampled_ids, processor_of
 
 from oxrl_core.config import RunConfig
 from oxrl_core.data.shapes import SecondLookEnv
@@ -75,9 +75,10 @@ def _config(**env) -> RunConfig:
     )
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def vlm(tmp_path_factory, request):
-    """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template), its
+    """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template; Qwen2.5-VL,
+    Qwen3-VL and Qwen3.5 -- its Gated DeltaNet layers carry state across the turns -- as Qwen2-VL), its
     processing, tokenizer and fp32 model, and one episode batch played on it: the row's image prompt, a first
     answer, the environment's second look (an image), the final answer."""
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
@@ -103,7 +104,7 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     the processor's rendering of the raw conversation, image placeholders expanded as it expands them; the second
     generate call gets both images; the environment's tokens (image tokens included) have mask 0; the trainer's
     log-probabilities of the sampled tokens (rollout batch with each row's pixels, fp32) equal plain transformers'
-    on the processor's inputs to 1e-4."""
+    on the processor's inputs to 1e-4, over the vocabulary without the tokens a VLM never samples."""
     from PIL import Image
 
     q = vlm
@@ -122,7 +123,9 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     kwargs = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
     for name in [k for k in kwargs if k.endswith("token_type_ids")]:  # one per token: 0 on the final answer
         kwargs[name] = torch.cat([kwargs[name], torch.zeros((1, len(final)), dtype=torch.long)], 1)
-    expected = torch.log_softmax(q.model(input_ids=full[None], **kwargs).logits[0].float(), -1)  # (T, V)
+    logits = q.model(input_ids=full[None], **kwargs).logits[0].float()  # (T, V)
+    logits[:, never_sampled_ids(q.family, q.tokenizer)] = float("-inf")  # the tokens a VLM never samples
+    expected = torch.log_softmax(logits, -1)  # (T, V)
 
     for e in q.episodes:
         assert e.ended == "done" and e.images_shown == 1 and not e.error

@@ -15,8 +15,8 @@ from oxrl_core.loops.run import seed_everything
 from oxrl_core.models.loading import load_causal_lm, resolve_model_path
 from oxrl_core.models.lora import apply_lora, start_path, trainable_summary
 from oxrl_core.models.packing_probe import probe
-from oxrl_core.models.token_head import choose_path
-from oxrl_core.models.vision import PACKS, freeze_vision, is_vlm, load_processing
+from oxrl_core.models.token_head import choose_path, path_of
+from oxrl_core.models.vision import PACKS, freeze_vision, is_vlm, load_processing, placeholder_token_ids
 from oxrl_core.observability.progress import Reporter
 
 
@@ -125,8 +125,11 @@ class Setup:
 
     def choose_head(self, model):
         """How ``model``'s per-token quantities are computed (`models.token_head.choose_path`): chunk by chunk
-        where one micro-batch's full logits would exceed ``train.logits_chunk_min_mb``, else the full logits."""
+        where one micro-batch's full logits would exceed ``train.logits_chunk_min_mb``, else the full logits; a
+        VLM's never-sampled tokens masked on every path (the distribution its rollouts sample from)."""
         t = self.cfg.train
+        tokenizer = self.processing.tokenizer if self.processing is not None else None
+        masked = path_of(model).masked or tuple(placeholder_token_ids(getattr(model, "config", None), tokenizer))
         choose_path(
             model,
             t.logits_chunk_size,
@@ -134,6 +137,7 @@ class Setup:
             tokens=self.scored_tokens(),
             min_mb=t.logits_chunk_min_mb,
             vocab_tile=t.logits_vocab_tile,
+            masked=masked,  # a VLM's never-sampled tokens (registered when it loaded)
         )
 
     def frozen(self, path: str, field: str, attn: str, check=None):

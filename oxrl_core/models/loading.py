@@ -14,7 +14,8 @@ from oxrl_core.hf_env import quiet_transformers
 from oxrl_core.models.linear_attention import per_sequence_linear_attention
 from oxrl_core.models.tiny import default_model_dir, warm_start_dir
 from oxrl_core.models.tiny_vlm import default_vlm_dir, vlm_warm_start_dir
-from oxrl_core.models.vision import is_vlm_config, vision_family
+from oxrl_core.models.token_head import choose_path
+from oxrl_core.models.vision import is_vlm_config, placeholder_token_ids, vision_family
 from oxrl_core.observability.progress import activity
 
 #: the run's ``model.*`` loading options (revision, dtype, chat_template), set around a run's loop by
@@ -293,7 +294,8 @@ def load_causal_lm(
 ):
     """A causal LM in float32 (or ``model.dtype`` within `model_options`); a checkpoint whose weights do not
     fit the class is refused (`check_loading`). A vision-language model loads with its own class through
-    `AutoModelForImageTextToText` (`vision.is_vlm_config`; a VLM of a family oxRL is not verified on is refused).
+    `AutoModelForImageTextToText` (`vision.is_vlm_config`; a VLM of a family oxRL is not verified on is refused),
+    its never-sampled tokens masked in every forward through `token_head` (`vision.placeholder_token_ids`).
     ``reporter`` (a `progress.Reporter`) shows that it is loading (a spinner, or one line)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -315,7 +317,19 @@ def load_causal_lm(
         raise OxrlError(f"{field}: cannot load a causal LM from '{path}': {type(exc).__name__}: {exc}") from None
     check_loading(model, info, path, field)
     per_sequence_linear_attention(model)  # Gated DeltaNet layers restart at each sequence of a packed row
+    if auto is AutoModelForImageTextToText:  # every forward scores the distribution its rollouts sample from
+        choose_path(model, 0, masked=tuple(placeholder_token_ids(model.config, _tokenizer_or_none(path))))
     return model
+
+
+def _tokenizer_or_none(path: str):
+    """The checkpoint's tokenizer, or None where it has none that loads (the config's ids then suffice)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=_revision(path))
+    except Exception:  # noqa: BLE001 - no tokenizer files, an odd one: the never-sampled ids come from the config
+        return None
 
 
 def _is_vlm_checkpoint(path: str, field: str) -> bool:

@@ -29,6 +29,33 @@ class _Spec:
     entropy: bool
     logp_mean: bool
     kd_temperature: float
+    masked: torch.Tensor | None = None  # (k,) never-sampled token ids (`token_head.HeadPath.masked`), or None
+
+
+#: the logit of a never-sampled token (`token_head.HeadPath.masked`): exp(MASKED_LOGIT − max) is 0 in float32, as
+#: -inf's is, and finite, so π·z is 0 there rather than NaN
+MASKED_LOGIT = -1e9
+
+_MASK_IDS: dict[tuple, torch.Tensor] = {}
+
+
+def masked_ids(masked: tuple[int, ...], device) -> torch.Tensor | None:
+    """The never-sampled ids as a (k,) long tensor on ``device``, made once per device (no copy per step); None
+    when there are none."""
+    if not masked:
+        return None
+    key = (masked, str(device))
+    if key not in _MASK_IDS:
+        _MASK_IDS[key] = torch.tensor(masked, dtype=torch.long, device=device)
+    return _MASK_IDS[key]
+
+
+def _masked_in(spec: _Spec, v0: int, v1: int) -> torch.Tensor | None:
+    """The never-sampled ids inside the vocabulary tile [v0, v1), as indices into the tile; None when none are."""
+    if spec.masked is None:
+        return None
+    local = spec.masked[(spec.masked >= v0) & (spec.masked < v1)] - v0
+    return local if local.numel() else None
 
 
 def _tile_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -203,19 +230,24 @@ def _tiled_forward(h, weight, bias, targets, teacher, spec: _Spec, M: int, V: in
     for v0, v1 in _vocab_tiles(V, spec):
         w = _rounded(weight[v0:v1], spec)  # (v, H): the weight cast one tile at a time
         w_q = None if teacher is None else _rounded(teacher[1][v0:v1], spec)
+        masked = _masked_in(spec, v0, v1)
         for i, r in enumerate(rows):
             n = r.stop - r.start
             raw = _logits_tile(tiles.raw, hc[r], w, bias, v0, v1)  # (n, v)
             work = [_Tiles.view(buffer, n, v1 - v0) for buffer in tiles.work]
             z = _transformed(raw, raw if raw.dtype == torch.float32 else work[0], spec, t)  # (n, v) float32
+            if spec.logp_mean:  # Σ z over the kept tokens
+                z_sum[r] += z.sum(1) - (0 if masked is None else z.index_select(1, masked).sum(1))
+            if masked is not None:
+                z.index_fill_(1, masked, MASKED_LOGIT)  # never sampled: π = 0 there
             z_y[r] += _target_logit(z, targets[r], v0)
-            if spec.logp_mean:
-                z_sum[r] += z.sum(1)
             if teacher is not None:
                 z_kd = torch.mul(z, t / tau, out=work[2])  # the student's transform(raw) / τ
                 fold_kd[i].add(z_kd, work[1])
                 raw_q = _logits_tile(tiles.raw_teacher, h_q[r], w_q, teacher[2], v0, v1)
                 z_q = _transformed(raw_q, work[3], spec, tau)  # the teacher's transform(raw) / τ
+                if masked is not None:
+                    z_q.index_fill_(1, masked, MASKED_LOGIT)
                 fold_q[i].add(z_q, work[1], z_q, z_kd)  # Σ e_q z_q, Σ e_q z_kd
             if spec.entropy:
                 fold[i].add(z, work[1], z)  # Σ e z
@@ -226,8 +258,9 @@ def _tiled_forward(h, weight, bias, targets, teacher, spec: _Spec, M: int, V: in
     logp = z_y - lse
     # H = −Σ π log π = lse − Σ π z
     ent = lse - torch.cat([f.dots[0] / f.s for f in fold]) if spec.entropy else None
-    # (1/V) Σ_v log π(v) = Σ z / V − lse
-    mean = z_sum / V - lse if spec.logp_mean else None
+    # (1/V') Σ_v log π(v) = Σ z / V' − lse, over the V' tokens not masked
+    kept = V - (0 if spec.masked is None else spec.masked.numel())
+    mean = z_sum / kept - lse if spec.logp_mean else None
     kl = lse_kd = None
     if teacher is not None:
         # KL(q ‖ π^τ) = Σ q log q − Σ q log π^τ = (Σ q z_q − lse_q) − (Σ q z_kd − lse_kd)
@@ -252,14 +285,19 @@ def _tiled_backward(h, weight, bias, targets, teacher, spec, lse, ent, lse_kd, g
     grad_h = torch.zeros(M, h.shape[1], device=device) if want_h else None  # float32
     grad_w = torch.zeros(V, h.shape[1], device=device) if want_w else None  # float32
     grad_b = torch.zeros(V, device=device) if want_b else None
+    kept = V - (0 if spec.masked is None else spec.masked.numel())
     for v0, v1 in _vocab_tiles(V, spec):
         w = _rounded(weight[v0:v1], spec)  # (v, H)
         w_q = None if g_kl is None else _rounded(teacher[1][v0:v1], spec)
+        masked = _masked_in(spec, v0, v1)
         for r in _row_tiles(M, spec):
             n = r.stop - r.start
             raw = _logits_tile(tiles.raw, hc[r], w, bias, v0, v1)  # (n, v)
             work = [_Tiles.view(buffer, n, v1 - v0) for buffer in tiles.work]
-            log_p = _transformed(raw, raw if in_place else work[0], spec, t).sub_(lse[r].unsqueeze(1))  # (n, v) log π
+            z = _transformed(raw, raw if in_place else work[0], spec, t)
+            if masked is not None:
+                z.index_fill_(1, masked, MASKED_LOGIT)
+            log_p = z.sub_(lse[r].unsqueeze(1))  # (n, v) log π
             grad = torch.exp(log_p, out=work[1])  # (n, v) π, becomes ∂L/∂z
             if g_ent is not None:
                 # −π (g_H (log π + H) + g_logp + g_mean)
@@ -269,23 +307,29 @@ def _tiled_backward(h, weight, bias, targets, teacher, spec, lse, ent, lse_kd, g
                 grad.mul_(coef[r]).neg_()  # −π (g_logp + g_mean)
             _add_at_targets(grad, targets[r], v0, g_logp[r])  # + g_logp 1_y
             if spec.logp_mean:
-                grad.add_((g_mean[r] / V).unsqueeze(1))  # + g_mean / V
+                grad.add_((g_mean[r] / kept).unsqueeze(1))  # + g_mean / V'
             if t != 1.0:
                 grad.div_(t)
             if g_kl is not None:
                 # + g_KL (π^τ − q) / τ
                 g = (g_kl[r].float() / tau).unsqueeze(1)  # (n, 1)
-                p_kd = _transformed(raw, work[0], spec, tau).sub_(lse_kd[0, r].unsqueeze(1)).exp_()  # π^τ
-                grad.addcmul_(p_kd, g)
+                z_kd = _transformed(raw, work[0], spec, tau)
+                if masked is not None:
+                    z_kd.index_fill_(1, masked, MASKED_LOGIT)
+                grad.addcmul_(z_kd.sub_(lse_kd[0, r].unsqueeze(1)).exp_(), g)  # π^τ
                 raw_q = _logits_tile(tiles.raw_teacher, h_q[r], w_q, teacher[2], v0, v1)
-                q = _transformed(raw_q, work[2], spec, tau).sub_(lse_kd[1, r].unsqueeze(1)).exp_()
-                grad.addcmul_(q, g, value=-1.0)
+                z_q = _transformed(raw_q, work[2], spec, tau)
+                if masked is not None:
+                    z_q.index_fill_(1, masked, MASKED_LOGIT)
+                grad.addcmul_(z_q.sub_(lse_kd[1, r].unsqueeze(1)).exp_(), g, value=-1.0)  # q
             if spec.softcap:
                 # z = c·tanh(s·raw / c): ∂z/∂(s·raw) = 1 − tanh²
                 tanh = torch.mul(raw, spec.scale / spec.softcap, out=work[0]).tanh_()
                 grad.mul_(tanh.mul_(tanh).neg_().add_(1.0))
             if spec.scale != 1.0:
                 grad.mul_(spec.scale)
+            if masked is not None:
+                grad.index_fill_(1, masked, 0.0)  # a masked logit is a constant: no gradient
             if raw.dtype != torch.float32:
                 grad = raw.copy_(grad)  # ∂L/∂raw written over the tile, in its low precision
             if want_h:
@@ -319,6 +363,7 @@ def tiled_stats(h, targets, weights, path, temperature, entropy, logp_mean, h_te
         logp_mean=logp_mean,
         kd_temperature=kd_temp,
         tile_dtype=_tile_dtype(device, dtype),
+        masked=masked_ids(path.masked, device),
     )
     teacher = None if h_teacher is None else (h_teacher.detach(), *teacher_weights)
     logp, ent, mean, kl = _TiledHead.apply(h, weight, bias, targets, teacher, spec)

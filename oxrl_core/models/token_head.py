@@ -32,6 +32,11 @@ Three paths, chosen once per model at setup by `choose_path` (``train.logits_chu
            fallback when a probe at setup finds that the head does not reproduce
            ``model(...).logits`` (an architecture with an output transform this module does not know).
 All give the same values and gradients (tests/test_token_head.py, every family of the matrix).
+
+Never-sampled tokens (``HeadPath.masked``: a VLM's image placeholders and their delimiters,
+`vision.placeholder_token_ids`): every path scores the distribution the sampler draws from, the logits of those
+tokens set to `MASKED_LOGIT` (π = 0 there exactly; finite, so π·z and the entropy stay 0 rather than NaN), the mean
+over the vocabulary taken over the other tokens, and no gradient reaches their logits.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from oxrl_core.engines import distributed
-from oxrl_core.models.tiled_head import dot, tiled_stats
+from oxrl_core.models.tiled_head import MASKED_LOGIT, dot, masked_ids, tiled_stats
 
 #: relative tolerance of the setup probe (log-probabilities of both paths, fp32, no autocast)
 PROBE_TOLERANCE = 1e-4
@@ -59,6 +64,7 @@ class HeadPath:
     note: str = ""  # why the plain path was chosen where the chunked one was wanted (a fallback)
     full_mb: float | None = None  # one micro-batch's full float32 logits, MB (when the caller gave its tokens)
     vocab_tile: int = 8192  # vocabulary entries per tile (the tiled path; the module path takes the whole vocabulary)
+    masked: tuple[int, ...] = ()  # token ids never sampled: logit `MASKED_LOGIT` on every path (module docstring)
 
     @property
     def chunked(self) -> bool:
@@ -123,7 +129,14 @@ def full_logits_mb(tokens: int, vocab: int) -> float:
 
 
 def choose_path(
-    model, chunk_size: int, log=None, *, tokens: int | None = None, min_mb: float = 0.0, vocab_tile: int = 8192
+    model,
+    chunk_size: int,
+    log=None,
+    *,
+    tokens: int | None = None,
+    min_mb: float = 0.0,
+    vocab_tile: int = 8192,
+    masked: tuple[int, ...] = (),
 ) -> HeadPath:
     """Decide, once, how this model's per-token quantities are computed; `path_of` returns the decision.
 
@@ -132,7 +145,7 @@ def choose_path(
     (``tokens`` not given: whenever ``chunk_size > 0``). Then a probe (a few tokens, fp32, no
     autocast) compares the chunked head's log-probabilities with ``log_softmax(model(...).logits)``;
     where they differ, or the model has no backbone/head to call, the plain path is used and ``log``
-    gets a note saying why."""
+    gets a note saying why. ``masked``: the token ids the model never samples (`HeadPath.masked`), on every path."""
     path = PLAIN
     full_mb = None if tokens is None else full_logits_mb(tokens, vocab_size(model))
     if chunk_size > 0 and full_mb is not None and full_mb <= min_mb:
@@ -160,13 +173,16 @@ def choose_path(
             )
         if full_mb is not None:
             path = replace(path, full_mb=full_mb)
+    path = replace(path, masked=tuple(sorted(set(masked))))
     _PATHS[model] = path
     return path
 
 
 def path_of(model) -> HeadPath:
-    """The path `choose_path` chose for ``model`` (the plain one when none was chosen)."""
-    return _PATHS.get(model, PLAIN)
+    """The path `choose_path` chose for ``model``, else for the model under its PEFT / DeepSpeed wrapper (a VLM's
+    loading registers its never-sampled tokens), else the plain one."""
+    path = _PATHS.get(model)
+    return path if path is not None else _PATHS.get(_inner(model), PLAIN)
 
 
 @torch.no_grad()
@@ -214,16 +230,23 @@ def stats_from_logits(
     logp_mean: bool = False,
     teacher_logits=None,
     kd_temperature: float = 1.0,
+    masked: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """The per-token quantities from full logits with autograd (the plain path, and the reference).
 
     logits (M, V) as the model returns them, targets (M,) ->
       logp (M,)        log π(y) at ``temperature`` (> 0: logits / temperature; 0: the raw ones)
       entropy (M,)     H = −Σ_v π(v) log π(v), same distribution
-      logp_mean (M,)   (1/V) Σ_v log π(v), same distribution (label smoothing)
+      logp_mean (M,)   (1/V') Σ_v log π(v), same distribution (label smoothing), over the V' tokens not ``masked``
       kl_teacher (M,)  KL(p_T^τ ‖ p_S^τ) = Σ_v p_T^τ(v) (log p_T^τ(v) − log p_S^τ(v)), τ = ``kd_temperature``
+    where π is the distribution with the ``masked`` tokens' logits at `MASKED_LOGIT` (teacher's too).
     """
-    z = logits.float()  # (M, V)
+    ids = masked_ids(masked, logits.device)
+
+    def keep(z):  # the never-sampled tokens' logits out of the distribution (no gradient reaches them)
+        return z if ids is None else z.index_fill(-1, ids, MASKED_LOGIT)
+
+    z = keep(logits.float())  # (M, V)
     if temperature > 0:
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)  # (M, V)
@@ -231,10 +254,11 @@ def stats_from_logits(
     if entropy:
         out["entropy"] = -(logp_all.exp() * logp_all).sum(-1)
     if logp_mean:
-        out["logp_mean"] = logp_all.mean(-1)
+        kept = logits.shape[-1] - (0 if ids is None else ids.numel())
+        out["logp_mean"] = (logp_all if ids is None else logp_all.index_fill(-1, ids, 0.0)).sum(-1) / kept
     if teacher_logits is not None:
-        logp_student = torch.log_softmax(logits.float() / kd_temperature, dim=-1)  # (M, V)
-        logp_teacher = torch.log_softmax(teacher_logits.detach().float() / kd_temperature, dim=-1)  # (M, V)
+        logp_student = torch.log_softmax(keep(logits.float()) / kd_temperature, dim=-1)  # (M, V)
+        logp_teacher = torch.log_softmax(keep(teacher_logits.detach().float()) / kd_temperature, dim=-1)  # (M, V)
         out["kl_teacher"] = (logp_teacher.exp() * (logp_teacher - logp_student)).sum(-1)
     return out
 
@@ -274,20 +298,27 @@ class _SoftmaxStats(torch.autograd.Function):
         kd_temperature: float,
     ):
         ctx.set_materialize_grads(False)
-        rescaled = (temperature > 0 and temperature != 1.0) or teacher_raw is not None
+        ids = masked_ids(path.masked, raw.device)
+        rescaled = (temperature > 0 and temperature != 1.0) or teacher_raw is not None or ids is not None
         z = _transform(raw, path, reuse=not rescaled)  # (N, V); ``raw`` itself when it is only read
         if temperature > 0 and temperature != 1.0:
             z.div_(temperature)
+        z_sum = (z.sum(-1) - (0 if ids is None else z.index_select(-1, ids).sum(-1))) if logp_mean else None
+        if ids is not None:
+            z.index_fill_(-1, ids, MASKED_LOGIT)  # never sampled: π = 0 there
         lse, p = _log_softmax_parts(z)  # (N,), (N, V)
         logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # (N,)
         ent = (lse - dot(p, z)) if entropy else None  # H = lse − Σ π z
-        mean = (z.mean(-1) - lse) if logp_mean else None
+        # (1/V') Σ_{v kept} log π(v) = Σ z / V' − lse
+        mean = (z_sum / (z.shape[-1] - len(path.masked)) - lse) if logp_mean else None
         del p
         kl = lse_kd = None
         if teacher_raw is not None:
             z.mul_(temperature if temperature > 0 else 1.0).div_(kd_temperature)  # the student's z / τ
             lse_kd, _ = _log_softmax_parts(z)
             log_q = _transform(teacher_raw, path).div_(kd_temperature)  # (N, V)
+            if ids is not None:
+                log_q.index_fill_(-1, ids, MASKED_LOGIT)
             lse_q, q = _log_softmax_parts(log_q)
             log_q.sub_(lse_q.unsqueeze(-1))
             # KL = Σ q log q − Σ q (z_S − lse_S)
@@ -306,10 +337,13 @@ class _SoftmaxStats(torch.autograd.Function):
         zeros = torch.zeros(N, device=raw.device)
         g_logp = zeros if g_logp is None else g_logp.float()
         g_mean = zeros if g_mean is None else g_mean.float()
+        ids = masked_ids(path.masked, raw.device)
         # ``raw`` (recomputed for this backward) is overwritten when nothing below reads it again
         z = _transform(raw, path, reuse=teacher_raw is None)  # (N, V)
         if t != 1.0:
             z.div_(t)
+        if ids is not None:
+            z.index_fill_(-1, ids, MASKED_LOGIT)
         log_p = z.sub_(lse.unsqueeze(-1))  # (N, V) log π, in place
         grad = log_p.exp()  # (N, V) π, becomes the gradient
         coef = (g_logp + g_mean).unsqueeze(-1)  # (N, 1)
@@ -321,19 +355,25 @@ class _SoftmaxStats(torch.autograd.Function):
             grad.mul_(coef).neg_()  # −π (g_logp + g_mean)
         del log_p, z
         grad[torch.arange(N, device=raw.device), targets] += g_logp  # + g_logp e_y
-        grad.add_((g_mean / V).unsqueeze(-1))  # + g_mean / V
+        grad.add_((g_mean / (V - len(path.masked))).unsqueeze(-1))  # + g_mean / V'
         grad.div_(t)
         if g_kl is not None and teacher_raw is not None:
             # + g_KL (π^τ − q) / τ
             z_kd = _transform(raw, path).div_(tau)
+            if ids is not None:
+                z_kd.index_fill_(-1, ids, MASKED_LOGIT)
             p_kd = z_kd.sub_(lse_kd.unsqueeze(-1)).exp_()  # (N, V)
             grad.addcmul_(p_kd, (g_kl.float() / tau).unsqueeze(-1))
             del p_kd, z_kd
             z_q = _transform(teacher_raw, path).div_(tau)
+            if ids is not None:
+                z_q.index_fill_(-1, ids, MASKED_LOGIT)
             lse_q, q = _log_softmax_parts(z_q)
             del z_q
             grad.addcmul_(q, (g_kl.float() / tau).unsqueeze(-1), value=-1.0)
             del q
+        if ids is not None:
+            grad.index_fill_(-1, ids, 0.0)  # a masked logit is a constant: no gradient
         if path.softcap:
             # z = c·tanh(s·raw / c): ∂z/∂(s·raw) = 1 − tanh²
             tanh = (raw.float() * path.scale).div_(path.softcap).tanh_()
@@ -499,7 +539,10 @@ def _plain_stats(model, inputs, rows, pos, targets, temperature, entropy, logp_m
     if teacher is not None:
         with torch.no_grad():
             teacher_logits = teacher(**inputs, use_cache=False).logits[rows, pos]
-    stats = stats_from_logits(logits, targets, temperature, entropy, logp_mean, teacher_logits, kd_temperature)
+    masked = path_of(model).masked
+    stats = stats_from_logits(
+        logits, targets, temperature, entropy, logp_mean, teacher_logits, kd_temperature, masked=masked
+    )
     if hidden:
         stats["hidden"] = out.hidden_states[-1]
     return stats

@@ -68,11 +68,13 @@ class HFRolloutBackend(RolloutBackend):
 
     Nothing else may reshape the distribution: the model's own ``generation_config`` (which
     for a hub model may set top_k, repetition_penalty, min_p, ...) is set aside during the
-    call, and transformers' global ``top_k=50`` default is switched off. One exception, for a
-    vision-language model generating from image prompts (``images`` given): its image placeholder tokens (`vision.placeholder_token_ids`) are never
-    sampled (their logits are -inf in the processed scores, so the logprobs are of the distribution
-    sampled from): the trainer's forward would count such a token against the image features and
-    refuse the row. A trained policy gives them almost no mass, which `rollout/logprob_diff` shows.
+    call, and transformers' global ``top_k=50`` default is switched off. One exception, on every call
+    for a vision-language model (image prompts and text ones alike): its image placeholder tokens and
+    their delimiters (`vision.placeholder_token_ids`) are never sampled (their logits are -inf in the
+    processed scores, so the logprobs are of the distribution sampled from): the trainer's forward
+    would count such a token against the image features and refuse the row. The trainer scores the
+    same masked distribution (`token_head.HeadPath.masked`), so `rollout/logprob_diff` is the
+    numerical gap alone.
     """
 
     name: ClassVar[str] = "hf"
@@ -88,7 +90,7 @@ class HFRolloutBackend(RolloutBackend):
         self.eos_id: int = tokenizer.eos_token_id
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.policy_version = 0
-        self.suppressed = placeholder_token_ids(model.config) if hasattr(model, "config") else []
+        self.suppressed = placeholder_token_ids(model.config, tokenizer) if hasattr(model, "config") else []
 
     # ------------------------------------------------------------------ generate
 
@@ -119,9 +121,8 @@ class HFRolloutBackend(RolloutBackend):
         was_training = self.model.training
         saved_config = self.model.generation_config
         self.model.eval()
-        # an image run (``images`` given, even all {} for a call of text prompts: their rows may share a training
-        # micro-batch with image rows) never samples the placeholders; a VLM trained on text samples them as text
-        self.model.generation_config = self._clean_generation_config(suppress=images is not None)
+        # a VLM never samples its placeholders, image prompts or text ones (the class docstring)
+        self.model.generation_config = self._clean_generation_config()
         try:
             # fork_rng: seeding makes this call reproducible without touching the caller's RNG state.
             with torch.random.fork_rng(devices=rng_devices, enabled=sampling.seed is not None), torch.no_grad():
@@ -135,14 +136,14 @@ class HFRolloutBackend(RolloutBackend):
             self.model.train(was_training)
         return [flat[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompt_token_ids))]
 
-    def _clean_generation_config(self, suppress: bool = False):
+    def _clean_generation_config(self):
         from transformers import GenerationConfig
 
         return GenerationConfig(
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             bos_token_id=getattr(self.tokenizer, "bos_token_id", None),
-            suppress_tokens=(self.suppressed or None) if suppress else None,  # a VLM's placeholders (class docstring)
+            suppress_tokens=self.suppressed or None,  # a VLM's placeholders (class docstring)
         )
 
     def _generate_batch(
@@ -263,7 +264,8 @@ class HFRolloutBackend(RolloutBackend):
         self.policy_version = policy_version
 
     def score(self, token_ids: list[int]) -> list[float]:
-        """``log p(token_ids[i] | token_ids[:i])``, i = 1..len-1: one teacher-forced forward, raw logits, float32."""
+        """``log p(token_ids[i] | token_ids[:i])``, i = 1..len-1: one teacher-forced forward, raw logits, float32
+        (the weight-sync probe compares raw distributions: `rollout.sync.trainer_logprobs`)."""
         if self.model is None:
             raise OxrlError("the hf rollout backend is closed")
         device = next(self.model.parameters()).device

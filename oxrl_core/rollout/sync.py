@@ -91,7 +91,10 @@ def check_logprob_diff(
 
 @torch.no_grad()
 def trainer_logprobs(model, token_ids: list[int], autocast) -> torch.Tensor:
-    """log p(x_i | x_<i), i = 1..L-1 (L-1,) of the trainer's model: eval mode, raw logits, float32 softmax."""
+    """log p(x_i | x_<i), i = 1..L-1 (L-1,) of the trainer's model: eval mode, raw logits, float32 softmax.
+
+    Raw on both sides, as a backend's `score` is (vLLM's prompt logprobs are of the raw logits): the probe checks
+    the weights, so a VLM's never-sampled tokens are not masked here as they are in training forwards."""
     device = next(model.parameters()).device
     ids = torch.tensor([token_ids], device=device)  # (1, L)
     was_training = model.training

@@ -9,6 +9,7 @@ from oxrl_core.data.encode import IGNORE, encode_prompt, image_fields
 from oxrl_core.data.images import collate_pixels
 from oxrl_core.data.sources import can_verify
 from oxrl_core.models.token_head import token_stats
+from oxrl_core.models.vision import placeholder_token_ids
 from oxrl_core.rollout.hf import check_generation_length
 
 __all__ = ["can_verify", "eval_loss", "evaluate", "greedy_completions"]
@@ -38,7 +39,8 @@ def greedy_completions(
 ) -> list[str]:
     """Greedy decoding with left padding; returns the decoded completions (special tokens removed);
     ``progress(done)`` after each batch, ``done`` prompts so far. ``vision`` (a VLM's processing): ``prompts`` are
-    rows, encoded with their images by the processor (`encode.image_fields`), pixels passed to ``generate``."""
+    rows, encoded with their images by the processor (`encode.image_fields`), pixels passed to ``generate``. A VLM
+    never decodes its image placeholders (`vision.placeholder_token_ids`), as its rollouts never sample them."""
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
         part = prompts[start : start + batch_size]
@@ -60,6 +62,7 @@ def greedy_completions(
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
+            suppress_tokens=placeholder_token_ids(model.config, tokenizer) or None,  # a VLM's, as its rollouts
         )
         out += tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True)
         if progress is not None:

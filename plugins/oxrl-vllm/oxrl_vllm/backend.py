@@ -153,6 +153,29 @@ class _DropRopeReloadWarning(logging.Filter):
         return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
 
 
+#: vLLM's strongest logit bias (it clamps to ±100): e^-100 ≈ 4e-44 of the mass, 0 at float32's resolution
+NEVER_SAMPLED_BIAS = -100.0
+
+
+def never_sampled_bias(model, tokenizer, model_path: str = "") -> dict[int, float] | None:
+    """A vision-language model's never-sampled tokens (`oxrl_core.placeholder_token_ids`: its image tokens and their
+    delimiters) as a vLLM ``logit_bias`` that takes them out of the distribution sampled from, as the trainer
+    takes them out of the one it scores; the processed logprobs vLLM returns are of that distribution. None for a
+    text model. Without a ``model`` (`oxrl eval`), the config at ``model_path``."""
+    from oxrl_core import placeholder_token_ids
+
+    config = getattr(model, "config", None)
+    if config is None and model_path:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model_path)
+        except (OSError, ValueError, KeyError):  # vLLM itself says what is wrong with the checkpoint
+            config = None
+    ids = placeholder_token_ids(config, tokenizer)
+    return {i: NEVER_SAMPLED_BIAS for i in ids} or None
+
+
 class VLLMRolloutBackend(RolloutBackend):
     """Rollouts from `vllm.LLM` (see the module docstring for the contract)."""
 
@@ -208,6 +231,7 @@ class VLLMRolloutBackend(RolloutBackend):
         self._set_num_threads = None
         self.adapter = adapter  # LoRA pushed as vLLM adapters (rollout.lora: adapter)
         self.lora_request = None  # the adapter of the current policy version, sent with every request
+        self.logit_bias = None  # a VLM's never-sampled tokens (`build`), biased out of every request
 
     # ------------------------------------------------------------------ engine
 
@@ -302,6 +326,7 @@ class VLLMRolloutBackend(RolloutBackend):
             _set_rng_state(torch, rng)
         backend = cls(llm, tokenizer.eos_token_id, adapter)
         backend._set_num_threads = set_num_threads
+        backend.logit_bias = never_sampled_bias(model, tokenizer, model_path)
         if adapter:
             try:
                 backend._push_adapter(model, policy_version=0)  # the fresh (or resumed) adapter
@@ -332,6 +357,7 @@ class VLLMRolloutBackend(RolloutBackend):
             ignore_eos=True,  # stop at the tokenizer's EOS only (below), not at every id the model config lists
             stop_token_ids=[self.eos_id],
             detokenize=False,
+            logit_bias=self.logit_bias,  # a VLM's placeholders never sampled (`never_sampled_bias`)
         )
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
