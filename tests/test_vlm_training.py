@@ -504,7 +504,10 @@ def test_the_vlm_example_yaml_runs(vlms, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_zero3_on_two_ranks_trains_image_rows_as_one_process_does(family, vlms, tmp_path):
     """DeepSpeed ZeRO-3, 2 ranks (gloo, CPU): each rank's rows bring their own pixels; the losses and gradient norms
-    of two steps equal the one-process run's."""
+    of two steps equal the one-process run's. On Qwen2-VL and the Qwen-VL models whose code differs most from it
+    (each 20-30 s on 2 cores): Qwen2.5-VL's windowed vision tower, Qwen3-VL's DeepStack (a second merger whose
+    features join language layer 0), Qwen3.5's Gated DeltaNet layer; Qwen3.5-MoE is Qwen3.5's layers with experts,
+    left to the SFT and LoRA tests."""
     folder = tmp_path / "data"
     data = write_jsonl(folder / "train.jsonl", _rows(folder))
     _sft(vlms[family], data, tmp_path / "one", "--set", "train.max_steps=2")
