@@ -33,6 +33,10 @@ AdamW, lr 1e-5, grad clipping 1.0, no activation checkpointing anywhere, batch 2
          Before the runs, TRL's collator is checked to give, row by row, oxRL's token ids, labels,
          token_type_ids and pixels; after them, the two step-1 losses must agree (≤ 1e-4 fp32), and
          the later steps' loss gaps are printed (the same trainable parameters and AdamW: ~1e-6 on CPU).
+         oxRL trains a VLM's policy without the tokens it never samples (their logits masked), so the
+         loss check runs TRL a second time, unmeasured, on that objective (``trl-masked``: its
+         `compute_loss_func` route on the full logits, the tokens masked by a hook); the measured
+         ``trl`` side is TRL's default route (its fused LM head), whose loss includes their mass.
 
 Sides: ``oxrl`` (the default, ``train.logits_chunk_size`` 1024), ``oxrl-plain``
 (``train.logits_chunk_size=0``: the model's full logits, what oxRL did before) and ``trl``.
@@ -603,15 +607,24 @@ def check_vlm_tokens(workdir: Path, args) -> dict:
     }
 
 
-def trl_vlm_sft(args, workdir: Path) -> dict:
+def trl_vlm_sft(args, workdir: Path, masked: bool = False) -> dict:
     """TRL's `SFTTrainer` on the image rows (its vision path: a processor as ``processing_class``, an ``images``
-    column, `DataCollatorForVisionLanguageModeling`), the vision tower frozen as oxRL's default freezes it."""
+    column, `DataCollatorForVisionLanguageModeling`), the vision tower frozen as oxRL's default freezes it.
+
+    ``masked`` (the loss check's run, ``vlm:trl-masked``; not measured): the policy oxRL trains, whose logits of the
+    tokens a VLM never samples are at -1e9 (`vlm_archs.NEVER_SAMPLED`, the tests' own list). TRL's default loss runs
+    a fused LM head no hook reaches, so that run takes TRL's `compute_loss_func` route: the model's full logits
+    (masked by a hook on the head) and the token-mean cross-entropy over TRL's labels. The measured run (``trl``)
+    is TRL's default route, fused head and all."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from trl import SFTConfig, SFTTrainer
 
     from oxrl_core.models.vision import freeze_vision
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from vlm_archs import never_sampled_ids
 
     processor = AutoProcessor.from_pretrained(workdir / "vlm-model")
     steps = args.warmup + args.steps
@@ -621,6 +634,18 @@ def trl_vlm_sft(args, workdir: Path) -> dict:
     )
     if not args.vlm_train_vision:
         freeze_vision(model)
+    never = torch.tensor(never_sampled_ids("gemma3", processor.tokenizer))
+
+    def masked_nll(outputs, labels, num_items_in_batch=None):
+        logits, targets = outputs.logits[:, :-1].float(), labels[:, 1:]  # position t predicts token t+1
+        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        count = num_items_in_batch if num_items_in_batch is not None else (targets != -100).sum()
+        return total / count
+
+    if masked:
+        model.get_output_embeddings().register_forward_hook(
+            lambda m, i, out: out.index_fill(-1, never.to(out.device), -1e9)
+        )
     clock, losses, counts = _Clock(args.warmup), [], []
 
     class Trainer(SFTTrainer):
@@ -637,7 +662,12 @@ def trl_vlm_sft(args, workdir: Path) -> dict:
         max_length=4096,
     )
     trainer = Trainer(
-        model=model, args=config, train_dataset=dataset, processing_class=processor, callbacks=[clock.callback]
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=processor,
+        callbacks=[clock.callback],
+        compute_loss_func=masked_nll if masked else None,
     )
     collate = trainer.data_collator
 
@@ -673,7 +703,9 @@ def child(args) -> None:
     workload, side = args.child.split(":")
     workdir = Path(args.workdir)
     chunk = 0 if side == "oxrl-plain" else args.chunk
-    if side == "trl":
+    if side == "trl-masked":  # the VLM row's loss check (`trl_vlm_sft`)
+        result = trl_vlm_sft(args, workdir, masked=True)
+    elif side == "trl":
         result = {"sft": trl_sft, "dpo": trl_dpo, "sgrpo": trl_grpo, "vlm": trl_vlm_sft}[workload](args, workdir)
     elif workload == "sgrpo":
         result = oxrl_sgrpo(args, workdir, chunk)
@@ -787,18 +819,22 @@ def main() -> None:
             if workload == "vlm":  # step 1's loss (before any update) of each side: the same rows, the same model
                 vlm["first_loss"] = {side: round(r["first_loss"], 6) for side, r in results.items()}
                 if "oxrl" in results and "trl" in results:
-                    diff = abs(results["oxrl"]["first_loss"] - results["trl"]["first_loss"])
+                    # the loss check: TRL on oxRL's objective (the never-sampled tokens masked; `trl_vlm_sft`)
+                    check = run_child(argv, workload, "trl-masked")
+                    vlm["first_loss"]["trl-masked"] = round(check["first_loss"], 6)
+                    diff = abs(results["oxrl"]["first_loss"] - check["first_loss"])
                     vlm["first_loss_diff"] = diff
                     tol = VLM_LOSS_TOLERANCE[args.device == "cuda"]
                     print(
-                        f"  vlm   step-1 loss oxrl {results['oxrl']['first_loss']:.6f}, trl "
-                        f"{results['trl']['first_loss']:.6f}: |Δ| {diff:.2e} ({'≤' if diff <= tol else 'NOT ≤'} {tol})",
+                        f"  vlm   step-1 loss oxrl {results['oxrl']['first_loss']:.6f}, trl (never-sampled tokens "
+                        f"masked) {check['first_loss']:.6f}: |Δ| {diff:.2e} ({'≤' if diff <= tol else 'NOT ≤'} {tol}); "
+                        f"TRL's own loss {results['trl']['first_loss']:.6f} (the placeholders' mass in it)",
                         flush=True,
                     )
                     if diff > tol:
                         raise RuntimeError(f"vlm: the two sides' step-1 losses differ by {diff:.2e} (> {tol})")
                     # after the updates too (the same trainable parameters, the same AdamW): reported, not enforced
-                    pairs = list(zip(results["oxrl"]["losses"], results["trl"]["losses"]))
+                    pairs = list(zip(results["oxrl"]["losses"], check["losses"]))
                     vlm["loss_diff_per_step"] = [abs(a - b) for a, b in pairs]
                     print(f"  vlm   per-step loss |Δ| {', '.join(f'{d:.1e}' for d in vlm['loss_diff_per_step'])}")
             entry = {
