@@ -427,7 +427,9 @@ def test_a_vlm_served_by_vllm_never_samples_its_placeholders_and_scores_as_the_t
                 inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
                 with torch.no_grad():
                     logp = token_stats(model, inputs, torch.zeros_like(pos), pos, ids[0, pos + 1])["logp"]
-                    raw = torch.log_softmax(model(**inputs).logits[0, pos].float(), -1).gather(-1, ids[0, pos + 1, None])
+                    raw = torch.log_softmax(model(**inputs).logits[0, pos].float(), -1).gather(
+                        -1, ids[0, pos + 1, None]
+                    )
                 gaps.append((logp - torch.tensor(c.logprobs)).abs())
                 unmasked_gaps.append((raw[:, 0] - torch.tensor(c.logprobs)).abs())
         assert float(torch.cat(gaps).max()) < 1e-4
