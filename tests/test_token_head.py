@@ -312,10 +312,12 @@ def _padded_rows(vocab: int, seed: int = 0):
 
 
 def _both_paths(model, fn):
-    """fn() under the plain path, then under the chunked one (chunks of 3): outputs and parameter gradients."""
+    """fn() under the plain path, then under the chunked one (chunks of 3): outputs and parameter gradients; a VLM's
+    never-sampled tokens (registered when it loaded) masked on both."""
     results = []
+    masked = path_of(model).masked
     for chunk in (0, 3):
-        path = choose_path(model, chunk, vocab_tile=37)  # tiles of 3 tokens × 37 vocabulary entries
+        path = choose_path(model, chunk, vocab_tile=37, masked=masked)  # tiles of 3 tokens × 37 vocabulary entries
         assert path.chunked == bool(chunk), path.note
         assert not chunk or _tileable(backbone_and_head(model)[1]) is not None  # by weight tiles, not the module
         model.zero_grad()
@@ -366,10 +368,13 @@ def vlm_dirs(tmp_path_factory):
     return {family: vlm_archs.build_vlm(family, root / family) for family in vlm_archs.FAMILIES}
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "llava", "idefics3"])
+@pytest.mark.parametrize(
+    "family", ["qwen2_vl", "gemma3", "llava", "idefics3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"]
+)
 def test_vlm_logprobs_tiled_equal_the_full_logits(vlm_dirs, family):
     """On an image prompt and its answer, every VLM family of the matrix: token_stats (temperature 0.7, entropy)
-    tiled = plain, values and gradients; the image's placeholder tokens are in the row, not scored."""
+    tiled = plain, values and gradients, the never-sampled tokens masked on both (in several vocabulary tiles);
+    the image's placeholder tokens are in the row, not scored."""
     from PIL import Image
     from vlm_archs import IMAGE_SIZE, encode_rendered, processor_of, with_appended
 
@@ -393,6 +398,7 @@ def test_vlm_logprobs_tiled_equal_the_full_logits(vlm_dirs, family):
         ((stats["logp"] * weights).sum() + 0.1 * stats["entropy"].sum()).backward()
         return stats["logp"], stats["entropy"]
 
+    assert path_of(model).masked  # registered when it loaded
     _both_paths(model, fn)
 
 
