@@ -76,13 +76,26 @@ def _prompt_ids(tokenizer, prompt: str) -> list[int]:
     return list(out if isinstance(out, list) else out["input_ids"])
 
 
+def never_sampled(config) -> list[int]:
+    """A vision-language model's image token and the tokens around it, read off its config (the Gemma-3 multimodal
+    layout here: ``image_token_index``, ``boi_token_index``, ``eoi_token_index``); [] for a text model. A VLM never
+    samples them, so the policy oxRL trains is the distribution without them, text rows too."""
+    if getattr(config, "vision_config", None) is None:
+        return []
+    names = ("image_token_index", "boi_token_index", "eoi_token_index")
+    return [v for n in names if isinstance(v := getattr(config, n, None), int)]
+
+
 def _completion_logps(model, tokenizer, prompt: str, completion: str) -> torch.Tensor:
     """log π(y_t | x, y_<t) of each completion token (its tokens, then EOS), one plain forward: (n,); with
-    gradients when they are enabled."""
+    gradients when they are enabled. A VLM's distribution is without the tokens it never samples (`never_sampled`)."""
     p = _prompt_ids(tokenizer, prompt)
     c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     ids = torch.tensor([p + c])
     logits = model(input_ids=ids).logits[0, len(p) - 1 : -1].float()  # (n, V)
+    never = never_sampled(model.config)
+    if never:
+        logits = logits.index_fill(-1, torch.tensor(never), float("-inf"))
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(c).unsqueeze(-1)).squeeze(-1)
 
 
