@@ -30,6 +30,11 @@ Sampling matches the `hf` backend's contract (`oxrl_core.rollout.hf`):
 
 `score` reads vLLM's prompt logprobs (raw logits), for the loop's verified weight sync.
 
+Vision-language models: an image prompt goes to vLLM as the prompt with one placeholder per image and its pictures
+(``multi_modal_data``), which vLLM's processor expands; the expansion must be the trainer processor's, token for
+token (`_check_expansion`). A VLM's never-sampled tokens are biased out of every request (`never_sampled_bias`).
+Which families vLLM serves is decided by importing its model module (`image_support`, `VLLM_MODULES`).
+
 Under ``lora.enabled`` there are two ways to sync (``rollout.lora``):
 
 - ``adapter`` (the default on a GPU): the engine serves the frozen base model with vLLM's LoRA
