@@ -67,12 +67,14 @@ def encode_row_prompt(tokenizer, row: dict, origin: str) -> list[int]:
     return ids
 
 
-def image_fields(vision, row: dict, origin: str, max_length: int) -> tuple[list[int], dict]:
+def image_fields(vision, row: dict, origin: str, max_length: int, pictures: bool = False) -> tuple[list[int], dict]:
     """A VLM run's prompt: (token ids, the example's image fields) through the model's processor (`vision.encode`).
 
     The fields are ``pixel_inputs`` (the processor's pixel tensors for this row), ``token_inputs`` (its per-token
     inputs as lists, `images.TOKEN_INPUTS`) and ``pixels_by`` (how ``images.collate_pixels`` joins them); none for a
-    row without images. Refused, naming the row: a prompt the processor or its chat template cannot render, and an
+    row without images. ``pictures`` (an RL prompt): also ``pictures``, what a backend that expands the images
+    itself takes (vLLM): ``ids``, the prompt with one placeholder per image (`vision.ImageEncoding.prompt_ids`),
+    and ``images``, the decoded pictures as (H, W, 3) uint8 tensors (tensors: a checkpoint's state files load them). Refused, naming the row: a prompt the processor or its chat template cannot render, and an
     image whose tokens would not all fit in ``max_length`` (training on part of an image's tokens is the "image
     features and image tokens do not match" failure, or worse, a silently wrong pairing)."""
     where = row_where(row, origin)
@@ -97,7 +99,14 @@ def image_fields(vision, row: dict, origin: str, max_length: int) -> tuple[list[
         )
     pixels = dict(encoding.pixel_inputs)
     tokens = {name: pixels.pop(name)[0].tolist() for name in TOKEN_INPUTS if name in pixels}
-    return ids, {"pixel_inputs": pixels, "token_inputs": tokens, "pixels_by": vision.family.pixels_by}
+    fields = {"pixel_inputs": pixels, "token_inputs": tokens, "pixels_by": vision.family.pixels_by}
+    if pictures:
+        import numpy as np
+        import torch
+
+        arrays = [torch.from_numpy(np.array(image.convert("RGB"))) for image in images]  # (H, W, 3) uint8 each
+        fields["pictures"] = {"ids": list(encoding.prompt_ids), "images": arrays}
+    return ids, fields
 
 
 def _prompt(tokenizer, row: dict, origin: str, vision, max_length: int) -> tuple[list[int], dict]:

@@ -363,6 +363,9 @@ class ImageEncoding:
     pixel_inputs: dict = field(default_factory=dict)
     #: the text the chat template rendered, placeholders not yet expanded
     text: str = ""
+    #: that text's token ids, one placeholder per image, special tokens as the processor adds them: the prompt a
+    #: backend that expands the images itself (vLLM) is given; its expansion must give ``input_ids``
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 def image_messages(prompt, images: list) -> list[dict]:
@@ -461,11 +464,16 @@ class VLMProcessing:
                 return_tensors="pt",
             )
             text = self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            bos = self.tokenizer.bos_token
+            specials = not (bos and text.startswith(bos))  # as the processor encodes a rendered template
         else:
             text = prompt if isinstance(prompt, str) else "\n".join(_plain(m["content"]) for m in prompt)
             text = text.replace(IMAGE_MARKER, self.family.placeholder)
             out = self.processor(text=[text], images=[images] if images else None, return_tensors="pt")
-        return self._encoding(out, text, with_images=bool(images))
+            specials = True
+        encoding = self._encoding(out, text, with_images=bool(images))
+        encoding.prompt_ids = self.tokenizer(text, add_special_tokens=specials)["input_ids"]
+        return encoding
 
     def _encoding(self, out, text: str, with_images: bool) -> ImageEncoding:
         input_ids = out["input_ids"][0]  # (T,)

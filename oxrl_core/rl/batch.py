@@ -38,7 +38,8 @@ def prepare_prompts(source, tokenizer, max_length: int, vision=None) -> Prompts:
     """Rows checked as prompt rows, their prompt token ids (and image inputs), and how many were too long (dropped).
 
     ``vision`` (a VLM run's processing, `vision.VLMProcessing`): every prompt goes through the model's processor
-    (`encode.image_fields`), and an image row's example keeps its image inputs. Image rows are checked as the other
+    (`encode.image_fields`), and an image row's example keeps its image inputs (and its ``pictures``, for a backend
+    that expands images itself). Image rows are checked as the other
     loops check them (`images.check_image_row`, `encode.check_row_images`: a text model refuses them, naming the
     row)."""
     if not source.rows:
@@ -48,7 +49,7 @@ def prepare_prompts(source, tokenizer, max_length: int, vision=None) -> Prompts:
         n_images = check_image_row(raw, source.origin)
         row = check_row_images(normalise_row(raw, "prompt", source.origin), "prompt", source.origin, vision, n_images)
         if vision is not None:
-            prompt_ids, fields = image_fields(vision, row, source.origin, max_length)
+            prompt_ids, fields = image_fields(vision, row, source.origin, max_length, pictures=True)
         else:  # 0 tokens: refused here, naming file and row
             prompt_ids, fields = encode_row_prompt(tokenizer, row, source.origin), {}
         if len(prompt_ids) >= max_length:

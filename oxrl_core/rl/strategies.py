@@ -282,11 +282,15 @@ def check_media_support(cfg, algorithm, backend_cls, policy_path: str, with_imag
                 "alg.critic=separate: the separate critic is a copy of the language model alone, which reads no "
                 "images; with image prompts use alg.critic=shared (the value head on the policy's hidden states)"
             )
-    elif cfg.env.name and vision is not None and (reason := backend_cls.image_support(policy_path)) is not None:
-        raise OxrlError(  # an environment may show a VLM images mid-episode: the backend must take them
-            f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "
-            f"may be shown images by the environment and {reason}; generate with rollout.backend=hf"
-        )
+    if cfg.env.name and vision is not None:  # an environment may show a VLM images mid-episode
+        reason = backend_cls.image_support(policy_path)
+        if reason is None and not backend_cls.episode_images:
+            reason = "it does not generate an episode's later turns from the images the episode gathered"
+        if reason is not None:
+            raise OxrlError(
+                f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "
+                f"may be shown images by the environment and {reason}; generate with rollout.backend=hf"
+            )
 
 
 def build_strategy(cfg, registry, inputs: RolloutInputs, model, engine, run_dir) -> tuple[object, RolloutStrategy]:

