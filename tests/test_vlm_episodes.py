@@ -63,9 +63,16 @@ class ScriptedVLM(RolloutBackend):
         pass
 
 
+#: the tiles of one 32×32 image in the tiny Idefics3 (`vlm_archs`: 2×2 tiles of 16×16 and the whole image)
+IDEFICS3_TILES = 5
+
+
 def _image_count(fields: dict) -> int:
-    """How many images a prompt's image inputs hold (Qwen-VL: one grid row each; else one pixel entry each)."""
+    """How many images a prompt's image inputs hold (Qwen-VL: one grid row each; Idefics3: `IDEFICS3_TILES` tiles
+    each, on the row's second dimension; else one pixel entry each)."""
     pixels = fields.get("pixel_inputs", {})
+    if fields.get("pixels_by") == "row":
+        return pixels["pixel_values"].shape[1] // IDEFICS3_TILES
     return len(pixels.get("image_grid_thw", pixels.get("pixel_values", ())))
 
 
@@ -75,17 +82,34 @@ def _config(**env) -> RunConfig:
     )
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+#: how SmolVLM's template writes a turn given as a string ("Assistant: red", after the generation prompt
+#: "Assistant:"), and how an Idefics3 template whose turns extend its generation prompt exactly writes it
+SMOLVLM_TURN, EXTENDING_TURN = "{{ ': ' + message['content'] }}", "{{ ':' + message['content'] }}"
+
+
+@pytest.fixture(
+    scope="module", params=["qwen2_vl", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "idefics3_joined"]
+)
 def vlm(tmp_path_factory, request):
     """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template; Qwen2.5-VL,
-    Qwen3-VL and Qwen3.5 -- its Gated DeltaNet layers carry state across the turns -- as Qwen2-VL), its
-    processing, tokenizer and fp32 model, and one episode batch played on it: the row's image prompt, a first
-    answer, the environment's second look (an image), the final answer."""
+    Qwen3-VL and Qwen3.5 -- its Gated DeltaNet layers carry state across the turns -- as Qwen2-VL; Idefics3: by row,
+    its tiles on the second dimension), its processing, tokenizer and fp32 model, and one episode batch played on
+    it: the row's image prompt, a first answer, the environment's second look (an image), the final answer.
+
+    Idefics3 twice: with SmolVLM's template, whose assistant turn ("Assistant: red") does not extend its generation
+    prompt ("Assistant:"), so the second look starts the training sample again from the whole conversation
+    (the retemplate fallback, the processor's own encoding of both images); and (``idefics3_joined``) with that
+    template writing a turn given as a string right after the colon, so the environment's turn extends the
+    sequence and its image's tiles join the row's (`episodes.join_tiles`)."""
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
     from oxrl_core.models.vision import load_processing
 
-    family = request.param
-    model_dir = build_vlm(family, tmp_path_factory.mktemp("vlm") / family)
+    family = request.param.removesuffix("_joined")
+    model_dir = build_vlm(family, tmp_path_factory.mktemp("vlm") / request.param)
+    if request.param == "idefics3_joined":
+        template = model_dir / "chat_template.jinja"
+        assert SMOLVLM_TURN in template.read_text()
+        template.write_text(template.read_text().replace(SMOLVLM_TURN, EXTENDING_TURN))
     vision, tokenizer = load_processing(str(model_dir)), load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir)).float().eval()
     backend = ScriptedVLM(model, tokenizer, ["red", "blue"])
@@ -94,7 +118,7 @@ def vlm(tmp_path_factory, request):
     episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
     return SimpleNamespace(
         family=family, dir=model_dir, vision=vision, tokenizer=tokenizer, model=model, backend=backend, runner=runner,
-        rows=rows, episodes=episodes,
+        rows=rows, episodes=episodes, extends=request.param != "idefics3",
     )  # fmt: skip
 
 
@@ -104,7 +128,9 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     the processor's rendering of the raw conversation, image placeholders expanded as it expands them; the second
     generate call gets both images; the environment's tokens (image tokens included) have mask 0; the trainer's
     log-probabilities of the sampled tokens (rollout batch with each row's pixels, fp32) equal plain transformers'
-    on the processor's inputs to 1e-4, over the vocabulary without the tokens a VLM never samples."""
+    on the processor's inputs to 1e-4, over the vocabulary without the tokens a VLM never samples. Where the
+    template does not extend (SmolVLM's), the sample starts again at the second look: its prompt is the processor's
+    encoding of the whole conversation and the final answer is all it trains on (``env/retemplate_fallbacks``)."""
     from PIL import Image
 
     q = vlm
@@ -131,7 +157,11 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
         assert e.ended == "done" and e.images_shown == 1 and not e.error
         assert e.prompt_ids + e.token_ids == full.tolist()  # the processor's own ids, both images expanded
         image_tokens = torch.tensor(e.token_ids) == q.vision.image_token_id
-        assert image_tokens.sum() > 0 and all(s == 0 for s, img in zip(e.sampled, image_tokens) if img)
+        if q.extends:
+            assert e.fallbacks == 0
+            assert image_tokens.sum() > 0 and all(s == 0 for s, img in zip(e.sampled, image_tokens) if img)
+        else:  # the fallback: the whole conversation is the prompt, the final answer the only turn trained on
+            assert e.fallbacks == 1 and e.token_ids == final and image_tokens.sum() == 0
     assert [m["role"] for m in q.episodes[0].messages] == ["user", "assistant", "user", "assistant"]
 
     prompts, completions, scores, metrics, images = q.runner.collect(
@@ -140,6 +170,9 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     batch = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), images)
     logp = policy_forward(q.model, None, batch, temperature=1.0)["logp"]  # (B, T-1)
     assert metrics["env/images_shown"] == 1.0
+    for fields in images:  # each episode's pixels: the processor's for the whole conversation (Idefics3: 2 × 5 tiles)
+        assert fields["pixel_inputs"].keys() <= kwargs.keys()
+        assert all(torch.equal(v, kwargs[k]) for k, v in fields["pixel_inputs"].items()), q.family
     for i, c in enumerate(completions):
         start = int(batch["prompt_len"][i]) - 1
         positions = [start + j for j, s in enumerate(c.sampled) if s]  # the model's tokens
@@ -156,7 +189,7 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     for i, c in enumerate(completions):
         start = int(batch["prompt_len"][i]) - 1
         turns = [start + j for j, s in enumerate(c.sampled) if s]
-        n_first = len(q.tokenizer("red", add_special_tokens=False)["input_ids"]) + 1  # 'red' + EOS
+        n_first = len(q.tokenizer("red", add_special_tokens=False)["input_ids"]) + 1 if q.extends else 0  # 'red' + EOS
         first, final = turns[:n_first], turns[n_first:]
         assert torch.allclose(logp[i, first], swapped[i, first], atol=1e-6)
         assert (logp[i, final] - swapped[i, final]).abs().max() > 1e-4
@@ -170,7 +203,10 @@ def _other_second(images: list[dict]) -> list[dict]:
         grid = pixels.get("image_grid_thw")
         first = int(grid[0].prod()) if grid is not None else 1  # patches (Qwen-VL) or one entry of the first image
         values = pixels["pixel_values"].clone()
-        values[first:] = -values[first:]
+        if fields["pixels_by"] == "row":  # Idefics3: the second image's tiles, on the row's second dimension
+            values[:, IDEFICS3_TILES:] = -values[:, IDEFICS3_TILES:]
+        else:
+            values[first:] = -values[first:]
         out.append({**fields, "pixel_inputs": {**pixels, "pixel_values": values}})
     return out
 

@@ -34,7 +34,9 @@ image inputs of every image in its sequence, in order (`Episode.pixels`), and ea
 trainer's forwards get exactly those. Image tokens are environment tokens (mask 0). A text model cannot take an
 image: an environment image part ends that episode as an environment error naming why (``env/errors``; the run stops
 if it keeps happening, `EnvWatch`), rather than dropping the picture the model was meant to see. A family whose
-pixels are one entry per row (Idefics3, ``pixels_by = row``) cannot add an image mid-episode and fails likewise.
+pixels are one entry per row (Idefics3, ``pixels_by = row``) adds the image's tiles to the row's (`join_pixels`);
+SmolVLM's own template writes an assistant turn with a space its generation prompt lacks, so there each environment
+turn takes the fallback above (the processor encodes the whole conversation, images and all).
 
 Each episode's environment lives in a worker process of its own (`oxrl_core.rollout.env_worker`: one instance per
 episode, forked from a host process that loaded the environment once; about a millisecond each), so a call
@@ -206,18 +208,15 @@ class Episodes:
                 "step() returned an image part, but the model is a text model (it has no processor and reads no "
                 "pixels); use a vision-language model (model.name) or return text"
             )
-        if self.vision.family.pixels_by == "row":
-            return (
-                f"step() returned an image part, but a {self.vision.family.model_type} model's pixels are one entry "
-                "per row (its tiles), which an image added mid-episode cannot join; return text"
-            )
         return ""
 
     @staticmethod
     def join_pixels(e: Episode, fields: dict, offset: int) -> None:
         """Add an environment turn's image fields (its tokens start at ``offset`` in the sequence) to ``e``'s:
-        pixel inputs concatenated image after image (families whose first dimension counts patches or images),
-        per-token inputs placed at their tokens."""
+        pixel inputs concatenated image after image — on the first dimension where it counts patches or images, on
+        the second where it counts rows (Idefics3: (1, tiles, ...), the new image's tiles after the row's, each tile
+        the image processor's square, as its encoding of all the images at once gives them) — and per-token inputs
+        placed at their tokens."""
         import torch
 
         if not fields:
@@ -225,10 +224,11 @@ class Episodes:
         if not e.pixels:
             e.pixels = {"pixel_inputs": {}, "token_inputs": {}, "pixels_by": fields["pixels_by"]}
         old = e.pixels["pixel_inputs"]
+        dim = 1 if fields["pixels_by"] == "row" else 0
         e.pixels = {
             **e.pixels,
             "pixel_inputs": {
-                k: torch.cat([old[k], v], dim=0) if k in old else v for k, v in fields["pixel_inputs"].items()
+                k: torch.cat([old[k], v], dim=dim) if k in old else v for k, v in fields["pixel_inputs"].items()
             },
             "token_inputs": {
                 k: list(e.pixels["token_inputs"].get(k, [])) + [0] * (offset - len(e.pixels["token_inputs"].get(k, [])))
