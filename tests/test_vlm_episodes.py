@@ -22,6 +22,7 @@ from oxrl_core.data.shapes import SecondLookEnv
 from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams
 from oxrl_core.rl.batch import policy_forward, rollout_batch
 from oxrl_core.rl.episodes import Episodes
+from oxrl_core.rollout.log import env_images_of, image_data_uri
 
 
 def _png(colour: tuple[int, int, int]) -> bytes:
@@ -170,6 +171,8 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     batch = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), images)
     logp = policy_forward(q.model, None, batch, temperature=1.0)["logp"]  # (B, T-1)
     assert metrics["env/images_shown"] == 1.0
+    # the picture the environment showed, kept for rollouts.jsonl as it logs a prompt's (its turn: after answer 1)
+    assert env_images_of(images) == [[{"turn": 1, "image": image_data_uri(picture)}]] * 2
     for fields in images:  # each episode's pixels: the processor's for the whole conversation (Idefics3: 2 × 5 tiles)
         assert fields["pixel_inputs"].keys() <= kwargs.keys()
         assert all(torch.equal(v, kwargs[k]) for k, v in fields["pixel_inputs"].items()), q.family
@@ -239,6 +242,7 @@ def test_a_look_tool_call_is_answered_with_an_image_the_next_turn_is_generated_w
         tool = e.messages[2]
         assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["image", "text"]
         assert tool["content"][1]["text"] == "the picture (left)"
+        assert [shown["turn"] for shown in e.env_images] == [1]  # the tool's answer to the first turn
     metrics = runner.metrics(episodes)
     assert metrics["env/tool_calls"] == 1.0 and metrics["env/images_shown"] == 1.0
 
@@ -254,7 +258,7 @@ def test_a_text_model_shown_an_image_ends_the_episode_as_an_environment_error(ti
     episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
     for e in episodes:
         assert e.ended == "error" and "text model" in e.error and "image" in e.error
-        assert e.images_shown == 0 and e.pixels == {}
+        assert e.images_shown == 0 and e.pixels == {} and e.env_images == [] and e.media() == {}
     assert runner.metrics(episodes)["env/errors"] == 2.0
     del model
 
@@ -329,8 +333,15 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     steps, exit 0, and the environment showed images (its second look: every episode's first answer ends with EOS
     on the warm start); `oxrl eval --env second_look` on image rows with its final/. Held out: 4 of the shapes
     eval rows (the default 100 take 3 s an evaluation). The warm start of the built-in VLM (about 40 s) is built
-    once per test session (the visual demos share it)."""
+    once per test session (the visual demos share it).
+
+    rollouts.jsonl logs each sample's second look beside its prompt's image (the same picture, at turn 1), and
+    `oxrl report`'s viewer shows both, decoded, in headless Chromium (issue 47, item 3)."""
     import base64
+    import json
+    import re
+
+    from test_report_images import decoded, dump_dom, with_probe
 
     from oxrl_core.data.shapes import rows as shapes_rows
 
@@ -353,6 +364,24 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     assert all(m["env/errors"] == 0 for m in metrics), metrics
     assert metrics[-1]["eval/turns"] >= 2.0  # held-out episodes got their second look too
     assert Path(run, "final", "config.json").exists()
+    # rollouts.jsonl: each logged sample's prompt image and the environment's second look at it, after turn 1
+    logged = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]
+    for s in logged[0]["samples"]:
+        (prompt_image,) = s["images"]
+        assert [shown["turn"] for shown in s["env_images"]] == [1], s.get("env_images")
+        again = decoded(s["env_images"][0]["image"])
+        assert again.size == (32, 32) and again.tobytes() == decoded(prompt_image).tobytes()
+    # ... and the report's viewer shows both images of each sample, decoded
+    proc = oxrl("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    probed = tmp_path / "probed.html"
+    probed.write_text(with_probe((run / "report.html").read_text()))
+    dom, console = dump_dom(probed, tmp_path)
+    assert console == [], console
+    shown = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)[1].replace("&quot;", '"'))
+    assert [[(ok, w, h) for ok, w, h, _ in images] for images in shown] == [[(True, 32, 32)] * 2] * len(shown)
+    assert len(shown) == len(logged[0]["samples"]) and "shown by the environment, turn 1" in dom
     # the trained VLM's held-out episodes through `oxrl eval --env`, from image rows
     proc = oxrl("eval", "--model", str(run / "final"), "--data", str(eval_file), "--env", "second_look",
                 "--reward", "exact_match", "--max-new-tokens", "16")  # fmt: skip
