@@ -198,6 +198,26 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
         assert (logp[i, final] - swapped[i, final]).abs().max() > 1e-4
 
 
+@torch.no_grad()
+def test_an_episode_with_the_environments_image_and_one_without_share_a_batch_as_if_alone(vlm):
+    """A rollout batch of an episode with two images (the second look) and one with the row's alone (``offer`` off:
+    Idefics3's rows then have 10 and 5 tiles, the shorter padded with zero tiles): each row's log-probabilities
+    equal those of a batch of that row alone."""
+    q = vlm
+    lone = Episodes(SecondLookEnv, SecondLookEnv.Config(offer=False), _config(), q.tokenizer,
+                    ScriptedVLM(q.model, q.tokenizer, ["red"]), q.vision)  # fmt: skip
+    episodes = [q.episodes[0], lone.play(q.rows, SamplingParams(n=1, max_new_tokens=8))[0]]
+    assert [_image_count(e.image_inputs()) for e in episodes] == [2, 1]
+    prompts, completions, scores, _, media = q.runner.collect(episodes, None, _failures("r"), _env_failures())
+    pad = q.tokenizer.pad_token_id
+    both = policy_forward(q.model, None, rollout_batch(prompts, completions, scores, 1, pad, _Engine(), media), 1.0)
+    for i in range(2):
+        alone = rollout_batch(prompts[i : i + 1], completions[i : i + 1], scores[i : i + 1], 1, pad, _Engine(),
+                              media[i : i + 1])  # fmt: skip
+        logp = policy_forward(q.model, None, alone, temperature=1.0)["logp"][0]  # (T-1,)
+        assert torch.allclose(both["logp"][i, : len(logp)], logp, atol=1e-5), (q.family, i)
+
+
 def _other_second(images: list[dict]) -> list[dict]:
     """Each episode's image inputs with its second image's pixels negated (another picture, same size)."""
     out = []
