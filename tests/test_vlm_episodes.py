@@ -22,6 +22,7 @@ from oxrl_core.data.shapes import SecondLookEnv
 from oxrl_core.interfaces import Completion, Environment, RolloutBackend, SamplingParams
 from oxrl_core.rl.batch import policy_forward, rollout_batch
 from oxrl_core.rl.episodes import Episodes
+from oxrl_core.rollout.log import env_images_of, image_data_uri
 
 
 def _png(colour: tuple[int, int, int]) -> bytes:
@@ -63,9 +64,16 @@ class ScriptedVLM(RolloutBackend):
         pass
 
 
+#: the tiles of one 32×32 image in the tiny Idefics3 (`vlm_archs`: 2×2 tiles of 16×16 and the whole image)
+IDEFICS3_TILES = 5
+
+
 def _image_count(fields: dict) -> int:
-    """How many images a prompt's image inputs hold (Qwen-VL: one grid row each; else one pixel entry each)."""
+    """How many images a prompt's image inputs hold (Qwen-VL: one grid row each; Idefics3: `IDEFICS3_TILES` tiles
+    each, on the row's second dimension; else one pixel entry each)."""
     pixels = fields.get("pixel_inputs", {})
+    if fields.get("pixels_by") == "row":
+        return pixels["pixel_values"].shape[1] // IDEFICS3_TILES
     return len(pixels.get("image_grid_thw", pixels.get("pixel_values", ())))
 
 
@@ -75,17 +83,34 @@ def _config(**env) -> RunConfig:
     )
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+#: how SmolVLM's template writes a turn given as a string ("Assistant: red", after the generation prompt
+#: "Assistant:"), and how an Idefics3 template whose turns extend its generation prompt exactly writes it
+SMOLVLM_TURN, EXTENDING_TURN = "{{ ': ' + message['content'] }}", "{{ ':' + message['content'] }}"
+
+
+@pytest.fixture(
+    scope="module", params=["qwen2_vl", "gemma3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "idefics3", "idefics3_joined"]
+)
 def vlm(tmp_path_factory, request):
     """A tiny VLM of the family (Qwen2-VL: pixels by patch; Gemma-3: by image, BOS written by its template; Qwen2.5-VL,
-    Qwen3-VL and Qwen3.5 -- its Gated DeltaNet layers carry state across the turns -- as Qwen2-VL), its
-    processing, tokenizer and fp32 model, and one episode batch played on it: the row's image prompt, a first
-    answer, the environment's second look (an image), the final answer."""
+    Qwen3-VL and Qwen3.5 -- its Gated DeltaNet layers carry state across the turns -- as Qwen2-VL; Idefics3: by row,
+    its tiles on the second dimension), its processing, tokenizer and fp32 model, and one episode batch played on
+    it: the row's image prompt, a first answer, the environment's second look (an image), the final answer.
+
+    Idefics3 twice: with SmolVLM's template, whose assistant turn ("Assistant: red") does not extend its generation
+    prompt ("Assistant:"), so the second look starts the training sample again from the whole conversation
+    (the retemplate fallback, the processor's own encoding of both images); and (``idefics3_joined``) with that
+    template writing a turn given as a string right after the colon, so the environment's turn extends the
+    sequence and its image's tiles join the row's (`episodes.join_tiles`)."""
     from oxrl_core.models.loading import load_causal_lm, load_tokenizer
     from oxrl_core.models.vision import load_processing
 
-    family = request.param
-    model_dir = build_vlm(family, tmp_path_factory.mktemp("vlm") / family)
+    family = request.param.removesuffix("_joined")
+    model_dir = build_vlm(family, tmp_path_factory.mktemp("vlm") / request.param)
+    if request.param == "idefics3_joined":
+        template = model_dir / "chat_template.jinja"
+        assert SMOLVLM_TURN in template.read_text()
+        template.write_text(template.read_text().replace(SMOLVLM_TURN, EXTENDING_TURN))
     vision, tokenizer = load_processing(str(model_dir)), load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir)).float().eval()
     backend = ScriptedVLM(model, tokenizer, ["red", "blue"])
@@ -94,7 +119,7 @@ def vlm(tmp_path_factory, request):
     episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
     return SimpleNamespace(
         family=family, dir=model_dir, vision=vision, tokenizer=tokenizer, model=model, backend=backend, runner=runner,
-        rows=rows, episodes=episodes,
+        rows=rows, episodes=episodes, extends=request.param != "idefics3",
     )  # fmt: skip
 
 
@@ -104,7 +129,9 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     the processor's rendering of the raw conversation, image placeholders expanded as it expands them; the second
     generate call gets both images; the environment's tokens (image tokens included) have mask 0; the trainer's
     log-probabilities of the sampled tokens (rollout batch with each row's pixels, fp32) equal plain transformers'
-    on the processor's inputs to 1e-4, over the vocabulary without the tokens a VLM never samples."""
+    on the processor's inputs to 1e-4, over the vocabulary without the tokens a VLM never samples. Where the
+    template does not extend (SmolVLM's), the sample starts again at the second look: its prompt is the processor's
+    encoding of the whole conversation and the final answer is all it trains on (``env/retemplate_fallbacks``)."""
     from PIL import Image
 
     q = vlm
@@ -131,7 +158,11 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
         assert e.ended == "done" and e.images_shown == 1 and not e.error
         assert e.prompt_ids + e.token_ids == full.tolist()  # the processor's own ids, both images expanded
         image_tokens = torch.tensor(e.token_ids) == q.vision.image_token_id
-        assert image_tokens.sum() > 0 and all(s == 0 for s, img in zip(e.sampled, image_tokens) if img)
+        if q.extends:
+            assert e.fallbacks == 0
+            assert image_tokens.sum() > 0 and all(s == 0 for s, img in zip(e.sampled, image_tokens) if img)
+        else:  # the fallback: the whole conversation is the prompt, the final answer the only turn trained on
+            assert e.fallbacks == 1 and e.token_ids == final and image_tokens.sum() == 0
     assert [m["role"] for m in q.episodes[0].messages] == ["user", "assistant", "user", "assistant"]
 
     prompts, completions, scores, metrics, images = q.runner.collect(
@@ -140,6 +171,11 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     batch = rollout_batch(prompts, completions, scores, 2, q.tokenizer.pad_token_id, _Engine(), images)
     logp = policy_forward(q.model, None, batch, temperature=1.0)["logp"]  # (B, T-1)
     assert metrics["env/images_shown"] == 1.0
+    # the picture the environment showed, kept for rollouts.jsonl as it logs a prompt's (its turn: after answer 1)
+    assert env_images_of(images) == [[{"turn": 1, "image": image_data_uri(picture)}]] * 2
+    for fields in images:  # each episode's pixels: the processor's for the whole conversation (Idefics3: 2 × 5 tiles)
+        assert fields["pixel_inputs"].keys() <= kwargs.keys()
+        assert all(torch.equal(v, kwargs[k]) for k, v in fields["pixel_inputs"].items()), q.family
     for i, c in enumerate(completions):
         start = int(batch["prompt_len"][i]) - 1
         positions = [start + j for j, s in enumerate(c.sampled) if s]  # the model's tokens
@@ -156,10 +192,30 @@ def test_an_environment_image_is_in_the_trained_sequence_and_the_trainers_logpro
     for i, c in enumerate(completions):
         start = int(batch["prompt_len"][i]) - 1
         turns = [start + j for j, s in enumerate(c.sampled) if s]
-        n_first = len(q.tokenizer("red", add_special_tokens=False)["input_ids"]) + 1  # 'red' + EOS
+        n_first = len(q.tokenizer("red", add_special_tokens=False)["input_ids"]) + 1 if q.extends else 0  # 'red' + EOS
         first, final = turns[:n_first], turns[n_first:]
         assert torch.allclose(logp[i, first], swapped[i, first], atol=1e-6)
         assert (logp[i, final] - swapped[i, final]).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_an_episode_with_the_environments_image_and_one_without_share_a_batch_as_if_alone(vlm):
+    """A rollout batch of an episode with two images (the second look) and one with the row's alone (``offer`` off:
+    Idefics3's rows then have 10 and 5 tiles, the shorter padded with zero tiles): each row's log-probabilities
+    equal those of a batch of that row alone."""
+    q = vlm
+    lone = Episodes(SecondLookEnv, SecondLookEnv.Config(offer=False), _config(), q.tokenizer,
+                    ScriptedVLM(q.model, q.tokenizer, ["red"]), q.vision)  # fmt: skip
+    episodes = [q.episodes[0], lone.play(q.rows, SamplingParams(n=1, max_new_tokens=8))[0]]
+    assert [_image_count(e.image_inputs()) for e in episodes] == [2, 1]
+    prompts, completions, scores, _, media = q.runner.collect(episodes, None, _failures("r"), _env_failures())
+    pad = q.tokenizer.pad_token_id
+    both = policy_forward(q.model, None, rollout_batch(prompts, completions, scores, 1, pad, _Engine(), media), 1.0)
+    for i in range(2):
+        alone = rollout_batch(prompts[i : i + 1], completions[i : i + 1], scores[i : i + 1], 1, pad, _Engine(),
+                              media[i : i + 1])  # fmt: skip
+        logp = policy_forward(q.model, None, alone, temperature=1.0)["logp"][0]  # (T-1,)
+        assert torch.allclose(both["logp"][i, : len(logp)], logp, atol=1e-5), (q.family, i)
 
 
 def _other_second(images: list[dict]) -> list[dict]:
@@ -170,7 +226,10 @@ def _other_second(images: list[dict]) -> list[dict]:
         grid = pixels.get("image_grid_thw")
         first = int(grid[0].prod()) if grid is not None else 1  # patches (Qwen-VL) or one entry of the first image
         values = pixels["pixel_values"].clone()
-        values[first:] = -values[first:]
+        if fields["pixels_by"] == "row":  # Idefics3: the second image's tiles, on the row's second dimension
+            values[:, IDEFICS3_TILES:] = -values[:, IDEFICS3_TILES:]
+        else:
+            values[first:] = -values[first:]
         out.append({**fields, "pixel_inputs": {**pixels, "pixel_values": values}})
     return out
 
@@ -203,6 +262,7 @@ def test_a_look_tool_call_is_answered_with_an_image_the_next_turn_is_generated_w
         tool = e.messages[2]
         assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["image", "text"]
         assert tool["content"][1]["text"] == "the picture (left)"
+        assert [shown["turn"] for shown in e.env_images] == [1]  # the tool's answer to the first turn
     metrics = runner.metrics(episodes)
     assert metrics["env/tool_calls"] == 1.0 and metrics["env/images_shown"] == 1.0
 
@@ -218,7 +278,7 @@ def test_a_text_model_shown_an_image_ends_the_episode_as_an_environment_error(ti
     episodes = runner.play(rows, SamplingParams(n=2, max_new_tokens=8))
     for e in episodes:
         assert e.ended == "error" and "text model" in e.error and "image" in e.error
-        assert e.images_shown == 0 and e.pixels == {}
+        assert e.images_shown == 0 and e.pixels == {} and e.env_images == [] and e.media() == {}
     assert runner.metrics(episodes)["env/errors"] == 2.0
     del model
 
@@ -293,8 +353,15 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     steps, exit 0, and the environment showed images (its second look: every episode's first answer ends with EOS
     on the warm start); `oxrl eval --env second_look` on image rows with its final/. Held out: 4 of the shapes
     eval rows (the default 100 take 3 s an evaluation). The warm start of the built-in VLM (about 40 s) is built
-    once per test session (the visual demos share it)."""
+    once per test session (the visual demos share it).
+
+    rollouts.jsonl logs each sample's second look beside its prompt's image (the same picture, at turn 1), and
+    `oxrl report`'s viewer shows both, decoded, in headless Chromium (issue 47, item 3)."""
     import base64
+    import json
+    import re
+
+    from test_report_images import decoded, dump_dom, with_probe
 
     from oxrl_core.data.shapes import rows as shapes_rows
 
@@ -317,6 +384,24 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
     assert all(m["env/errors"] == 0 for m in metrics), metrics
     assert metrics[-1]["eval/turns"] >= 2.0  # held-out episodes got their second look too
     assert Path(run, "final", "config.json").exists()
+    # rollouts.jsonl: each logged sample's prompt image and the environment's second look at it, after turn 1
+    logged = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [1, 2]
+    for s in logged[0]["samples"]:
+        (prompt_image,) = s["images"]
+        assert [shown["turn"] for shown in s["env_images"]] == [1], s.get("env_images")
+        again = decoded(s["env_images"][0]["image"])
+        assert again.size == (32, 32) and again.tobytes() == decoded(prompt_image).tobytes()
+    # ... and the report's viewer shows both images of each sample, decoded
+    proc = oxrl("report", str(run))
+    assert proc.returncode == 0, proc.stderr
+    probed = tmp_path / "probed.html"
+    probed.write_text(with_probe((run / "report.html").read_text()))
+    dom, console = dump_dom(probed, tmp_path)
+    assert console == [], console
+    shown = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)[1].replace("&quot;", '"'))
+    assert [[(ok, w, h) for ok, w, h, _ in images] for images in shown] == [[(True, 32, 32)] * 2] * len(shown)
+    assert len(shown) == len(logged[0]["samples"]) and "shown by the environment, turn 1" in dom
     # the trained VLM's held-out episodes through `oxrl eval --env`, from image rows
     proc = oxrl("eval", "--model", str(run / "final"), "--data", str(eval_file), "--env", "second_look",
                 "--reward", "exact_match", "--max-new-tokens", "16")  # fmt: skip

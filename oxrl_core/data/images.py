@@ -362,6 +362,9 @@ def check_image_row(row: dict, origin: str) -> int:
 
 #: the keys an example of an image row carries beside its tokens (`encode.image_fields`)
 IMAGE_FIELDS = ("pixel_inputs", "token_inputs", "pixels_by")
+#: the key of an episode's media record that holds the images its environment showed, as rollouts.jsonl logs them
+#: (`rl.turns.Episode.media`; no model input: `collate_pixels` does not read it)
+ENV_IMAGES = "env_images"
 
 
 def image_fields_of(example: dict) -> dict:

@@ -11,6 +11,7 @@ early) and, for RL runs, ``rollouts.jsonl`` (a sample of rollouts, `rollout_log`
   share clipped, trainer–rollout logprob gap, grad norm, lr, tokens/s, MFU, every held-out metric at
   every evaluation; then every other logged metric. Two or more runs overlay their curves;
 - for RL runs, the rollout viewer: the logged steps' prompts (with their images, in an image run) and completions
+  (with the images an environment showed in a multi-turn episode, under it, each with its turn)
   with their rewards and advantages, each completion's tokens coloured by a per-token quantity picked in a select
   box (a small inline script reads the samples from an inline JSON block).
 
@@ -477,6 +478,25 @@ VIEWER_SCRIPT = r"""
     }
     return box.firstChild ? box : null;
   }
+  function shownImages(s) {
+    // the images an environment showed in a multi-turn episode, in order, each labelled with its turn
+    var box = el("div", "images env"), left = s.env_images_left_out;
+    (Array.isArray(s.env_images) ? s.env_images : []).forEach(function (shown) {
+      if (!shown || typeof shown !== "object" || typeof shown.image !== "string" || !IMAGE_SRC.test(shown.image)) { return; }
+      var turn = typeof shown.turn === "number" && isFinite(shown.turn) && shown.turn >= 0 && Math.floor(shown.turn) === shown.turn
+        ? ", turn " + shown.turn : "";
+      var figure = el("figure", "shown"), img = el("img", "image");
+      img.alt = "shown by the environment" + turn;
+      img.src = shown.image;
+      figure.appendChild(img);
+      figure.appendChild(el("figcaption", "", "shown by the environment" + turn));
+      box.appendChild(figure);
+    });
+    if (typeof left === "number" && left > 0) {
+      box.appendChild(el("span", "more", left + " more image(s) shown by the environment not logged: past rollouts.jsonl's bound on image data per step"));
+    }
+    return box.firstChild ? box : null;
+  }
   function render(viewer, runData) {
     var step = viewer.querySelector("select.step").value;
     var q = viewer.querySelector("select.quantity").value;
@@ -513,6 +533,8 @@ VIEWER_SCRIPT = r"""
       });
       if (typeof s.length === "number" && s.length > s.tokens.length) { comp.appendChild(el("span", "more", " … " + (s.length - s.tokens.length) + " more tokens not logged")); }
       box.appendChild(comp);
+      var shown = shownImages(s);
+      if (shown) { box.appendChild(shown); }
       out.appendChild(box);
     });
   }
@@ -540,8 +562,8 @@ def _viewer(run: RunData, index: int, several: bool) -> str:
     return (
         f'<section class="viewer" data-source="{source}"><h3>Rollouts{" — " + esc(run.name) if several else ""}</h3>'
         '<p class="note">Prompts (with their images, scaled down) and completions rollouts.jsonl logged '
-        "(logging.rollout_samples_every): each token coloured by the quantity chosen below; hover a token for all "
-        "its values.</p>"
+        "(logging.rollout_samples_every), with the images an environment showed under its episode: each token "
+        "coloured by the quantity chosen below; hover a token for all its values.</p>"
         f'<label>step <select class="step">{steps}</select></label> '
         '<label>colour by <select class="quantity"></select></label>'
         '<div class="scale note"></div><div class="samples"></div>'
@@ -565,6 +587,7 @@ details{margin-top:1em}summary{cursor:pointer;font-weight:600}
 .sample{border:1px solid #ddd;border-radius:6px;margin:.6em 0;padding:.5em;background:#fff}
 .sample .head{font-size:.85em;color:#444;margin-bottom:.3em}
 .images img{height:128px;width:auto;margin:.2em .4em .2em 0;border:1px solid #ddd;image-rendering:pixelated}
+.images figure{display:inline-block;margin:.2em .4em .2em 0}.images figcaption{font-size:.75em;color:#666}
 pre.prompt{white-space:pre-wrap;background:#f4f4f4;margin:.2em 0;padding:.3em;font-size:.8em;max-height:12em;overflow:auto}
 .completion{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:.85em;white-space:pre-wrap;line-height:1.7}
 .tok{border-radius:2px;padding:1px 0;margin-right:1px}.more{color:#888}

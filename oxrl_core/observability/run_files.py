@@ -248,21 +248,41 @@ IMAGE_SRC = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=]+")
 
 def _clean_images(sample: dict, out: dict, where: str, notes: _Notes) -> None:
     """A logged sample's ``images`` (an image run's; absent in a text run): only the strings `IMAGE_SRC` matches
-    whole are kept, the others left out with a note. ``images_left_out`` (how many images the log's bound left
-    out) is kept only where it is a count."""
-    images = sample.get("images")
-    if isinstance(images, list):
-        out["images"] = [v for v in images if isinstance(v, str) and IMAGE_SRC.fullmatch(v)]
-        if len(out["images"]) < len(images):
-            dropped = f"{len(images) - len(out['images'])} of the images are not"
-            notes.add("rollouts.jsonl", f"{where}: {dropped} a data: URI of a PNG, JPEG, GIF or WebP image; left out")
-    elif images is not None:
-        notes.add("rollouts.jsonl", f"{where}: images is {_describe(images)}, not a list; left out")
-        out["images"] = []
-    left = sample.get("images_left_out")
-    if left is not None and not (isinstance(left, int) and not isinstance(left, bool) and 0 <= left < 10**15):
-        notes.add("rollouts.jsonl", f"{where}: images_left_out is {_describe(left)}, not a count; left out")
-        del out["images_left_out"]
+    whole are kept, the others left out with a note. ``env_images`` (an environment's, in a multi-turn run): only
+    the ``{"turn", "image"}`` objects whose image `IMAGE_SRC` matches whole are kept, each as just those two keys
+    (a turn that is not a count as null), the others left out with a note. ``images_left_out`` and
+    ``env_images_left_out`` (how many images the log's bound left out) are kept only where they are counts."""
+    for key in ("images", "env_images"):
+        values = sample.get(key)
+        if isinstance(values, list):
+            out[key] = [entry for entry in (_image_entry(key, v) for v in values) if entry is not None]
+            if len(out[key]) < len(values):
+                dropped = f"{len(values) - len(out[key])} of the {key} are not"
+                kind = "a data: URI" if key == "images" else 'a {"turn", "image"} object with a data: URI'
+                notes.add("rollouts.jsonl", f"{where}: {dropped} {kind} of a PNG, JPEG, GIF or WebP image; left out")
+            if key == "env_images" and any(e["turn"] is None for e in out[key]):
+                notes.add("rollouts.jsonl", f"{where}: an env_images turn is not a count; shown without its turn")
+        elif values is not None:
+            notes.add("rollouts.jsonl", f"{where}: {key} is {_describe(values)}, not a list; left out")
+            out[key] = []
+        left = sample.get(f"{key}_left_out")
+        if left is not None and not _is_count(left):
+            notes.add("rollouts.jsonl", f"{where}: {key}_left_out is {_describe(left)}, not a count; left out")
+            del out[f"{key}_left_out"]
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**15
+
+
+def _image_entry(key: str, value):
+    """A logged image as the viewer may show it, or None: in ``images`` a string `IMAGE_SRC` matches whole; in
+    ``env_images`` an object whose ``image`` is such a string, as ``{"turn": a count or None, "image"}``."""
+    if key == "images":
+        return value if isinstance(value, str) and IMAGE_SRC.fullmatch(value) else None
+    if isinstance(value, dict) and isinstance(value.get("image"), str) and IMAGE_SRC.fullmatch(value["image"]):
+        return {"turn": value["turn"] if _is_count(value.get("turn")) else None, "image": value["image"]}
+    return None
 
 
 def _clean_sample(sample, where: str, notes: _Notes) -> dict | None:

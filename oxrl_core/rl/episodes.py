@@ -34,7 +34,11 @@ image inputs of every image in its sequence, in order (`Episode.pixels`), and ea
 trainer's forwards get exactly those. Image tokens are environment tokens (mask 0). A text model cannot take an
 image: an environment image part ends that episode as an environment error naming why (``env/errors``; the run stops
 if it keeps happening, `EnvWatch`), rather than dropping the picture the model was meant to see. A family whose
-pixels are one entry per row (Idefics3, ``pixels_by = row``) cannot add an image mid-episode and fails likewise.
+pixels are one entry per row (Idefics3, ``pixels_by = row``) adds the image's tiles to the row's (`join_pixels`);
+SmolVLM's own template writes an assistant turn with a space its generation prompt lacks, so there each environment
+turn takes the fallback above (the processor encodes the whole conversation, images and all). The images the
+environment showed are kept as rollouts.jsonl logs images (``Episode.env_images``: PNG data URIs with their turn)
+and travel in each episode's media record (`Episode.media`) to the RL step's log.
 
 Each episode's environment lives in a worker process of its own (`oxrl_core.rollout.env_worker`: one instance per
 episode, forked from a host process that loaded the environment once; about a millisecond each), so a call
@@ -206,18 +210,15 @@ class Episodes:
                 "step() returned an image part, but the model is a text model (it has no processor and reads no "
                 "pixels); use a vision-language model (model.name) or return text"
             )
-        if self.vision.family.pixels_by == "row":
-            return (
-                f"step() returned an image part, but a {self.vision.family.model_type} model's pixels are one entry "
-                "per row (its tiles), which an image added mid-episode cannot join; return text"
-            )
         return ""
 
     @staticmethod
     def join_pixels(e: Episode, fields: dict, offset: int) -> None:
         """Add an environment turn's image fields (its tokens start at ``offset`` in the sequence) to ``e``'s:
-        pixel inputs concatenated image after image (families whose first dimension counts patches or images),
-        per-token inputs placed at their tokens."""
+        pixel inputs concatenated image after image — on the first dimension where it counts patches or images, on
+        the second where it counts rows (Idefics3: (1, tiles, ...), the new image's tiles after the row's, each tile
+        the image processor's square, as its encoding of all the images at once gives them) — and per-token inputs
+        placed at their tokens."""
         import torch
 
         if not fields:
@@ -225,10 +226,11 @@ class Episodes:
         if not e.pixels:
             e.pixels = {"pixel_inputs": {}, "token_inputs": {}, "pixels_by": fields["pixels_by"]}
         old = e.pixels["pixel_inputs"]
+        dim = 1 if fields["pixels_by"] == "row" else 0
         e.pixels = {
             **e.pixels,
             "pixel_inputs": {
-                k: torch.cat([old[k], v], dim=0) if k in old else v for k, v in fields["pixel_inputs"].items()
+                k: torch.cat([old[k], v], dim=dim) if k in old else v for k, v in fields["pixel_inputs"].items()
             },
             "token_inputs": {
                 k: list(e.pixels["token_inputs"].get(k, [])) + [0] * (offset - len(e.pixels["token_inputs"].get(k, [])))
@@ -305,7 +307,7 @@ class Episodes:
 
     def share(self, played: list[Episode], reward, reward_name: str, env_name: str) -> EpisodeShare:
         """This process's episodes scored, with no collective: (each episode's (prompt ids, completion), scores,
-        reward counts, episode metrics, the reward's and the environment's `Failures`, image inputs or None) —
+        reward counts, episode metrics, the reward's and the environment's `Failures`, media records: `Episode.media`) —
         plain data that `merge` brings together (and that an asynchronous run keeps in a checkpoint)."""
         local = Failures(reward_name)
         scores, counts = self.rewards(played, reward, local) if played else ([], {})
@@ -316,7 +318,7 @@ class Episodes:
             self.metrics(played) if played else {},
             local,
             episode_failures(env_name, played),
-            [e.image_inputs() for e in played],
+            [e.media() for e in played],
         )
 
     def merge(self, parts: list[EpisodeShare], failures: Failures, env_failures: Failures) -> EpisodeBatch:
@@ -461,10 +463,10 @@ class Episodes:
         rest = extension_text(self.renderer, self.tokenizer, before, e.turn, added, e.ended_eos, e.tools)
         e.messages += added
         try:
+            new = self.decode(e, image_parts(added), "step() image") if self.vision is not None else []
             if rest is None:  # the template rewrote history: a new training sample from this turn
                 prompt, pixels = self.encode_messages(e, e.messages, e.tools)
             else:
-                new = self.decode(e, image_parts(added), "step() image") if self.vision is not None else []
                 ids, fields = self.encode_text(rest, new)
         except Exception as exc:  # noqa: BLE001 - an image that does not decode or encode: the episode's error
             e.error = f"step() returned an image the model's processor cannot take: {exc}"
@@ -473,18 +475,27 @@ class Episodes:
             grown = max(0, len(prompt) - len(e.prompt_ids) - len(e.token_ids))
             if e.used + grown >= self.max_tokens:
                 return e.end("max_tokens")
-            e.earlier = (e.prompt_ids, e.token_ids, e.logprobs, e.sampled, e.pixels)
+            e.earlier = (e.prompt_ids, e.token_ids, e.logprobs, e.sampled, e.pixels, len(e.env_images))
             e.prompt_ids, e.token_ids, e.logprobs, e.sampled, e.pixels = prompt, [], [], [], pixels
             e.used += grown
             e.fallbacks += 1
-            e.images_shown += len(image_parts(added))
+            self.shown(e, new)
             return None
         if e.used + len(ids) >= self.max_tokens:
             return e.end("max_tokens")  # no room left for the model's next turn (an image is never cut)
         self.join_pixels(e, fields, len(e.prompt_ids) + len(e.token_ids))
         e.add(ids, None)
-        e.images_shown += len(image_parts(added))
+        self.shown(e, new)
         return None
+
+    @staticmethod
+    def shown(e: Episode, images: list) -> None:
+        """The environment's ``images`` (PIL, decoded) are in ``e``'s sequence now: counted (``env/images_shown``) and
+        kept for rollouts.jsonl as it logs a prompt's images (`image_data_uri`), with the turn they answered."""
+        from oxrl_core.rollout.log import image_data_uri  # lazy: the runner stays importable without torch
+
+        e.images_shown += len(images)
+        e.env_images += [{"turn": e.turns, "image": image_data_uri(image)} for image in images]
 
     # ---- rewards and metrics
 

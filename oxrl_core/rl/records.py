@@ -18,7 +18,9 @@ class Scored:
     completions: list[Completion]  # (B,) what the backend sampled (and an environment's tokens, mask 0)
     scores: list[float]  # (B,) the rewards
     metrics: dict[str, float]  # reward/..., env/... of the batch
-    media: list[dict]  # (B,) each sample's media record: its image inputs (every image of an episode), {} for text
+    # (B,) each sample's media record: its image inputs (every image of an episode; an episode whose environment
+    # showed images adds them as rollouts.jsonl logs them, `Episode.media`), {} for text
+    media: list[dict]
     picks: list[int] | None = None  # (P,) each group's prompt index, where known (dynamic sampling: not the step's)
 
 

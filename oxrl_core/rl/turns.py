@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from oxrl_core.data.images import ENV_IMAGES
 from oxrl_core.interfaces import Completion
 from oxrl_core.rollout.env_worker import EnvWorker, Malformed
 
@@ -112,6 +113,9 @@ class Episode:
     #: ``pixel_inputs``, ``token_inputs`` lists as long as the ids up to the last image, ``pixels_by``); {} for none
     pixels: dict = field(default_factory=dict)
     images_shown: int = 0  # images the environment added (``env/images_shown``)
+    #: the images of prompt_ids + token_ids that the environment showed, in order, for rollouts.jsonl: ``{"turn": k
+    #: (its answer to the model's k-th turn), "image": a PNG data URI}`` (`rollout.log.image_data_uri`)
+    env_images: list[dict] = field(default_factory=list)
 
     def image_inputs(self) -> dict:
         """`pixels` with each per-token input as long as the whole sequence (0 after the last image), as
@@ -122,6 +126,13 @@ class Episode:
         tokens = {k: list(v) + [0] * (width - len(v)) for k, v in self.pixels["token_inputs"].items()}
         return {**self.pixels, "token_inputs": tokens}
 
+    def media(self) -> dict:
+        """The episode's media record for the rollout batch: `image_inputs`, and the images the environment showed
+        as rollouts.jsonl logs them (``env_images``, which `images.collate_pixels` does not read) where it showed
+        any; {} for a text episode."""
+        fields = self.image_inputs()
+        return {**fields, ENV_IMAGES: list(self.env_images)} if self.env_images else fields
+
     def add(self, ids: list[int], logprobs: list[float] | None) -> None:
         self.token_ids += ids
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
@@ -131,7 +142,8 @@ class Episode:
     def end(self, why: str) -> None:
         self.ended = why
         if not any(self.sampled) and self.earlier is not None:  # nothing of the model since the fallback
-            self.prompt_ids, self.token_ids, self.logprobs, self.sampled, self.pixels = self.earlier
+            self.prompt_ids, self.token_ids, self.logprobs, self.sampled, self.pixels, shown = self.earlier
+            del self.env_images[shown:]  # those of the sample kept
 
     @property
     def failed(self) -> bool:

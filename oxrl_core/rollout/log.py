@@ -20,10 +20,17 @@ the step's bound on image data was reached, ``"images_left_out": 2`` (how many o
 recorded). A text run's samples have neither key. In the prompt's text a run of one special token (a VLM's image
 placeholder, repeated once per image token) is written once with its count: ``<|image_pad|>×64``.
 
+A multi-turn run whose environment showed images (`rl.episodes`) adds to each sample the images the environment
+showed in its episode, in order, ``"env_images": [{"turn": 1, "image": "data:image/png;base64,..."}, ...]`` (``turn``
+k: the environment's answer to the model's k-th turn; each image scaled down as a prompt's is), and where the step's
+bound was reached ``"env_images_left_out": 1``. A sample's ``images`` and ``env_images`` are then every image of its
+logged sequence. A step in which no environment showed an image, and a single-turn run, add neither key.
+
 Bounded: the first `PROMPTS` prompts of the batch, the first `SAMPLES` samples of each, the first
 `MAX_TOKENS` tokens of each completion (``length`` keeps the full count), the prompt's text cut to
-`MAX_PROMPT_CHARS`, at most `MAX_IMAGE_BYTES` bytes of image data URIs a step (every prompt's first sample
-gets its images before any prompt's second sample does; an image past the bound is left out and counted).
+`MAX_PROMPT_CHARS`, at most `MAX_IMAGE_BYTES` bytes of image data URIs a step, the prompts' and the environment's
+together (every prompt's first sample gets its images, its prompt's then its environment's, before any prompt's
+second sample does; an image past the bound is left out and counted).
 Written as metrics.jsonl is (`tracking.JsonlSink`: appended line by line, cut back to the checkpoint on resume,
 a torn line skipped), on rank 0 only.
 """
@@ -36,6 +43,7 @@ import itertools
 import math
 from pathlib import Path
 
+from oxrl_core.data.images import ENV_IMAGES
 from oxrl_core.engines.distributed import is_main
 from oxrl_core.run_io.tracking import JsonlSink
 
@@ -84,7 +92,8 @@ class RolloutLog:
     def write(self, step: int, prompts, completions, scores, batch: dict, n: int, images=None) -> None:
         """``prompts`` (B lists of ids), ``completions`` (B), ``scores`` (B), ``batch`` the rollout batch
         after the update (``logp_old``, ``logp_rollout``, ``mask``, ``adv``, ``entropy_old``, optional
-        ``logp_ref``; (B, T) over next-token positions), ``n`` samples per prompt; ``images`` (B) each sample's
+        ``logp_ref``; (B, T) over next-token positions; ``media`` (B) each sample's media record, which holds the
+        images its environment showed, `env_images_of`), ``n`` samples per prompt; ``images`` (B) each sample's
         prompt's images (lists of PIL images) in an image run, None in a text run."""
         if self.sink is None:
             return
@@ -92,7 +101,9 @@ class RolloutLog:
         names.update(adv="adv", logp_ref="logp_ref")  # an advantage and a reference where the algorithm has them
         keys = {name: key for name, key in names.items() if batch.get(key) is not None}
         rows = [g * n + s for g in range(min(PROMPTS, len(completions) // n)) for s in range(min(SAMPLES, n))]
-        image_fields = {} if images is None else _image_fields(rows, images, n)
+        env_images = env_images_of(batch.get("media") or [])
+        no_images = images is None and env_images is None
+        image_fields = {} if no_images else _image_fields(rows, images, n, env_images)
         samples = []
         for i in rows:
             c, start = completions[i], len(prompts[i]) - 1  # position start + j predicts completion token j
@@ -153,20 +164,38 @@ class RolloutLog:
             self.sink.close()
 
 
-def _image_fields(rows: list[int], images: list, n: int) -> dict[int, dict]:
+def env_images_of(media: list[dict]) -> list[list[dict]] | None:
+    """The images each sample's environment showed (B,), from the rollout batch's media records (`Episode.media`):
+    ``[{"turn", "image"}, ...]`` each; None where no sample's environment showed one (a text or single-turn run)."""
+    shown = [fields.get(ENV_IMAGES, []) for fields in media]
+    return shown if any(shown) else None
+
+
+def _image_fields(rows: list[int], images: list | None, n: int, env_images: list | None = None) -> dict[int, dict]:
     """The image keys of each logged sample (batch index in ``rows``): ``images``, its prompt's images as data
-    URIs (`image_data_uri`), and ``images_left_out``, how many did not fit in the step's `MAX_IMAGE_BYTES`.
-    Every prompt's first sample is filled before any prompt's second, so that each prompt's images are shown once
-    before any are repeated; each prompt's images are encoded once (the samples of a prompt share them)."""
+    URIs (`image_data_uri`), and ``images_left_out``, how many did not fit in the step's `MAX_IMAGE_BYTES`; where
+    ``env_images`` is given, ``env_images``, the images its environment showed (already data URIs, with their turn),
+    and ``env_images_left_out`` likewise. Every prompt's first sample is filled (its prompt's images, then its
+    environment's) before any prompt's second, so that each prompt's images are shown once before any are repeated;
+    each prompt's images are encoded once (the samples of a prompt share them)."""
     encoded: dict[int, list[str]] = {}
-    left, out = MAX_IMAGE_BYTES, {i: {"images": []} for i in rows}
-    for i in sorted(rows, key=lambda i: (i % n, i // n)):
-        if i // n not in encoded:
-            encoded[i // n] = [image_data_uri(image) for image in images[i] or []]
-        for uri in encoded[i // n]:
-            if len(uri) <= left:
-                out[i]["images"].append(uri)
-                left -= len(uri)
+    left, out = MAX_IMAGE_BYTES, {i: {} for i in rows}
+
+    def fit(i: int, key: str, entries: list, size) -> None:
+        nonlocal left
+        out[i][key] = []
+        for entry in entries:
+            if size(entry) <= left:
+                out[i][key].append(entry)
+                left -= size(entry)
             else:
-                out[i]["images_left_out"] = out[i].get("images_left_out", 0) + 1
+                out[i][f"{key}_left_out"] = out[i].get(f"{key}_left_out", 0) + 1
+
+    for i in sorted(rows, key=lambda i: (i % n, i // n)):
+        if images is not None:
+            if i // n not in encoded:
+                encoded[i // n] = [image_data_uri(image) for image in images[i] or []]
+            fit(i, "images", encoded[i // n], len)
+        if env_images is not None:
+            fit(i, ENV_IMAGES, env_images[i] or [], lambda shown: len(shown["image"]))
     return out
