@@ -256,7 +256,8 @@ class EpisodeRollouts(RolloutStrategy):
         return Scored(*batch)
 
     def sample_images(self, picks):
-        """Each episode's row's images (the prompt's; the environment's own are not in rollouts.jsonl yet)."""
+        """Each episode's row's images (the prompt's; the environment's travel in the episode's media record as
+        ``env_images``, which `RolloutLog.write` reads from the rollout batch)."""
         if self.episodes.vision is None or not any(self.rows[i].get("images") for i in picks):
             return None
         return [row_images(self.rows[i], "") for i in picks for _ in range(self.ro.n)]
