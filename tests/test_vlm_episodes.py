@@ -407,3 +407,39 @@ def test_sgrpo_with_the_second_look_environment_on_the_built_in_vlm(tmp_path):
                 "--reward", "exact_match", "--max-new-tokens", "16")  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "env/images_shown" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_image_episodes_under_a_rollout_actor_and_zero3_give_the_first_step_of_one_process(tmp_path):
+    """SGRPO with the ``second_look`` environment on the built-in VLM (image prompts, and an image the environment
+    shows mid-episode): with a rollout actor (Ray: every turn's generation, its pixels included, runs there) and
+    with DeepSpeed ZeRO-3 on two ranks (each rank plays and trains its own episodes with their images), the first
+    step's rewards, images shown, loss and gradient norm equal the one-process run's (two seeded rollout shards
+    everywhere, so one process samples what two ranks do)."""
+    import base64
+    import math
+
+    from oxrl_core.data.shapes import rows as shapes_rows
+
+    held_out = [  # two held-out rows: the runs' evaluations stay short
+        {"prompt": r["prompt"], "images": [base64.b64encode(r["images"][0]["bytes"]).decode()], "answer": r["answer"]}
+        for r in shapes_rows("eval")[:2]
+    ]
+    common = (
+        "--set", "env.name=second_look", "--set", "train.max_steps=1", "--set", "train.batch_size=4",
+        "--set", "rollout.n=2", "--set", "train.seed=0", "--set", "engine.rollout_shards=2",
+        "--set", f"data.eval={write_jsonl(tmp_path / 'eval.jsonl', held_out)}",
+    )  # fmt: skip
+    zero3 = ("--set", "engine.name=deepspeed", "--set", "engine.zero_stage=3", "--set", "engine.world_size=2")
+    runs = {}
+    for name, extra in (("one", ()), ("actor", ("--set", "rollout.actors=1")), ("z3", zero3)):
+        proc = oxrl("run", "--alg", "sgrpo", "--output-dir", str(tmp_path / name), *common, *extra)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        (runs[name],) = read_metrics(tmp_path / name)
+    one = runs["one"]
+    assert one["env/images_shown"] > 0, one
+    for name in ("actor", "z3"):
+        other = runs[name]
+        assert other["reward/mean"] == one["reward/mean"] and other["env/images_shown"] == one["env/images_shown"]
+        assert math.isclose(other["loss"], one["loss"], rel_tol=1e-5, abs_tol=1e-7), (name, other["loss"], one["loss"])
+        assert math.isclose(other["grad_norm"], one["grad_norm"], rel_tol=1e-4), (name, other, one)

@@ -518,3 +518,27 @@ def test_zero3_on_two_ranks_trains_image_rows_as_one_process_does(family, vlms, 
     for a, b in zip(one, z3):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["loss"], b["loss"])
         assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
+
+
+@pytest.mark.slow
+def test_dpo_under_zero3_on_two_ranks_trains_image_pairs_as_one_process_does(vlms, tmp_path):
+    """DPO on image pairs (three with a picture, one text pair), the reference a frozen copy of the policy: DeepSpeed
+    ZeRO-3 on 2 ranks (each rank's pairs bring their own pixels, to the policy's forward and the reference's) gives
+    the one-process run's losses, chosen/rejected log-probabilities and gradient norms over two steps."""
+    folder = tmp_path / "data"
+    data = write_jsonl(folder / "pairs.jsonl", _pairs(folder))
+    zero3 = ("--set", "engine.name=deepspeed", "--set", "engine.zero_stage=3", "--set", "engine.world_size=2")
+    for name, extra in (("one", ()), ("z3", zero3)):
+        proc = oxrl(
+            "run", "--alg", "dpo", "--output-dir", str(tmp_path / name), "--set", f"model.name={vlms['qwen2_vl']}",
+            "--set", f"data.train={data}", "--set", "train.max_steps=2", "--set", "train.batch_size=4",
+            "--set", "train.lr=1e-3", *extra,
+        )  # fmt: skip
+        assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])
+    one, z3 = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "z3")
+    assert [m["step"] for m in z3] == [1, 2]
+    assert one[1]["loss"] != one[0]["loss"]  # the second step trains on an updated policy
+    for a, b in zip(one, z3):
+        for key in ("loss", "logps/chosen", "logps/rejected"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["grad_norm"], b["grad_norm"])
