@@ -148,10 +148,6 @@ class RolloutBackend(ABC):
     #: of the weights (vLLM). The RL loop skips re-scoring the weight-sync probe after every sync when it
     #: is the trained module, since such a sync cannot leave it stale.
     model: Any = None
-    #: whether it generates an episode's later turns from the image inputs the episode gathered (``images`` records
-    #: with ``pixel_inputs`` only, no ``pictures``: `oxrl_core.rl.episodes`); a backend that expands images itself
-    #: from the pictures (vLLM) does not, and a VLM's episodes are refused with it when the run starts
-    episode_images: ClassVar[bool] = True
 
     class Config(StrictModel):
         """The backend's own options (the ``rollout:`` keys beside ``rollout.backend``); none by default."""
@@ -164,9 +160,9 @@ class RolloutBackend(ABC):
 
         ``images`` (a vision-language model's run): one entry per prompt, the image inputs the model's processor
         made for it with its tokens ({} for a text prompt; see `image_support`): ``pixel_inputs`` (tensors),
-        ``token_inputs`` (one value per prompt token) and ``pixels_by``; a single-turn prompt's also ``pictures``
-        (``ids``: the prompt with one placeholder per image; ``images``: the pictures, (H, W, 3) uint8 tensors),
-        for a backend that expands images itself. None: every prompt is text."""
+        ``token_inputs`` (one value per prompt token) and ``pixels_by``; and ``pictures`` (``ids``: the prompt with
+        each image back to one placeholder; ``images``: the pictures, (H, W, 3) uint8 tensors), for a backend that
+        expands images itself (an episode's later turn: every image of it so far). None: every prompt is text."""
 
     @abstractmethod
     def update_weights(self, state: Any, policy_version: int) -> None:

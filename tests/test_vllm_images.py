@@ -242,3 +242,80 @@ def test_sgrpo_with_vllm_on_image_prompts_runs_through_the_cli(vlm, tmp_path, mo
         assert math.isfinite(m["loss"]) and (m["rollout/logprob_diff_max"] < 1e-4 or not on_policy), m
     logged = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert any(s.get("images") for entry in logged for s in entry["samples"])
+
+
+@pytest.fixture(scope="module")
+def answering(vlm, tmp_path_factory):
+    """The tiny Idefics3 after 60 plain SFT steps on its three pictures' colour questions (each answer then EOS), so
+    that its turns end with EOS and an environment gets to answer; saved with its processor."""
+    from oxrl_core.data.encode import tokenise_prompt_response
+    from oxrl_core.models.tiny import sft_warm_start
+
+    rows = [{**r, "response": name} for r, name in zip(vlm.prompts.rows[:3], COLOURS)]
+    examples = tokenise_prompt_response(rows * 4, vlm.tokenizer, 64, vision=vlm.vision).examples
+    model = load_causal_lm(str(vlm.dir)).float()
+    sft_warm_start(model, examples, 60, 0, vlm.tokenizer.pad_token_id)
+    out = tmp_path_factory.mktemp("answering") / "idefics3"
+    model.save_pretrained(out)
+    vlm.vision.processor.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("template", ["smolvlm", "extending"])
+def test_image_episodes_on_vllm_equal_the_hf_backends(answering, template, tmp_path):
+    """Multi-turn episodes with the ``second_look`` environment (the row's picture, the model's answer, the
+    environment's second look: an image mid-episode, the final answer), greedy, on vLLM and on `hf`: the same
+    tokens turn by turn, the environment's image shown in every episode, the sampled tokens' logprobs equal to 1e-4.
+    Each later turn goes to vLLM as the episode so far with every image span back in its unexpanded form and all
+    its pictures; vLLM's expansion of it equals the episode's ids (checked on every call). With SmolVLM's template
+    the second look restarts the sample from the whole conversation (the retemplate fallback); with a template whose
+    turns extend its generation prompt the environment's span (its image) joins the episode after the model's turn."""
+    import shutil
+
+    from test_vlm_episodes import EXTENDING_TURN, SMOLVLM_TURN
+
+    from oxrl_core.config import RunConfig
+    from oxrl_core.data.shapes import SecondLookEnv
+    from oxrl_core.rl.episodes import Episodes
+
+    if template == "extending":
+        answering = Path(shutil.copytree(answering, tmp_path / "extending"))
+        jinja = answering / "chat_template.jinja"
+        jinja.write_text(jinja.read_text().replace(SMOLVLM_TURN, EXTENDING_TURN))
+    tokenizer, vision = load_tokenizer(str(answering)), load_processing(str(answering))
+    model = load_causal_lm(str(answering)).float().eval()
+    cfg = RunConfig.model_validate(
+        {"algorithm": "sgrpo", "env": {"name": "second_look", "max_turns": 3}, "rollout": {"n": 1}}
+    )
+    sampling = SamplingParams(n=1, max_new_tokens=6, temperature=0.0)
+    played = {}
+    engine = VLLMRolloutBackend.build(model, tokenizer, str(answering), RolloutConfig(backend="vllm"))
+    try:
+        for name, backend in (("vllm", engine), ("hf", HFRolloutBackend(model, tokenizer))):
+            runner = Episodes(SecondLookEnv, SecondLookEnv.Config(), cfg, tokenizer, backend, vision)
+            played[name] = runner.play(_colour_rows(), sampling)
+    finally:
+        engine.close()
+    for v, h in zip(played["vllm"], played["hf"]):
+        assert v.images_shown == 1 and not v.error, (v.ended, v.error)
+        assert v.fallbacks == (1 if template == "smolvlm" else 0)  # which path the second look took
+        assert v.token_ids == h.token_ids and v.sampled == h.sampled
+        sampled = [i for i, s in enumerate(v.sampled) if s]
+        got, want = torch.tensor([v.logprobs[i] for i in sampled]), torch.tensor([h.logprobs[i] for i in sampled])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def _colour_rows() -> list[dict]:
+    """Three ``shapes``-style rows: a picture of one colour each (PNG bytes) and the colour question."""
+    import io
+
+    from PIL import Image
+
+    rows = []
+    for i, (name, rgb) in enumerate(COLOURS.items()):
+        image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), rgb)
+        image.paste(Image.new("RGB", (8, 8), (i * 80, 0, 255 - i * 80)), (0, 0))
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        rows.append({"prompt": "<image>What colour is it?", "images": [{"bytes": buffer.getvalue()}], "answer": name})
+    return rows

@@ -70,6 +70,8 @@ from oxrl_core.errors import OxrlError
 from oxrl_core.interfaces import Completion, Environment, SamplingParams
 from oxrl_core.rl.records import EpisodeBatch, EpisodeShare
 from oxrl_core.rl.turns import (  # noqa: F401 - `render`, `extension_ids`: one episode's parts, used here and by tests
+    PICTURE_IMAGES,
+    PICTURE_SPANS,
     Episode,
     _as_text,
     _check_step,
@@ -190,11 +192,23 @@ class Episodes:
         the fields in `encode.image_fields`' form (``pixel_inputs``, ``token_inputs``, ``pixels_by``)."""
         if not images:
             return encode(self.tokenizer, text), {}
+        import numpy as np
+        import torch
+
         out = self.vision.processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
         ids = out["input_ids"][0].tolist()
         pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
         tokens = {name: pixels.pop(name)[0].tolist() for name in TOKEN_INPUTS if name in pixels}
-        return ids, {"pixel_inputs": pixels, "token_inputs": tokens, "pixels_by": self.vision.family.pixels_by}
+        # for a backend that expands images itself (vLLM): this span's text with one placeholder per image, and the
+        # pictures (`Episode.image_inputs` puts the episode's whole unexpanded sequence together)
+        unexpanded = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, {
+            "pixel_inputs": pixels,
+            "token_inputs": tokens,
+            "pixels_by": self.vision.family.pixels_by,
+            PICTURE_SPANS: [(0, len(ids), unexpanded)],
+            PICTURE_IMAGES: [torch.from_numpy(np.array(image.convert("RGB"))) for image in images],
+        }
 
     def encode_messages(self, e: Episode, messages: list[dict], tools) -> tuple[list[int], dict]:
         """A whole conversation with its generation prompt -> (ids, image fields) (`encode_text`)."""
@@ -227,8 +241,11 @@ class Episodes:
             e.pixels = {"pixel_inputs": {}, "token_inputs": {}, "pixels_by": fields["pixels_by"]}
         old = e.pixels["pixel_inputs"]
         dim = 1 if fields["pixels_by"] == "row" else 0
+        spans = [(offset + a, offset + b, u) for a, b, u in fields.get(PICTURE_SPANS, ())]
         e.pixels = {
             **e.pixels,
+            PICTURE_SPANS: list(e.pixels.get(PICTURE_SPANS, ())) + spans,
+            PICTURE_IMAGES: list(e.pixels.get(PICTURE_IMAGES, ())) + list(fields.get(PICTURE_IMAGES, ())),
             "pixel_inputs": {
                 k: torch.cat([old[k], v], dim=dim) if k in old else v for k, v in fields["pixel_inputs"].items()
             },

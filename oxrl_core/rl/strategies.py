@@ -285,8 +285,6 @@ def check_media_support(cfg, algorithm, backend_cls, policy_path: str, with_imag
             )
     if cfg.env.name and vision is not None:  # an environment may show a VLM images mid-episode
         reason = backend_cls.image_support(policy_path)
-        if reason is None and not backend_cls.episode_images:
-            reason = "it does not generate an episode's later turns from the images the episode gathered"
         if reason is not None:
             raise OxrlError(
                 f"rollout.backend={cfg.rollout.backend}: a vision-language model's episodes (env.name={cfg.env.name}) "

@@ -83,6 +83,12 @@ def extension_text(renderer, tokenizer, before, turn, added, ended_eos: bool, to
 # ----------------------------------------------------------------------------- one episode
 
 
+#: `Episode.pixels` keys: each image-bearing span of the sequence as (start, end, its ids with one placeholder per
+#: image), and the pictures (H, W, 3) uint8, in order: what `Episode.image_inputs` gives a backend as ``pictures``
+PICTURE_SPANS = "picture_spans"
+PICTURE_IMAGES = "picture_images"
+
+
 @dataclass
 class Episode:
     """One sample: the conversation, the training sample's ids and who wrote each token."""
@@ -119,12 +125,22 @@ class Episode:
 
     def image_inputs(self) -> dict:
         """`pixels` with each per-token input as long as the whole sequence (0 after the last image), as
-        `images.collate_pixels` lines them up with the ids ({} for an episode without images)."""
+        `images.collate_pixels` lines them up with the ids ({} for an episode without images); and ``pictures``, the
+        sequence with each image span back in its unexpanded form and the pictures (`encode.image_fields`' form,
+        for a backend that expands images itself)."""
         if not self.pixels:
             return {}
-        width = len(self.prompt_ids) + len(self.token_ids)
-        tokens = {k: list(v) + [0] * (width - len(v)) for k, v in self.pixels["token_inputs"].items()}
-        return {**self.pixels, "token_inputs": tokens}
+        sequence = self.prompt_ids + self.token_ids
+        tokens = {k: list(v) + [0] * (len(sequence) - len(v)) for k, v in self.pixels["token_inputs"].items()}
+        fields = {k: v for k, v in self.pixels.items() if k not in (PICTURE_SPANS, PICTURE_IMAGES)}
+        spans = self.pixels.get(PICTURE_SPANS)
+        if spans:
+            ids, last = [], 0
+            for start, end, unexpanded in spans:  # each image-bearing span, in order
+                ids += sequence[last:start] + list(unexpanded)
+                last = end
+            fields["pictures"] = {"ids": ids + sequence[last:], "images": list(self.pixels[PICTURE_IMAGES])}
+        return {**fields, "token_inputs": tokens}
 
     def media(self) -> dict:
         """The episode's media record for the rollout batch: `image_inputs`, and the images the environment showed

@@ -32,7 +32,9 @@ Sampling matches the `hf` backend's contract (`oxrl_core.rollout.hf`):
 
 Vision-language models: an image prompt goes to vLLM as the prompt with one placeholder per image and its pictures
 (``multi_modal_data``), which vLLM's processor expands; the expansion must be the trainer processor's, token for
-token (`_check_expansion`). A VLM's never-sampled tokens are biased out of every request (`never_sampled_bias`).
+token (`_check_expansion`); an episode's later turn comes as the episode so far with every image span unexpanded and
+all its pictures (`Episode.image_inputs`). A VLM's never-sampled tokens are biased out of every request
+(`never_sampled_bias`).
 Which families vLLM serves is decided by importing its model module (`image_support`, `VLLM_MODULES`).
 
 Under ``lora.enabled`` there are two ways to sync (``rollout.lora``):
@@ -198,7 +200,6 @@ class VLLMRolloutBackend(RolloutBackend):
     """Rollouts from `vllm.LLM` (see the module docstring for the contract)."""
 
     name: ClassVar[str] = "vllm"
-    episode_images: ClassVar[bool] = False  # it expands a prompt's pictures itself; an episode brings none
 
     class Config(StrictModel):
         """The vllm backend's own options (flat under ``rollout:``)."""
@@ -440,7 +441,9 @@ class VLLMRolloutBackend(RolloutBackend):
         if not media or not media.get("pixel_inputs"):
             return TokensPrompt(prompt_token_ids=list(ids))
         pictures = media.get("pictures")
-        if pictures is None:  # an episode's gathered image inputs (refused at start: `episode_images`)
+        if (
+            pictures is None
+        ):  # every image prompt oxRL makes carries them (`encode.image_fields`, `Episode.image_inputs`)
             raise OxrlError("rollout backend 'vllm': an image prompt came without its pictures (ids and images)")
         return TokensPrompt(
             prompt_token_ids=list(pictures["ids"]),
