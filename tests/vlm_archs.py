@@ -424,23 +424,17 @@ def _qwen_config(family: str, tokenizer):
     dense = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
     )
+    # every tower: 8-pixel patches merged 2×2, hidden 32, projected to the language model's 64
+    tower = dict(
+        hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2, out_hidden_size=64
+    )
     if family == "qwen2_5_vl":  # the vision tower: window attention in block 0, full attention in block 1
         text = tf.Qwen2_5_VLTextConfig(
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
             **dense,
             **tokens,
         )
-        vision = tf.Qwen2_5_VLVisionConfig(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=8,
-            spatial_merge_size=2,
-            out_hidden_size=64,
-            window_size=16,
-            fullatt_block_indexes=[1],
-        )
+        vision = tf.Qwen2_5_VLVisionConfig(depth=2, window_size=16, fullatt_block_indexes=[1], **tower)
         return tf.Qwen2_5_VLConfig(
             text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=True, **images
         )
@@ -456,17 +450,7 @@ def _qwen_config(family: str, tokenizer):
             **dense,
             **tokens,
         )
-        vision = tf.Qwen3VLVisionConfig(
-            depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            patch_size=8,
-            spatial_merge_size=2,
-            out_hidden_size=64,
-            num_position_embeddings=16,
-            deepstack_visual_indexes=[0],
-        )
+        vision = tf.Qwen3VLVisionConfig(depth=2, num_position_embeddings=16, deepstack_visual_indexes=[0], **tower)
         return tf.Qwen3VLConfig(
             text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=True, **images
         )
@@ -492,16 +476,7 @@ def _qwen_config(family: str, tokenizer):
         },
         **tokens,
     )
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=8,
-        spatial_merge_size=2,
-        out_hidden_size=64,
-        num_position_embeddings=16,
-    )
+    vision = dict(depth=1, num_position_embeddings=16, **tower)
     if family == "qwen3_5":
         text = tf.Qwen3_5TextConfig(intermediate_size=128, **linear)
         return tf.Qwen3_5Config(

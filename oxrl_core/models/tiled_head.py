@@ -29,7 +29,7 @@ class _Spec:
     entropy: bool
     logp_mean: bool
     kd_temperature: float
-    masked: torch.Tensor | None = None  # (k,) never-sampled token ids (`token_head.HeadPath.masked`), or None
+    masked: tuple[int, ...] = ()  # never-sampled token ids (`token_head.HeadPath.masked`)
 
 
 #: the logit of a never-sampled token (`token_head.HeadPath.masked`): exp(MASKED_LOGIT − max) is 0 in float32, as
@@ -50,12 +50,11 @@ def masked_ids(masked: tuple[int, ...], device) -> torch.Tensor | None:
     return _MASK_IDS[key]
 
 
-def _masked_in(spec: _Spec, v0: int, v1: int) -> torch.Tensor | None:
-    """The never-sampled ids inside the vocabulary tile [v0, v1), as indices into the tile; None when none are."""
-    if spec.masked is None:
-        return None
-    local = spec.masked[(spec.masked >= v0) & (spec.masked < v1)] - v0
-    return local if local.numel() else None
+def _masked_in(spec: _Spec, v0: int, v1: int, device) -> torch.Tensor | None:
+    """The never-sampled ids inside the vocabulary tile [v0, v1), as indices into the tile (a tensor made once per
+    tile and device, from the ids on the host: no device read in the loop); None when none are."""
+    local = tuple(i - v0 for i in spec.masked if v0 <= i < v1)
+    return masked_ids(local, device)
 
 
 def _tile_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -230,7 +229,7 @@ def _tiled_forward(h, weight, bias, targets, teacher, spec: _Spec, M: int, V: in
     for v0, v1 in _vocab_tiles(V, spec):
         w = _rounded(weight[v0:v1], spec)  # (v, H): the weight cast one tile at a time
         w_q = None if teacher is None else _rounded(teacher[1][v0:v1], spec)
-        masked = _masked_in(spec, v0, v1)
+        masked = _masked_in(spec, v0, v1, device)
         for i, r in enumerate(rows):
             n = r.stop - r.start
             raw = _logits_tile(tiles.raw, hc[r], w, bias, v0, v1)  # (n, v)
@@ -259,7 +258,7 @@ def _tiled_forward(h, weight, bias, targets, teacher, spec: _Spec, M: int, V: in
     # H = −Σ π log π = lse − Σ π z
     ent = lse - torch.cat([f.dots[0] / f.s for f in fold]) if spec.entropy else None
     # (1/V') Σ_v log π(v) = Σ z / V' − lse, over the V' tokens not masked
-    kept = V - (0 if spec.masked is None else spec.masked.numel())
+    kept = V - len(spec.masked)
     mean = z_sum / kept - lse if spec.logp_mean else None
     kl = lse_kd = None
     if teacher is not None:
@@ -285,11 +284,11 @@ def _tiled_backward(h, weight, bias, targets, teacher, spec, lse, ent, lse_kd, g
     grad_h = torch.zeros(M, h.shape[1], device=device) if want_h else None  # float32
     grad_w = torch.zeros(V, h.shape[1], device=device) if want_w else None  # float32
     grad_b = torch.zeros(V, device=device) if want_b else None
-    kept = V - (0 if spec.masked is None else spec.masked.numel())
+    kept = V - len(spec.masked)
     for v0, v1 in _vocab_tiles(V, spec):
         w = _rounded(weight[v0:v1], spec)  # (v, H)
         w_q = None if g_kl is None else _rounded(teacher[1][v0:v1], spec)
-        masked = _masked_in(spec, v0, v1)
+        masked = _masked_in(spec, v0, v1, device)
         for r in _row_tiles(M, spec):
             n = r.stop - r.start
             raw = _logits_tile(tiles.raw, hc[r], w, bias, v0, v1)  # (n, v)
@@ -363,7 +362,7 @@ def tiled_stats(h, targets, weights, path, temperature, entropy, logp_mean, h_te
         logp_mean=logp_mean,
         kd_temperature=kd_temp,
         tile_dtype=_tile_dtype(device, dtype),
-        masked=masked_ids(path.masked, device),
+        masked=path.masked,
     )
     teacher = None if h_teacher is None else (h_teacher.detach(), *teacher_weights)
     logp, ent, mean, kl = _TiledHead.apply(h, weight, bias, targets, teacher, spec)
