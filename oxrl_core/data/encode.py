@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
 from oxrl_core.chat_templates import describe_error
-from oxrl_core.data.images import RESPONSE_FIELDS, TOKEN_INPUTS, check_image_row, row_images
+from oxrl_core.data.images import RESPONSE_FIELDS, TOKEN_INPUTS, check_image_row, picture_tensors, row_images
 from oxrl_core.data.rows import is_multi_turn, normalise_row, row_where
 from oxrl_core.data.sources import Source
 from oxrl_core.errors import OxrlError
@@ -74,7 +74,8 @@ def image_fields(vision, row: dict, origin: str, max_length: int, pictures: bool
     inputs as lists, `images.TOKEN_INPUTS`) and ``pixels_by`` (how ``images.collate_pixels`` joins them); none for a
     row without images. ``pictures`` (an RL prompt): also ``pictures``, what a backend that expands the images
     itself takes (vLLM): ``ids``, the prompt with one placeholder per image (`vision.ImageEncoding.prompt_ids`),
-    and ``images``, the decoded pictures as (H, W, 3) uint8 tensors (tensors: a checkpoint's state files load them). Refused, naming the row: a prompt the processor or its chat template cannot render, and an
+    and ``images`` (`images.picture_tensors`). Refused, naming the row: a prompt the processor or its chat
+    template cannot render, and an
     image whose tokens would not all fit in ``max_length`` (training on part of an image's tokens is the "image
     features and image tokens do not match" failure, or worse, a silently wrong pairing)."""
     where = row_where(row, origin)
@@ -101,11 +102,7 @@ def image_fields(vision, row: dict, origin: str, max_length: int, pictures: bool
     tokens = {name: pixels.pop(name)[0].tolist() for name in TOKEN_INPUTS if name in pixels}
     fields = {"pixel_inputs": pixels, "token_inputs": tokens, "pixels_by": vision.family.pixels_by}
     if pictures:
-        import numpy as np
-        import torch
-
-        arrays = [torch.from_numpy(np.array(image.convert("RGB"))) for image in images]  # (H, W, 3) uint8 each
-        fields["pictures"] = {"ids": list(encoding.prompt_ids), "images": arrays}
+        fields["pictures"] = {"ids": list(encoding.prompt_ids), "images": picture_tensors(images)}
     return ids, fields
 
 

@@ -209,6 +209,15 @@ def _image_entries(row: dict, where: str) -> list:
     return list(value)
 
 
+def picture_tensors(images: list) -> list:
+    """PIL images -> (H, W, 3) uint8 RGB tensors: the pictures a backend that expands images itself (vLLM) is given,
+    as tensors so a checkpoint's state files load them (`encode.image_fields`, `rl.episodes`)."""
+    import numpy as np
+    import torch
+
+    return [torch.from_numpy(np.array(image.convert("RGB"))) for image in images]
+
+
 def row_images(row: dict, origin: str) -> list:
     """The row's ``images`` decoded to RGB PIL images, in order; relative paths read from the data file's
     directory (`image_base_dir`). A row without ``images`` (or with null) has none."""

@@ -62,7 +62,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import replace
 
-from oxrl_core.data.images import TOKEN_INPUTS, decode_image, image_base_dir
+from oxrl_core.data.images import TOKEN_INPUTS, decode_image, image_base_dir, picture_tensors
 from oxrl_core.data.rows import row_where
 from oxrl_core.data.sources import can_verify
 from oxrl_core.engines.distributed import all_gather_object, broadcast_object, is_main, rank, world_size
@@ -192,9 +192,6 @@ class Episodes:
         the fields in `encode.image_fields`' form (``pixel_inputs``, ``token_inputs``, ``pixels_by``)."""
         if not images:
             return encode(self.tokenizer, text), {}
-        import numpy as np
-        import torch
-
         out = self.vision.processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
         ids = out["input_ids"][0].tolist()
         pixels = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask")}
@@ -207,7 +204,7 @@ class Episodes:
             "token_inputs": tokens,
             "pixels_by": self.vision.family.pixels_by,
             PICTURE_SPANS: [(0, len(ids), unexpanded)],
-            PICTURE_IMAGES: [torch.from_numpy(np.array(image.convert("RGB"))) for image in images],
+            PICTURE_IMAGES: picture_tensors(images),
         }
 
     def encode_messages(self, e: Episode, messages: list[dict], tools) -> tuple[list[int], dict]:
